@@ -1,0 +1,1 @@
+"""LightningModules, DataModules and pure loss functions (imports runtime, never export)."""

@@ -1,0 +1,165 @@
+"""``specdraft bench``: methods x held-out suites x temperatures x batch sizes, AR measured interleaved in-process.
+
+Metrics (ARCHITECTURE.md): ``tau`` = mean tokens committed per target verify round (bonus included);
+``acceptance_rate`` = accepted drafts / drafted; ``per_position_acceptance[k]`` = share of rounds whose first
+``k + 1`` drafts were all accepted; ``tokens_per_s``; ``speedup`` = tokens/s over AR's, from the same interleaved
+run; ``target_distinct2`` = distinct-bigram ratio of AR outputs (flags degenerate loops that would inflate tau).
+Writes ``bench.json``, ``bench.md`` and ``bench.png`` and logs them to MLflow.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from specdraft.errors import SpecdraftError
+from specdraft.pipeline.config import RunConfig
+from specdraft.pipeline.tracking import Tracker
+
+
+def distinct2(seqs: list[list[int]]) -> float:
+    bigrams = [(a, b) for s in seqs for a, b in zip(s, s[1:])]
+    return len(set(bigrams)) / max(len(bigrams), 1)
+
+
+def summarize(results, block_size: int) -> dict:
+    """tau, acceptance rate and per-position acceptance from per-row accept lengths."""
+    lengths = [a for r in results for a in r.accept_lengths]
+    K = block_size - 1
+    rounds = max(len(lengths), 1)
+    out = {"tau": sum(lengths) / rounds, "rounds": len(lengths)}
+    if K > 0:
+        out["acceptance_rate"] = sum(a - 1 for a in lengths) / (rounds * K)
+        out["per_position_acceptance"] = [sum(1 for a in lengths if a - 1 >= k) / rounds for k in range(1, K + 1)]
+    else:
+        out["acceptance_rate"], out["per_position_acceptance"] = 0.0, []
+    return out
+
+
+def _suite_prompts(world, suite: str, n: int, tokenizer) -> list[list[int]]:
+    from specdraft.runtime.batch_job import encode, read_requests
+
+    if world.bench_dir is None:
+        raise SpecdraftError("bench needs held-out suites: the tiny world writes them; for an external target "
+                             "put <suite>.jsonl files under <work_dir>/bench_prompts/")
+    path = world.bench_dir / f"{suite}.jsonl"
+    if not path.is_file():
+        return []
+    reqs = read_requests(path, lambda m: None)[:n]
+    return [encode(tokenizer, r.messages) for r in reqs]
+
+
+def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print, drafters: dict | None = None) -> dict:
+    """Run the benchmark grid; ``drafters`` maps method -> (drafter dir, stage) (default: the run's export)."""
+    from transformers import AutoTokenizer
+
+    from specdraft.pipeline.stages import default_drafter_dir
+    from specdraft.pipeline.tokenizer import stop_token_ids
+    from specdraft.runtime.decode import GenerationConfig, generate
+    from specdraft.runtime.drafter_io import load_drafter
+    from specdraft.runtime.load import load_target
+    from specdraft.runtime.sampling import SamplingParams
+
+    b = cfg.bench
+    if world.bench_dir is None and (cfg.work_path / "bench_prompts").is_dir():
+        world.bench_dir = cfg.work_path / "bench_prompts"
+    tgt = load_target(world.target_dir, dtype=cfg.target.dtype, device=cfg.target.device)
+    tok = AutoTokenizer.from_pretrained(str(world.target_dir), trust_remote_code=False)
+    stops = stop_token_ids(tok)
+    drafters = drafters or {m: (default_drafter_dir(cfg), cfg.train.stage) for m in b.methods if m != "ar"}
+    loaded = {m: (load_drafter(d, tgt), stage, str(d)) for m, (d, stage) in drafters.items()}
+    dev = tgt.lm_head.weight.device
+
+    rows = []
+    for suite in b.suites:
+        prompts = _suite_prompts(world, suite, b.num_prompts, tok)
+        if not prompts:
+            log(f"bench: no held-out prompts for suite {suite!r}; skipped")
+            continue
+        for temp in b.temperatures:
+            for bs in b.batch_sizes:
+                acc = defaultdict(lambda: {"tokens": 0, "seconds": 0.0, "results": []})
+                gen = GenerationConfig(max_new_tokens=b.max_new_tokens, stop_token_ids=stops,
+                                       sampling=SamplingParams(temperature=temp))
+                for rep in range(b.repeats):
+                    for i in range(0, len(prompts), bs):
+                        batch = prompts[i:i + bs]
+                        for method in ["ar", *loaded]:  # interleaved: AR and each drafter on the same batch
+                            drafter = loaded[method][0] if method != "ar" else None
+                            g = torch.Generator(device=dev).manual_seed(b.seed + 1000 * rep + i)
+                            t0 = time.perf_counter()
+                            res = generate(tgt, batch, gen, drafter=drafter, generator=g)
+                            dt = time.perf_counter() - t0
+                            a = acc[method]
+                            a["seconds"] += dt
+                            a["tokens"] += sum(len(r.tokens) for r in res)
+                            a["results"].extend(res)
+                ar_tps = acc["ar"]["tokens"] / acc["ar"]["seconds"]
+                d2 = distinct2([r.tokens for r in acc["ar"]["results"]])
+                for method in ["ar", *loaded]:
+                    a = acc[method]
+                    block = loaded[method][0].block_size if method != "ar" else 1
+                    tps = a["tokens"] / a["seconds"]
+                    row = {"method": method, "drafter": loaded[method][2] if method != "ar" else "",
+                           "stage": loaded[method][1] if method != "ar" else "", "suite": suite,
+                           "temperature": temp, "batch_size": bs, **summarize(a["results"], block),
+                           "tokens_per_s": tps, "speedup": tps / ar_tps, "target_distinct2": d2,
+                           "num_prompts": len(prompts), "tokens": a["tokens"]}
+                    rows.append(row)
+                    if method != "ar" and b.methods and method in b.methods:
+                        log(f"bench: {suite:9s} T={temp:g} bs={bs}: {method} tau {row['tau']:.2f}, "
+                            f"speedup {row['speedup']:.2f}x ({tps:.0f} vs AR {ar_tps:.0f} tok/s)")
+    if not rows:
+        raise SpecdraftError("bench produced no rows (no suites with prompts)")
+    out_dir = cfg.work_path / "bench"
+    report = write_reports(rows, out_dir)
+    for r in rows:
+        if r["method"] != "ar":
+            key = f"bench/{r['method']}_{r['suite']}_T{r['temperature']:g}_bs{r['batch_size']}"
+            tracker.log_metrics({f"{key}_tau": r["tau"], f"{key}_speedup": r["speedup"],
+                                 f"{key}_acceptance_rate": r["acceptance_rate"]})
+    tracker.log_artifact(out_dir, "bench")
+    log(report["markdown"])
+    return report
+
+
+def write_reports(rows: list[dict], out_dir: Path) -> dict:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench.json").write_text(json.dumps({"results": rows}, indent=2))
+    lines = ["| method | stage | suite | T | bs | tau | accept rate | tok/s | speedup | distinct2 |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {r['stage'] or '-'} | {r['suite']} | {r['temperature']:g} | {r['batch_size']} "
+                     f"| {r['tau']:.2f} | {r['acceptance_rate']:.3f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x "
+                     f"| {r['target_distinct2']:.2f} |")
+    md = "\n".join(lines)
+    (out_dir / "bench.md").write_text(md + "\n")
+    _plot(rows, out_dir / "bench.png")
+    return {"results": rows, "markdown": md, "dir": str(out_dir)}
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    drafted = [r for r in rows if r["method"] != "ar"]
+    if not drafted:
+        return
+    labels = [f"{r['method']}\n{r['suite']} T={r['temperature']:g}" for r in drafted]
+    fig, axes = plt.subplots(1, 2, figsize=(max(6, 1.2 * len(drafted)), 4))
+    axes[0].bar(range(len(drafted)), [r["tau"] for r in drafted], color="tab:blue")
+    axes[0].set_title("tau (tokens per target forward)")
+    axes[1].bar(range(len(drafted)), [r["speedup"] for r in drafted], color="tab:green")
+    axes[1].axhline(1.0, color="gray", lw=1, ls="--")
+    axes[1].set_title("speedup vs AR (same process)")
+    for ax in axes:
+        ax.set_xticks(range(len(drafted)), labels, rotation=45, ha="right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,91 @@
+"""``specdraft`` command line: each subcommand is a thin call into an importable stage function.
+
+    specdraft run CONFIG [key=value ...]        target -> data -> train -> bench (the main job)
+    specdraft target CONFIG                     build/reuse the embedded tiny target (or check target.path)
+    specdraft data CONFIG                       regenerate drafter training data with the target
+    specdraft train CONFIG                      train the drafter (Lightning), export the best to HF format
+    specdraft decode CONFIG --input I --output O   batch speculative decoding over JSONL (resumable)
+    specdraft bench CONFIG                      AR vs drafters on held-out suites -> JSON, markdown, PNG, MLflow
+    specdraft init-drafter --target DIR --out DIR  write a freshly initialised drafter for a target
+
+User errors print one line (``error: ...``) and exit 2; ``--print-config`` prints the resolved config and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from specdraft.errors import SpecdraftError
+
+
+def _config_parser(sub, name: str, help: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help, description=help)
+    p.add_argument("config", help="YAML run config (e.g. configs/tiny.yaml)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdraft", description="Train, export and run lossless "
+                                     "block-diffusion speculative-decoding drafters.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _config_parser(sub, "run", "the whole pipeline: target -> data -> train -> bench")
+    _config_parser(sub, "target", "build (or reuse) the embedded tiny target, or check target.path")
+    _config_parser(sub, "data", "regenerate drafter training data with the target (ShareGPT JSONL)")
+    _config_parser(sub, "train", "train the drafter with Lightning and export the best checkpoint")
+    p = _config_parser(sub, "decode", "batch speculative decoding over a JSONL file (resumable)")
+    p.add_argument("--input", required=True, help="JSONL: {id, prompt} or {id, messages} per line")
+    p.add_argument("--output", required=True, help="JSONL results, appended; a rerun resumes")
+    _config_parser(sub, "bench", "benchmark AR vs drafters on held-out suites")
+    p = sub.add_parser("init-drafter", help="write a freshly initialised DFlash drafter for a target")
+    p.add_argument("--target", required=True, help="local HF target checkpoint directory")
+    p.add_argument("--out", required=True, help="output drafter directory")
+    p.add_argument("--layers", type=int, default=5, help="draft layers (default 5)")
+    p.add_argument("--block-size", type=int, default=16, help="block size (default 16)")
+    p.add_argument("--mask-token-id", type=int, default=None, help="default: the tokenizer's mask token")
+    p.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except SpecdraftError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: completed work is kept; rerun the same command to resume", file=sys.stderr)
+        return 130
+
+
+def _dispatch(args) -> int:
+    from specdraft.pipeline import stages
+    from specdraft.pipeline.config import dump_yaml, load_config
+
+    if args.command == "init-drafter":
+        from specdraft.runtime.drafter_io import init_drafter
+
+        out = init_drafter(args.target, args.out, args.layers, args.block_size, args.mask_token_id, args.seed)
+        print(f"wrote drafter to {out}")
+        return 0
+    cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        print(dump_yaml(cfg), end="")
+        return 0
+    if args.command == "decode":
+        stages.decode(cfg, Path(args.input), Path(args.output))
+    else:
+        getattr(stages, args.command)(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

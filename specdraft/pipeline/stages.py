@@ -1,0 +1,151 @@
+"""Pipeline stages behind the CLI. Each logs to MLflow (its own run, nested under ``run`` when called from it)."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+
+from specdraft.errors import SpecdraftError
+from specdraft.pipeline.config import RunConfig, dump_yaml, to_flat_dict
+from specdraft.pipeline.tracking import Tracker, make_tracker
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+_ACTIVE: list[Tracker] = []
+
+
+@contextlib.contextmanager
+def tracked(cfg: RunConfig, stage: str):
+    """An MLflow run for ``stage`` (nested in the active one, if any) with the resolved config logged."""
+    parent = _ACTIVE[-1] if _ACTIVE else None
+    tracker = parent or make_tracker(cfg.tracking)
+    with tracker.run(f"{cfg.name}-{stage}", tags={"stage": stage, "config_name": cfg.name}):
+        tracker.log_params(to_flat_dict(cfg))
+        cfg_file = cfg.work_path / f"config-{stage}.yaml"
+        cfg.work_path.mkdir(parents=True, exist_ok=True)
+        cfg_file.write_text(dump_yaml(cfg))
+        tracker.log_artifact(cfg_file, "config")
+        _ACTIVE.append(tracker)
+        try:
+            yield tracker
+        finally:
+            _ACTIVE.pop()
+
+
+def target(cfg: RunConfig):
+    from specdraft.pipeline.world import build_or_load_world
+
+    with tracked(cfg, "target") as tr:
+        world = build_or_load_world(cfg, tr, log)
+        rep = world.report
+        if "samples" in rep:
+            for dom, s in rep["samples"].items():
+                log(f"--- sample ({dom}) ---\n{s['completion'][:400]}")
+        return world
+
+
+def existing_world(cfg: RunConfig):
+    """The target this config points at, without building anything."""
+    from specdraft.pipeline.world import World, world_hash
+    import json
+
+    if cfg.target.path:
+        p = Path(cfg.target.path)
+        if not p.is_dir():
+            raise SpecdraftError(f"config key 'target.path': {p} does not exist")
+        return World(p, None, None, {})
+    wdir = cfg.work_path / f"world-{world_hash(cfg)}"
+    if not (wdir / "report.json").is_file():
+        raise SpecdraftError(f"no tiny target built for this config yet in {wdir}; run `specdraft target CONFIG` first")
+    return World(wdir / "target", wdir / "heldin_prompts.jsonl", wdir / "bench", json.loads((wdir / "report.json").read_text()))
+
+
+def data(cfg: RunConfig, world=None):
+    from specdraft.pipeline.data import regenerate
+
+    with tracked(cfg, "data") as tr:
+        world = world or target(cfg)
+        return regenerate(cfg, world, tr, log)
+
+
+def train(cfg: RunConfig, world=None):
+    from specdraft.pipeline.train import train_drafter
+
+    with tracked(cfg, "train") as tr:
+        world = world or existing_world(cfg)
+        data_file = cfg.work_path / "data" / "train.jsonl"
+        if not data_file.is_file():
+            data_file = data(cfg, world)
+        return train_drafter(cfg, world, data_file, tr, log)
+
+
+def default_drafter_dir(cfg: RunConfig) -> Path:
+    return Path(cfg.decode.drafter) if cfg.decode.drafter else cfg.work_path / "drafter" / "best"
+
+
+def decode(cfg: RunConfig, input_path: Path, output_path: Path):
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from specdraft.pipeline.tokenizer import stop_token_ids
+    from specdraft.runtime.batch_job import read_requests, run_batch_job, shard_for_rank, warn_stderr
+    from specdraft.runtime.decode import GenerationConfig
+    from specdraft.runtime.drafter_io import load_drafter, read_drafter_config
+    from specdraft.runtime.load import load_target
+    from specdraft.runtime.models.target import TargetArgs, read_hf_config
+    from specdraft.runtime.drafter_io import check_compatible
+    from specdraft.runtime.sampling import SamplingParams
+
+    world = existing_world(cfg)
+    requests = read_requests(input_path, warn_stderr)
+    requests, output_path = shard_for_rank(requests, output_path)
+    d = cfg.decode
+    drafter_dir = None
+    if d.method != "ar":
+        drafter_dir = default_drafter_dir(cfg)
+        _, dcfg = read_drafter_config(drafter_dir)  # checked against the target before loading any weights
+        check_compatible(dcfg, TargetArgs.from_hf_config(read_hf_config(world.target_dir)))
+    with tracked(cfg, "decode") as tr:
+        tgt = load_target(world.target_dir, dtype=cfg.target.dtype, device=cfg.target.device)
+        drafter = load_drafter(drafter_dir, tgt) if drafter_dir else None
+        tok = AutoTokenizer.from_pretrained(str(world.target_dir), trust_remote_code=False)
+        gen = GenerationConfig(max_new_tokens=d.max_new_tokens, stop_token_ids=stop_token_ids(tok),
+                               sampling=SamplingParams(d.temperature, d.top_k, d.top_p), draft_sampling=d.draft_sampling)
+        g = torch.Generator(device=tgt.lm_head.weight.device).manual_seed(d.seed)
+        bar = tqdm(total=len(requests), desc=f"decode ({d.method})", unit="req", file=sys.stderr)
+        stats = run_batch_job(requests, output_path, tok, tgt, gen, d.batch_size, drafter=drafter, generator=g,
+                              progress=lambda n, s: bar.update(n))
+        bar.update(stats["skipped_done"])
+        bar.close()
+        tps = stats["tokens"] / stats["seconds"] if stats["seconds"] else 0.0
+        tr.log_metrics({"decode/tau": stats["tau"], "decode/tokens_per_s": tps, "decode/requests": stats["requests"]})
+        log(f"decode: {stats['requests']} requests ({stats['skipped_done']} already done) -> {output_path}; "
+            f"tau {stats['tau']:.2f}, {tps:.1f} tok/s")
+        return stats
+
+
+def bench(cfg: RunConfig, world=None):
+    from specdraft.pipeline.bench import run_bench
+
+    with tracked(cfg, "bench") as tr:
+        world = world or existing_world(cfg)
+        return run_bench(cfg, world, tr, log)
+
+
+def run(cfg: RunConfig):
+    """The main job: target -> data -> train -> bench, one parent MLflow run with a child per stage."""
+    tracker = make_tracker(cfg.tracking)
+    with tracker.run(f"{cfg.name}-run", tags={"stage": "run"}):
+        _ACTIVE.append(tracker)
+        try:
+            world = target(cfg)
+            data(cfg, world)
+            train(cfg, world)
+            return bench(cfg, world)
+        finally:
+            _ACTIVE.pop()

@@ -1,0 +1,151 @@
+"""Batch inference jobs over JSONL (the ``specdraft decode`` contract).
+
+Input: one object per line with ``id`` and either ``prompt`` (text) or ``messages`` (chat list). Output: one object
+per request with ``id, completion, num_tokens, accept_lengths, tau, time_s``. Malformed lines are reported with
+their line numbers and skipped; valid ones are always processed. Results are appended batch by batch as whole lines,
+so an interrupted job resumes where it stopped (ids already in the output are skipped; no duplicates, no losses).
+Under ``torchrun`` the input is sharded by rank and each rank writes ``<output>.rank<R>``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from specdraft.errors import SpecdraftError
+from specdraft.runtime.decode import GenerationConfig, generate
+
+
+@dataclass
+class Request:
+    id: str
+    messages: list[dict]
+    line: int
+
+
+def parse_request(obj: dict, line: int) -> Request:
+    """Validate one input object; raises ``ValueError`` with a message naming the problem."""
+    if "id" not in obj:
+        raise ValueError("missing 'id'")
+    if ("prompt" in obj) == ("messages" in obj):
+        raise ValueError("needs exactly one of 'prompt' or 'messages'")
+    if "prompt" in obj:
+        if not isinstance(obj["prompt"], str) or not obj["prompt"].strip():
+            raise ValueError("'prompt' must be a non-empty string")
+        messages = [{"role": "user", "content": obj["prompt"]}]
+    else:
+        messages = obj["messages"]
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise ValueError("'messages' must be a non-empty list of {role, content} objects")
+    return Request(str(obj["id"]), messages, line)
+
+
+def read_requests(path: str | Path, warn: Callable[[str], None]) -> list[Request]:
+    """Valid requests of an input file; every bad line is reported through ``warn`` with its number."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecdraftError(f"input file {path} not found")
+    requests, seen = [], set()
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for n, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+                if not isinstance(obj, dict):
+                    raise ValueError("expected a JSON object")
+                req = parse_request(obj, n)
+            except (json.JSONDecodeError, ValueError) as e:
+                warn(f"{path}:{n}: skipped malformed line: {e}")
+                continue
+            if req.id in seen:
+                warn(f"{path}:{n}: skipped duplicate id {req.id!r}")
+                continue
+            seen.add(req.id)
+            requests.append(req)
+    if not requests:
+        raise SpecdraftError(f"input file {path} has no valid requests")
+    return requests
+
+
+def done_ids(output: Path) -> set[str]:
+    """Ids already written by an earlier (possibly interrupted) run; a torn last line is ignored."""
+    ids = set()
+    if output.is_file():
+        for line in output.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                ids.add(str(json.loads(line)["id"]))
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
+    return ids
+
+
+def _repair_torn_tail(output: Path) -> None:
+    """Drop a partial last line left by a crash mid-write, so appends start on a fresh line."""
+    if output.is_file() and output.stat().st_size:
+        data = output.read_bytes()
+        if not data.endswith(b"\n"):
+            output.write_bytes(data[: data.rfind(b"\n") + 1])
+
+
+def shard_for_rank(requests: list[Request], output: Path) -> tuple[list[Request], Path]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return requests, output
+    rank = int(os.environ.get("RANK", "0"))
+    return requests[rank::world], output.with_name(output.name + f".rank{rank}")
+
+
+def encode(tokenizer, messages: list[dict], enable_thinking: bool = False) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        enable_thinking=enable_thinking)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def run_batch_job(requests: list[Request], output: Path, tokenizer, target, gen: GenerationConfig, batch_size: int,
+                  drafter=None, generator=None, enable_thinking: bool = False, progress=None) -> dict:
+    """Decode ``requests`` (skipping ids already in ``output``) and append results. Returns job stats."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    _repair_torn_tail(output)
+    finished = done_ids(output)
+    todo = [r for r in requests if r.id not in finished]
+    encoded = [(r, encode(tokenizer, r.messages, enable_thinking)) for r in todo]
+    encoded.sort(key=lambda x: len(x[1]))  # similar lengths per batch
+    stats = {"requests": len(todo), "skipped_done": len(requests) - len(todo), "tokens": 0, "rounds": 0,
+             "seconds": 0.0}
+    start = time.perf_counter()
+    for i in range(0, len(encoded), batch_size):
+        chunk = encoded[i:i + batch_size]
+        t0 = time.perf_counter()
+        results = generate(target, [ids for _, ids in chunk], gen, drafter=drafter, generator=generator)
+        rows = []
+        for (req, _), res in zip(chunk, results):
+            rows.append({"id": req.id, "completion": tokenizer.decode(res.tokens, skip_special_tokens=True),
+                         "num_tokens": len(res.tokens), "accept_lengths": res.accept_lengths,
+                         "tau": round(res.tau, 4), "time_s": round(res.time_s, 4)})
+            stats["tokens"] += len(res.tokens)
+            stats["rounds"] += len(res.accept_lengths)
+            stats["committed"] = stats.get("committed", 0) + sum(res.accept_lengths)
+        data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+        with output.open("a", encoding="utf-8") as f:  # whole batch in one write, then fsync
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if progress is not None:
+            progress(len(chunk), time.perf_counter() - t0)
+    stats["seconds"] = time.perf_counter() - start
+    stats["tau"] = stats.pop("committed", 0) / max(stats["rounds"], 1)
+    return stats
+
+
+def warn_stderr(msg: str) -> None:
+    print(msg, file=sys.stderr)

@@ -1,0 +1,177 @@
+"""The decode engine: lossless speculative decoding over ragged batches (DFlash loop, arXiv:2602.06036 §2).
+
+One round per active row: draft a block ``[anchor, MASK x (B-1)]`` -> verify ``[anchor, d_1..d_{B-1}]`` in ONE target
+pass -> accept ``a`` drafts + one target token -> commit (each row's target cache grows by ``a + 1``) -> feed the
+``a + 1`` committed tokens' target features to the drafter's context cache. The AR baseline (no drafter) is the same
+loop with a block of one token, so speedups compare like with like. Finished rows are compacted away so they stop
+costing compute; stop tokens and ``max_new_tokens`` are per row.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from specdraft.runtime.models.target import TargetLM
+from specdraft.runtime.sampling import SamplingParams, logits_to_probs, sample, sample_from_probs
+from specdraft.runtime.verify import accept_greedy, accept_speculative_sampling
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int | Sequence[int] = 128
+    """Per-request cap (an int for all rows or one per row)."""
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: tuple[int, ...] = ()
+    draft_sampling: str = "sample"
+    """Under T>0: 'sample' draws drafts from the drafter's processed distribution; 'greedy' drafts its argmax."""
+
+
+@dataclass
+class RowResult:
+    tokens: list[int]
+    """Generated tokens (stop token excluded)."""
+    accept_lengths: list[int]
+    """Tokens committed per target verify round (accepted drafts + 1)."""
+    finish_reason: str
+    time_s: float
+
+    @property
+    def tau(self) -> float:
+        return sum(self.accept_lengths) / max(len(self.accept_lengths), 1)
+
+
+@dataclass
+class _State:
+    """Device tensors of the active rows (all indexed by active slot)."""
+
+    rows: torch.Tensor  # [b] original row index
+    anchor: torch.Tensor  # [b] last committed token, not yet in the target cache
+    ctx_features: torch.Tensor | None  # [b, T, F] target features not yet ingested by the drafter
+    ctx_counts: torch.Tensor | None  # [b]
+
+    def select(self, keep: torch.Tensor) -> None:
+        self.rows, self.anchor = self.rows[keep], self.anchor[keep]
+        if self.ctx_features is not None:
+            self.ctx_features, self.ctx_counts = self.ctx_features[keep], self.ctx_counts[keep]
+
+
+def _pad(prompts: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    lens = torch.tensor([len(p) for p in prompts], device=device)
+    out = torch.zeros(len(prompts), int(lens.max()), dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        out[i, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
+    return out, lens
+
+
+@torch.inference_mode()
+def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: GenerationConfig, drafter=None,
+             generator: torch.Generator | None = None,
+             on_round: Callable[[int], None] | None = None) -> list[RowResult]:
+    """Decode a batch of prompts with the target alone (``drafter=None``) or speculatively.
+
+    Args:
+        target: the verifying target LM.
+        prompts: token id lists (ragged).
+        config: lengths, sampling, stop tokens.
+        drafter: a block drafter bound to ``target`` (e.g. :class:`DFlashDrafter`), or ``None`` for AR.
+        generator: RNG for sampling (on the target's device).
+        on_round: called with the number of tokens committed in each round (progress bars).
+    Returns:
+        one :class:`RowResult` per prompt, in order.
+    """
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("empty prompt: every request needs at least one token")
+    dev = target.lm_head.weight.device
+    B = len(prompts)
+    block = drafter.block_size if drafter is not None else 1
+    max_new = [config.max_new_tokens] * B if isinstance(config.max_new_tokens, int) else list(config.max_new_tokens)
+    stop = set(config.stop_token_ids)
+    params = config.sampling
+    feature_layers = drafter.target_layer_ids if drafter is not None else ()
+    start = time.perf_counter()
+
+    tokens, lens = _pad(prompts, dev)
+    max_len = int(lens.max()) + max(max_new) + block + 1
+    tcache = target.new_cache(B, max_len)
+    out = target(tokens, cache=tcache, feature_layers=feature_layers, logits_at=(lens - 1)[:, None])
+    tcache.crop(lens)
+    first = sample(out.logits[:, 0], params, generator)  # [B]
+    dcache = drafter.new_cache(B, max_len) if drafter is not None else None
+    state = _State(rows=torch.arange(B, device=dev), anchor=first,
+                   ctx_features=out.features, ctx_counts=lens if drafter is not None else None)
+
+    generated: list[list[int]] = [[] for _ in range(B)]
+    accept_lengths: list[list[int]] = [[] for _ in range(B)]
+    results: list[RowResult | None] = [None] * B
+
+    def emit(row: int, new_tokens: list[int]) -> bool:
+        """Append committed tokens to a row; True when the row is finished."""
+        for t in new_tokens:
+            if t in stop:
+                results[row] = RowResult(generated[row], accept_lengths[row], "stop", time.perf_counter() - start)
+                return True
+            generated[row].append(t)
+            if len(generated[row]) >= max_new[row]:
+                results[row] = RowResult(generated[row], accept_lengths[row], "length", time.perf_counter() - start)
+                return True
+        return False
+
+    done = [emit(r, [t]) for r, t in enumerate(first.tolist())]
+    keep = [i for i, d in enumerate(done) if not d]
+    _compact(state, tcache, dcache, keep, B)
+
+    while state.rows.numel() > 0:
+        b = state.rows.numel()
+        if drafter is not None:
+            drafter.ingest(dcache, state.ctx_features, state.ctx_counts)
+            blk = torch.full((b, block), drafter.config.mask_token_id, dtype=torch.long, device=dev)
+            blk[:, 0] = state.anchor
+            hidden = drafter.draft_hidden(dcache, drafter.embed(blk))  # [b, Bk, D]
+            draft_logits = drafter.logits(hidden[:, 1:])  # [b, K, V]
+            if params.greedy or config.draft_sampling == "greedy":
+                draft_tokens = draft_logits.argmax(-1)  # [b, K]
+                draft_probs = None
+            else:
+                draft_probs = logits_to_probs(draft_logits, params)  # [b, K, V]
+                draft_tokens = sample_from_probs(draft_probs, generator)
+            verify_in = torch.cat([state.anchor[:, None], draft_tokens], dim=1)  # [b, Bk]
+        else:
+            draft_tokens = state.anchor.new_zeros(b, 0)
+            draft_probs = None
+            verify_in = state.anchor[:, None]  # [b, 1]
+        out = target(verify_in, cache=tcache, feature_layers=feature_layers)
+        if params.greedy:
+            n_acc, nxt = accept_greedy(draft_tokens, out.logits)
+        else:
+            if draft_probs is None:  # deterministic drafts: q is the one-hot of the drafted token
+                draft_probs = torch.nn.functional.one_hot(draft_tokens, out.logits.shape[-1]).float()
+            n_acc, nxt = accept_speculative_sampling(draft_tokens, draft_probs,
+                                                     logits_to_probs(out.logits, params), generator)
+        tcache.crop(tcache.lengths + n_acc + 1)  # anchor + accepted drafts are now committed
+        if drafter is not None:
+            state.ctx_features, state.ctx_counts = out.features, n_acc + 1
+        state.anchor = nxt
+        keep = []
+        for i, (row, a, d, t) in enumerate(zip(state.rows.tolist(), n_acc.tolist(), draft_tokens.tolist(),
+                                               nxt.tolist())):
+            accept_lengths[row].append(a + 1)
+            if on_round is not None:
+                on_round(a + 1)
+            if not emit(row, d[:a] + [t]):
+                keep.append(i)
+        _compact(state, tcache, dcache, keep, b)
+    return results  # type: ignore[return-value]
+
+
+def _compact(state: _State, tcache, dcache, keep: list[int], current: int) -> None:
+    if len(keep) == current:
+        return
+    idx = torch.tensor(keep, dtype=torch.long, device=state.rows.device)
+    state.select(idx)
+    tcache.select_rows(idx)
+    if dcache is not None:
+        dcache.select_rows(idx)

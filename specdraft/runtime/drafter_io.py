@@ -1,0 +1,137 @@
+"""Drafter directories in z-lab's HF layout: ``config.json`` + ``model.safetensors`` (no embedding, no LM head).
+
+``init_drafter`` sizes a fresh drafter from a target's config; ``load_drafter`` checks it against the target BEFORE
+any compute (vocab, hidden size, layer ids) and binds the target's embedding and LM head.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from specdraft.errors import SpecdraftError
+from specdraft.runtime.load import load_safetensors_dir
+from specdraft.runtime.models.dflash import DFlashConfig, build_target_layer_ids
+from specdraft.runtime.models.registry import resolve_drafter
+from specdraft.runtime.models.target import TargetArgs, TargetLM
+
+
+def drafter_config_for_target(target: TargetArgs, mask_token_id: int, num_layers: int = 5, block_size: int = 16,
+                              target_layer_ids: list[int] | None = None, num_features: int | None = None,
+                              max_position_embeddings: int = 40960) -> DFlashConfig:
+    """A DFlash config with the target's layer dims (DFlash draft layers mirror the target's)."""
+    if not 0 <= mask_token_id < target.vocab_size:
+        raise SpecdraftError(f"mask token id {mask_token_id} is outside the target vocabulary (size "
+                             f"{target.vocab_size}); the drafter must embed it with the target's embedding")
+    ids = target_layer_ids or build_target_layer_ids(target.num_hidden_layers, num_features or num_layers)
+    return DFlashConfig(
+        vocab_size=target.vocab_size, hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=target.num_attention_heads,
+        num_key_value_heads=target.num_key_value_heads, head_dim=target.head_dim,
+        num_target_layers=target.num_hidden_layers, target_hidden_size=target.hidden_size,
+        target_layer_ids=list(ids), mask_token_id=mask_token_id, block_size=block_size,
+        rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta, rope_scaling=target.rope_scaling,
+        max_position_embeddings=max_position_embeddings)
+
+
+def check_compatible(cfg: DFlashConfig, target: TargetArgs) -> None:
+    """Raise a clear error when a drafter cannot serve a target (checked before any forward)."""
+    problems = []
+    if cfg.vocab_size != target.vocab_size:
+        problems.append(f"vocab size {cfg.vocab_size} (drafter) != {target.vocab_size} (target)")
+    if cfg.hidden_size != target.hidden_size:
+        problems.append(f"hidden size {cfg.hidden_size} (drafter) != {target.hidden_size} (target): the drafter "
+                        "uses the target's embedding and LM head")
+    if cfg.target_hidden_size != target.hidden_size:
+        problems.append(f"target_hidden_size {cfg.target_hidden_size} != target hidden size {target.hidden_size}")
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < target.num_hidden_layers]
+    if bad:
+        problems.append(f"target_layer_ids {bad} do not exist in a {target.num_hidden_layers}-layer target")
+    if not 0 <= cfg.mask_token_id < target.vocab_size:
+        problems.append(f"mask_token_id {cfg.mask_token_id} outside the target vocabulary")
+    if problems:
+        raise SpecdraftError("drafter does not match the target: " + "; ".join(problems))
+
+
+def build_drafter(cfg: DFlashConfig, arch: str = "dflash"):
+    model = resolve_drafter(arch)(cfg)
+    model.reset_parameters()
+    return model
+
+
+def save_drafter(drafter, out_dir: str | Path, extra_config: dict | None = None) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = drafter.config.to_hf_config()
+    cfg.update(extra_config or {})
+    state = {k: v.detach().to("cpu").contiguous() for k, v in drafter.state_dict().items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out
+
+
+def read_drafter_config(path: str | Path) -> tuple[str, DFlashConfig]:
+    path = Path(path)
+    f = path / "config.json"
+    if not f.is_file():
+        raise SpecdraftError(f"drafter path {path} has no config.json")
+    raw = json.loads(f.read_text())
+    arch = (raw.get("architectures") or ["dflash"])[0]
+    try:
+        cls = resolve_drafter(arch)
+        return cls.arch_name, cls.config_class.from_hf_config(raw)
+    except (KeyError, ValueError) as e:
+        raise SpecdraftError(f"cannot read drafter config {f}: {e}") from None
+
+
+def load_drafter(path: str | Path, target: TargetLM):
+    """Load a drafter directory for ``target`` (compatibility checked first), bound and in eval mode."""
+    arch, cfg = read_drafter_config(path)
+    check_compatible(cfg, target.args)
+    model = resolve_drafter(arch)(cfg)
+    state = load_safetensors_dir(path)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise SpecdraftError(f"drafter weights in {path} do not match its config: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
+    p = target.lm_head.weight
+    model = model.to(device=p.device, dtype=p.dtype).eval().requires_grad_(False)
+    return model.bind_target(target.model.embed_tokens, target.lm_head)
+
+
+def init_drafter(target_dir: str | Path, out_dir: str | Path, num_layers: int = 5, block_size: int = 16,
+                 mask_token_id: int | None = None, seed: int = 0) -> Path:
+    """Write a freshly initialised drafter sized for the target at ``target_dir``."""
+    from specdraft.runtime.models.target import read_hf_config
+
+    target_dir = Path(target_dir)
+    if not target_dir.is_dir():
+        raise SpecdraftError(f"target path {target_dir} does not exist")
+    try:
+        args = TargetArgs.from_hf_config(read_hf_config(target_dir))
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        raise SpecdraftError(f"cannot read target config in {target_dir}: {e}") from None
+    if mask_token_id is None:
+        mask_token_id = tokenizer_mask_id(target_dir, args.vocab_size)
+    torch.manual_seed(seed)
+    drafter = build_drafter(drafter_config_for_target(args, mask_token_id, num_layers, block_size))
+    return save_drafter(drafter, out_dir)
+
+
+def tokenizer_mask_id(target_dir: Path, vocab_size: int) -> int:
+    """The tokenizer's mask token (DFlash needs one); refuses a tokenizer larger than the target vocabulary."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise SpecdraftError(f"no usable tokenizer in {target_dir} ({e}); pass --mask-token-id") from None
+    if len(tok) > vocab_size:
+        raise SpecdraftError(f"tokenizer has {len(tok)} tokens but the target vocabulary has {vocab_size}: "
+                             "drafter and target would disagree on token ids")
+    if tok.mask_token_id is None:
+        raise SpecdraftError(f"tokenizer in {target_dir} has no mask token; add one or pass --mask-token-id")
+    return int(tok.mask_token_id)

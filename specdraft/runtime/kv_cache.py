@@ -1,0 +1,82 @@
+"""Static KV cache with per-row lengths (ragged batches) and the attention mask helper that reads it.
+
+Layout: one preallocated buffer per layer, ``[B, H_kv, S_max, D_head]``. Row ``b`` holds ``lengths[b]`` committed
+entries; anything at or past ``lengths[b]`` is scratch that the mask hides. A forward *writes first* (new K/V at
+``lengths[b] + t``) and attends over the cache prefix, so no concatenation copies are made. Cropping a row after a
+rejection is just lowering its length; the rejected entries are overwritten by the next write.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Per-layer static K/V buffers plus per-row committed lengths."""
+
+    def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        shape = (batch_size, num_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
+        self.max_len = max_len
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write new entries of one layer at per-row slots.
+
+        Args:
+            k_new, v_new: ``[B, H_kv, T, D]``.
+            slots: ``[B, T]`` absolute slot index per row and new token.
+        """
+        rows = torch.arange(slots.shape[0], device=slots.device)[:, None]  # [B, 1]
+        self.k[layer][rows, :, slots] = k_new.transpose(1, 2)  # [B, T, H_kv, D] into [B, H_kv, S, D]
+        self.v[layer][rows, :, slots] = v_new.transpose(1, 2)
+
+    def view(self, layer: int, used: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``used`` slots of one layer, ``[B, H_kv, used, D]`` each (views, no copy)."""
+        return self.k[layer][:, :, :used], self.v[layer][:, :, :used]
+
+    def check_room(self, new_tokens: int) -> None:
+        need = int(self.lengths.max()) + new_tokens if self.batch_size else 0
+        if need > self.max_len:
+            raise ValueError(f"KV cache overflow: need {need} slots, have {self.max_len}")
+
+    def crop(self, lengths: torch.Tensor) -> None:
+        """Set each row's committed length (must not grow past what was written)."""
+        self.lengths = lengths.to(self.lengths)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (compaction when requests finish, so finished rows stop costing compute)."""
+        self.k = [k.index_select(0, rows) for k in self.k]
+        self.v = [v.index_select(0, rows) for v in self.v]
+        self.lengths = self.lengths.index_select(0, rows)
+
+
+def cached_attention_mask(lengths: torch.Tensor, used: int, new_mask: torch.Tensor) -> torch.Tensor:
+    """Boolean mask over the cache prefix for queries that were written at ``lengths[b] + t``.
+
+    Key ``j`` is visible to new query ``t`` of row ``b`` iff it is committed (``j < lengths[b]``) or it is new
+    token ``r = j - lengths[b]`` with ``new_mask[b, t, r]`` (causal, tree or all-visible among the new tokens).
+
+    Args:
+        lengths: ``[B]`` committed lengths before the write.
+        used: number of slots the attention reads (``max(lengths) + T``).
+        new_mask: ``[B, T, T]`` or ``[T, T]`` bool visibility among the new tokens.
+    Returns:
+        ``[B, 1, T, used]`` bool mask for ``scaled_dot_product_attention``.
+    """
+    T = new_mask.shape[-1]
+    if new_mask.dim() == 2:
+        new_mask = new_mask.expand(lengths.shape[0], T, T)
+    j = torch.arange(used, device=lengths.device)  # [used]
+    rel = j[None, :] - lengths[:, None]  # [B, used]
+    committed = rel < 0  # [B, used]
+    is_new = (rel >= 0) & (rel < T)
+    idx = rel.clamp(0, T - 1)[:, None, :].expand(-1, T, -1)  # [B, T, used]
+    new_vis = new_mask.gather(2, idx) & is_new[:, None, :]  # [B, T, used]
+    return (committed[:, None, :] | new_vis)[:, None]  # [B, 1, T, used]

@@ -1,0 +1,70 @@
+"""Load targets and drafters from local HF-format directories (safetensors only; never pickle, never a hub)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from specdraft.errors import SpecdraftError
+from specdraft.runtime.models.layers import rope_inv_freq
+from specdraft.runtime.models.target import TargetArgs, TargetLM, read_hf_config
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise SpecdraftError(f"unknown dtype {dtype!r} (choose from auto, {', '.join(DTYPES)})")
+    return DTYPES[dtype]
+
+
+def load_safetensors_dir(path: str | Path, prefix_filter: str | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of ``model.safetensors`` or of the shards listed in ``model.safetensors.index.json``."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise SpecdraftError(f"no model.safetensors or model.safetensors.index.json in {path}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        for k, v in load_file(str(path / f)).items():
+            if prefix_filter is None or k.startswith(prefix_filter):
+                state[k] = v
+    return state
+
+
+def load_target(path: str | Path, dtype: str = "auto", device: str = "auto") -> TargetLM:
+    """Build a :class:`TargetLM` from a local HF checkpoint directory (sharded or not)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise SpecdraftError(f"target path {path} does not exist (set target.path to a local HF checkpoint directory)")
+    try:
+        args = TargetArgs.from_hf_config(read_hf_config(path))
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        raise SpecdraftError(f"cannot read target config in {path}: {e}") from None
+    dev = resolve_device(device)
+    with torch.device("meta"):
+        model = TargetLM(args)
+    state = load_safetensors_dir(path)
+    state = {k.removeprefix("language_model."): v for k, v in state.items()}
+    if args.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling)  # built on meta above
+    return model.to(device=dev, dtype=resolve_dtype(dtype, dev)).eval().requires_grad_(False)
