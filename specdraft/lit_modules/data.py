@@ -1,0 +1,129 @@
+"""DataModule over ShareGPT JSONL: the chat template applied exactly as at decode time, loss mask on assistant tokens.
+
+Sequences longer than ``max_seq_len`` are truncated; ones with fewer than ``2 * block_size`` supervised tokens are
+dropped (DFlash pitfall). Batches group similar lengths. The sampler is deterministic per (seed, epoch) and can skip
+the batches an interrupted run already consumed, so a resumed run sees exactly the data it would have seen.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+
+def tokenize_conversation(tokenizer, messages: list[dict], enable_thinking: bool = False) -> tuple[list[int], list[int]]:
+    """``(input_ids, loss_mask)``; the prompt part is byte-identical to what ``decode`` feeds the target."""
+    def render(msgs, gen):
+        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=True,
+                                            enable_thinking=enable_thinking)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    full = render(messages, False)
+    mask = [0] * len(full)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        start = len(render(messages[:i], True))
+        end = len(render(messages[: i + 1], False))
+        for p in range(start, min(end, len(full))):
+            mask[p] = 1
+    return full, mask
+
+
+def is_validation(conv_id: str, val_fraction: float) -> bool:
+    h = int(hashlib.sha256(str(conv_id).encode()).hexdigest()[:8], 16)
+    return (h % 10_000) < val_fraction * 10_000
+
+
+class LengthGroupedSampler(Sampler[list[int]]):
+    """Batches of similar lengths, shuffled per (seed, epoch); ``skip`` drops batches already consumed."""
+
+    def __init__(self, lengths: list[int], batch_size: int, seed: int, shuffle: bool = True):
+        self.lengths, self.batch_size, self.seed, self.shuffle = lengths, batch_size, seed, shuffle
+        self.epoch, self.skip = 0, 0
+
+    def _batches(self) -> list[list[int]]:
+        g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        order = torch.randperm(len(self.lengths), generator=g).tolist() if self.shuffle else list(range(len(self.lengths)))
+        mega = self.batch_size * 16
+        batches = []
+        for i in range(0, len(order), mega):
+            chunk = sorted(order[i:i + mega], key=lambda j: self.lengths[j])
+            batches += [chunk[k:k + self.batch_size] for k in range(0, len(chunk), self.batch_size)]
+        if self.shuffle:
+            perm = torch.randperm(len(batches), generator=g).tolist()
+            batches = [batches[p] for p in perm]
+        return batches
+
+    def __iter__(self):
+        batches = self._batches()[self.skip:]
+        self.skip = 0
+        return iter(batches)
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.lengths) / self.batch_size)
+
+
+def collate(items: list[dict]) -> dict:
+    L_ = max(len(it["input_ids"]) for it in items)
+    ids = torch.zeros(len(items), L_, dtype=torch.long)
+    mask = torch.zeros(len(items), L_, dtype=torch.long)
+    for i, it in enumerate(items):
+        n = len(it["input_ids"])
+        ids[i, :n] = torch.tensor(it["input_ids"])
+        mask[i, :n] = torch.tensor(it["loss_mask"])
+    return {"input_ids": ids, "loss_mask": mask, "lengths": torch.tensor([len(it["input_ids"]) for it in items]),
+            "index": torch.tensor([it["index"] for it in items])}
+
+
+class ShareGPTDataModule(L.LightningDataModule):
+    def __init__(self, data_file: str, tokenizer, batch_size: int, max_seq_len: int, block_size: int, seed: int,
+                 val_fraction: float = 0.05, enable_thinking: bool = False):
+        super().__init__()
+        self.data_file, self.tokenizer = data_file, tokenizer
+        self.batch_size, self.max_seq_len, self.block_size = batch_size, max_seq_len, block_size
+        self.seed, self.val_fraction, self.enable_thinking = seed, val_fraction, enable_thinking
+        self.train_items: list[dict] = []
+        self.val_items: list[dict] = []
+        self.dropped = 0
+        self.train_sampler: LengthGroupedSampler | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_items:
+            return
+        from datasets import load_dataset
+
+        ds = load_dataset("json", data_files=self.data_file, split="train")
+        for row in ds:
+            ids, mask = tokenize_conversation(self.tokenizer, row["conversations"], self.enable_thinking)
+            ids, mask = ids[: self.max_seq_len], mask[: self.max_seq_len]
+            if sum(mask) < 2 * self.block_size:
+                self.dropped += 1
+                continue
+            item = {"input_ids": ids, "loss_mask": mask, "id": row["id"]}
+            (self.val_items if is_validation(row["id"], self.val_fraction) else self.train_items).append(item)
+        if not self.val_items and len(self.train_items) > 1:
+            self.val_items.append(self.train_items.pop())
+        for i, it in enumerate(self.train_items):
+            it["index"] = i
+        for i, it in enumerate(self.val_items):
+            it["index"] = i
+        if not self.train_items:
+            from specdraft.errors import SpecdraftError
+
+            raise SpecdraftError(f"no usable training conversations in {self.data_file} (need >= "
+                                 f"{2 * self.block_size} assistant tokens each)")
+
+    def train_dataloader(self):
+        self.train_sampler = self.train_sampler or LengthGroupedSampler(
+            [len(it["input_ids"]) for it in self.train_items], self.batch_size, self.seed)
+        return DataLoader(self.train_items, batch_sampler=self.train_sampler, collate_fn=collate)
+
+    def val_dataloader(self):
+        sampler = LengthGroupedSampler([len(it["input_ids"]) for it in self.val_items], self.batch_size, self.seed,
+                                       shuffle=False)
+        return DataLoader(self.val_items, batch_sampler=sampler, collate_fn=collate)

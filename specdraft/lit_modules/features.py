@@ -1,0 +1,101 @@
+"""Target features for drafter training: online (frozen target inside the step) or offline (precomputed shards).
+
+Both run the SAME runtime forward (``TargetLM``), so training and serving features cannot drift apart. Offline
+caches hold, per sequence, the concatenated outputs of the chosen layers (bf16) and the target's greedy next
+tokens, in sharded safetensors files with a ``manifest.json`` naming the target and the layer set; a cache built
+for another target or layer set is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from specdraft.errors import SpecdraftError
+from specdraft.runtime.models.target import TargetLM
+
+SHARD_SIZE = 256
+
+
+def target_fingerprint(target_dir: str | Path) -> str:
+    """Hash of the target's config and weight file names/sizes (cheap; changes when the checkpoint changes)."""
+    d = Path(target_dir)
+    h = hashlib.sha256((d / "config.json").read_bytes())
+    for f in sorted(d.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+@torch.no_grad()
+def online_features(target: TargetLM, input_ids: torch.Tensor, layer_ids: tuple[int, ...], need_logits: bool):
+    """``(features [B, S, F], target_logits [B, S, V] or None, greedy next tokens [B, S])``."""
+    out = target(input_ids, feature_layers=layer_ids, return_logits=True)
+    greedy = out.logits.argmax(-1)
+    return out.features, (out.logits if need_logits else None), greedy
+
+
+def build_offline_cache(target: TargetLM, target_dir: str | Path, items: dict[str, list[dict]],
+                        layer_ids: tuple[int, ...], out_dir: str | Path, batch_size: int = 8) -> Path:
+    """Precompute features for every split's items (``{"train": [...], "val": [...]}``) into ``out_dir``."""
+    out = Path(out_dir)
+    manifest_file = out / "manifest.json"
+    manifest = {"target": target_fingerprint(target_dir), "layer_ids": list(layer_ids),
+                "splits": {k: len(v) for k, v in items.items()}, "shard_size": SHARD_SIZE, "dtype": "bfloat16"}
+    if manifest_file.is_file():
+        check_manifest(json.loads(manifest_file.read_text()), manifest, out)
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    dev = target.lm_head.weight.device
+    for split, rows in items.items():
+        for s0 in range(0, len(rows), SHARD_SIZE):
+            shard = {}
+            for b0 in range(s0, min(s0 + SHARD_SIZE, len(rows)), batch_size):
+                batch = rows[b0:min(b0 + batch_size, s0 + SHARD_SIZE, len(rows))]
+                L = max(len(r["input_ids"]) for r in batch)
+                ids = torch.zeros(len(batch), L, dtype=torch.long)
+                for i, r in enumerate(batch):
+                    ids[i, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
+                feats, _, greedy = online_features(target, ids.to(dev), layer_ids, need_logits=False)
+                for i, r in enumerate(batch):
+                    n = len(r["input_ids"])
+                    shard[f"{r['index']}.features"] = feats[i, :n].to(torch.bfloat16).cpu().contiguous()
+                    shard[f"{r['index']}.greedy"] = greedy[i, :n].to(torch.int32).cpu().contiguous()
+            save_file(shard, str(out / f"{split}-{s0 // SHARD_SIZE:05d}.safetensors"))
+    manifest_file.write_text(json.dumps(manifest, indent=2))
+    return out
+
+
+def check_manifest(found: dict, expected: dict, where: Path) -> None:
+    for key in ("target", "layer_ids", "splits"):
+        if found.get(key) != expected.get(key):
+            raise SpecdraftError(f"offline feature cache {where} was built for {key}={found.get(key)!r}, not "
+                                 f"{expected.get(key)!r}; delete it or point train.features at online")
+
+
+class OfflineFeatures:
+    """Reads precomputed features by (split, index); shards are loaded on first use and kept (random batches)."""
+
+    def __init__(self, cache_dir: str | Path):
+        self.dir = Path(cache_dir)
+        self.manifest = json.loads((self.dir / "manifest.json").read_text())
+        self._loaded: dict[tuple[str, int], dict] = {}
+
+    def _shard(self, split: str, index: int) -> dict:
+        key = (split, index // self.manifest["shard_size"])
+        if key not in self._loaded:
+            self._loaded[key] = load_file(str(self.dir / f"{split}-{key[1]:05d}.safetensors"))
+        return self._loaded[key]
+
+    def batch(self, split: str, indices: list[int], seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        feats, greedy = [], []
+        for i in indices:
+            shard = self._shard(split, i)
+            f, g = shard[f"{i}.features"], shard[f"{i}.greedy"]
+            pad = seq_len - f.shape[0]
+            feats.append(torch.nn.functional.pad(f, (0, 0, 0, pad)))
+            greedy.append(torch.nn.functional.pad(g, (0, pad)))
+        return torch.stack(feats).to(device), torch.stack(greedy).long().to(device)

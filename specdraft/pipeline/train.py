@@ -1,0 +1,155 @@
+"""``specdraft train``: Lightning SFT of a DFlash drafter; checkpoints (-last / -best by eval/sim_tau) with full
+resume; export of the best to the HF-format directory the runtime loads; MLflow logging and model registration."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from specdraft.errors import SpecdraftError
+from specdraft.pipeline.config import RunConfig
+from specdraft.pipeline.lightning_utils import TrackerCallback
+from specdraft.pipeline.tracking import Tracker
+
+
+class DecodeEvalCallback(L.Callback):
+    """After each validation, decode a few held-out prompts through the runtime and log ``eval/tau``."""
+
+    def __init__(self, prompts: list[list[int]], stop_ids: tuple[int, ...], max_new_tokens: int = 64):
+        self.prompts, self.stop_ids, self.max_new_tokens = prompts, stop_ids, max_new_tokens
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        if not self.prompts or trainer.sanity_checking:
+            return
+        from specdraft.runtime.decode import GenerationConfig, generate
+
+        was_training = pl_module.drafter.training
+        pl_module.drafter.eval()
+        res = generate(pl_module.target, self.prompts, GenerationConfig(max_new_tokens=self.max_new_tokens,
+                       stop_token_ids=self.stop_ids), drafter=pl_module.drafter)
+        pl_module.drafter.train(was_training)
+        rounds = [a for r in res for a in r.accept_lengths]
+        pl_module.log("eval/tau", sum(rounds) / max(len(rounds), 1), prog_bar=True)
+
+
+class SkipConsumedBatches(L.Callback):
+    """On resume mid-epoch, make the deterministic sampler skip the batches the interrupted run already used."""
+
+    def __init__(self, dm):
+        self.dm = dm
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        sampler = self.dm.train_sampler
+        if sampler is None:
+            return
+        sampler.epoch = trainer.current_epoch
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.completed
+        if done and trainer.fit_loop.epoch_loop.batch_progress.current.ready == done:
+            sampler.skip = done % max(len(sampler), 1)
+
+
+def _build_drafter(cfg: RunConfig, target, tokenizer, target_dir: Path):
+    from specdraft.runtime.drafter_io import (build_drafter, check_compatible, drafter_config_for_target,
+                                              load_drafter, read_drafter_config)
+
+    dc = cfg.drafter
+    if dc.init_from:
+        drafter = load_drafter(dc.init_from, target)
+        return drafter.train().requires_grad_(True)
+    mask_id = dc.mask_token_id if dc.mask_token_id >= 0 else tokenizer.mask_token_id
+    if mask_id is None:
+        raise SpecdraftError("config key 'drafter.mask_token_id': the tokenizer has no mask token; set one")
+    dcfg = drafter_config_for_target(target.args, int(mask_id), dc.num_layers, dc.block_size,
+                                     dc.target_layer_ids or None, dc.num_features or None)
+    check_compatible(dcfg, target.args)
+    torch.manual_seed(cfg.train.seed)
+    drafter = build_drafter(dcfg, dc.arch)
+    return drafter.to(target.lm_head.weight.device)
+
+
+def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=print) -> Path:
+    from transformers import AutoTokenizer
+
+    from specdraft.lit_modules.data import ShareGPTDataModule
+    from specdraft.lit_modules.drafter_module import DrafterSFTModule
+    from specdraft.lit_modules.features import OfflineFeatures, build_offline_cache
+    from specdraft.pipeline.tokenizer import stop_token_ids
+    from specdraft.runtime.batch_job import encode, read_requests
+    from specdraft.runtime.load import load_target
+
+    t = cfg.train
+    if t.features == "offline" and t.kl_weight > 0:
+        raise SpecdraftError("config key 'train.kl_weight': KL needs target logits; use train.features=online")
+    L.seed_everything(t.seed, workers=True, verbose=False)
+    target = load_target(world.target_dir, dtype="float32", device=cfg.target.device)
+    tokenizer = AutoTokenizer.from_pretrained(str(world.target_dir), trust_remote_code=False)
+    drafter = _build_drafter(cfg, target, tokenizer, world.target_dir)
+    dm = ShareGPTDataModule(str(data_file), tokenizer, t.batch_size, t.max_seq_len, drafter.block_size, t.seed,
+                            enable_thinking=cfg.data.enable_thinking)
+    dm.setup()
+    log(f"train: {len(dm.train_items)} train / {len(dm.val_items)} val conversations "
+        f"({dm.dropped} dropped: < {2 * drafter.block_size} supervised tokens)")
+    steps_per_epoch = max(1, len(dm.train_items) // t.batch_size // t.accumulate_grad_batches)
+    total = t.max_steps if t.max_steps > 0 else steps_per_epoch * t.epochs
+
+    offline = None
+    if t.features == "offline":
+        cache = build_offline_cache(target, world.target_dir, {"train": dm.train_items, "val": dm.val_items},
+                                    drafter.target_layer_ids, cfg.work_path / "features")
+        offline = OfflineFeatures(cache)
+    module = DrafterSFTModule(drafter, target, t.lr, t.warmup_ratio, total, t.num_anchors, t.gamma, t.kl_weight,
+                              t.weight_decay, offline, t.seed)
+
+    eval_prompts = []
+    if world.bench_dir is not None and (world.bench_dir / "math.jsonl").is_file():
+        reqs = read_requests(world.bench_dir / "math.jsonl", lambda m: None)[: t.eval_prompts]
+        eval_prompts = [encode(tokenizer, r.messages) for r in reqs]
+    ckpt_dir = cfg.work_path / "checkpoints"
+    best_cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, filename="drafter-best", monitor="eval/sim_tau",
+                                                  mode="max", save_last=False, save_top_k=1,
+                                                  enable_version_counter=False)
+    last_cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, filename="drafter-last", every_n_train_steps=
+                                                  max(1, min(t.eval_every, 50)), save_top_k=1,
+                                                  enable_version_counter=False)
+    cuda = torch.cuda.is_available()
+    precision = t.precision if t.precision != "auto" else ("bf16-mixed" if cuda else "32-true")
+    trainer = L.Trainer(
+        max_steps=total, max_epochs=-1 if t.max_steps > 0 else t.epochs,
+        max_time={"minutes": t.max_minutes} if t.max_minutes else None,
+        accelerator="auto", devices=t.devices if t.devices == "auto" else int(t.devices),
+        num_nodes=t.num_nodes, strategy=t.strategy, precision=precision, gradient_clip_val=t.grad_clip,
+        accumulate_grad_batches=t.accumulate_grad_batches, val_check_interval=min(t.eval_every, steps_per_epoch),
+        check_val_every_n_epoch=1, logger=False, enable_model_summary=False, num_sanity_val_steps=0,
+        callbacks=[best_cb, last_cb, DecodeEvalCallback(eval_prompts, stop_token_ids(tokenizer)),
+                   SkipConsumedBatches(dm), TrackerCallback(tracker, every=10)],
+        log_every_n_steps=10)
+    resume = ckpt_dir / "drafter-last.ckpt"
+    t0 = time.perf_counter()
+    trainer.fit(module, datamodule=dm, ckpt_path=str(resume) if resume.is_file() else None)
+    trainer.save_checkpoint(str(resume))  # the final state, so a rerun resumes (and finds nothing left to do)
+    train_s = time.perf_counter() - t0
+    trainer.validate(module, datamodule=dm, verbose=False)  # final numbers (and a best checkpoint if none yet)
+    best = Path(best_cb.best_model_path) if best_cb.best_model_path else resume
+    if not best_cb.best_model_path:
+        best = ckpt_dir / "drafter-best.ckpt"
+        trainer.save_checkpoint(str(best))
+
+    from specdraft.export.hf import export_checkpoint
+
+    out = export_checkpoint(best, drafter, cfg.work_path / "drafter" / "best")
+    export_checkpoint(resume, drafter, cfg.work_path / "drafter" / "last")
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("eval/")}
+    tps = module._tokens_seen / train_s if train_s > 0 else 0.0
+    tracker.log_metrics({"train/wall_s": train_s, "train/final_tokens_per_s": tps,
+                         **{f"final/{k.replace('/', '_')}": v for k, v in metrics.items()}})
+    tracker.log_artifact(out, "drafter")
+    version = tracker.register_model("drafter", f"{cfg.name}-{cfg.drafter.arch}",
+                                     tags={"target": str(world.target_dir), "stage": t.stage,
+                                           "sim_tau": round(float(best_cb.best_model_score or 0.0), 3)})
+    log(f"train: {trainer.global_step} steps in {train_s:.0f}s ({tps:.0f} tokens/s); best eval/sim_tau "
+        f"{float(best_cb.best_model_score or float('nan')):.2f}; exported {out}"
+        + (f"; registered model version {version}" if version else ""))
+    return out

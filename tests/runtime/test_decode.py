@@ -1,0 +1,125 @@
+"""Losslessness of the decode engine: stub-pinned acceptance, greedy == AR token for token (batch 1 and ragged
+batch 8), batch == one row at a time, and a chi-square goodness-of-fit test of sampled output."""
+
+import pytest
+import torch
+from scipy import stats
+
+from specdraft.runtime.decode import GenerationConfig, generate
+from specdraft.runtime.sampling import SamplingParams
+from tests.conftest import make_drafter, make_target
+from tests.runtime.stub_drafter import OracleStubDrafter, random_corruption
+
+PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4], [12, 13], [20, 21, 22, 23, 24], [30], [31, 32, 33, 34], [40, 41]]
+
+
+def ar(target, prompts, max_new, **kw):
+    return [r.tokens for r in generate(target, prompts, GenerationConfig(max_new_tokens=max_new, **kw))]
+
+
+@pytest.mark.parametrize("corrupt,expect", [
+    (lambda r, i: None, "all"),  # drafts = target's greedy continuation: every round accepts K
+    (lambda r, i: 1, "none"),  # slot 1 always wrong: every round commits only the target's token
+    (random_corruption(0), "partial"),
+])
+def test_stub_drafter_pins_acceptance_and_output(corrupt, expect):
+    target = make_target(vocab=32)
+    prompts = PROMPTS[:3]
+    stub = OracleStubDrafter(target, prompts, block_size=5, corrupt=corrupt, vocab=32)
+    res = generate(target, prompts, GenerationConfig(max_new_tokens=17), drafter=stub)
+    assert [r.tokens for r in res] == ar(target, prompts, 17)
+    rounds = [a for r in res for a in r.accept_lengths]
+    if expect == "all":
+        assert all(a == 5 for a in rounds)
+    elif expect == "none":
+        assert all(a == 1 for a in rounds)
+    else:
+        assert 1 in rounds and any(a > 1 for a in rounds)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_greedy_dflash_equals_ar_batch1(seed):
+    target = make_target(seed=seed)
+    drafter = make_drafter(target, seed=seed + 10)
+    for p in PROMPTS[:4]:
+        assert generate(target, [p], GenerationConfig(max_new_tokens=24), drafter=drafter)[0].tokens == ar(target, [p], 24)[0]
+
+
+def test_greedy_ragged_batch8_equals_ar_and_single_rows():
+    target = make_target(seed=3, vocab=12)  # small vocab: a random drafter gets partial acceptance
+    drafter = make_drafter(target, seed=4)
+    prompts = [[t % 11 for t in p] for p in PROMPTS]
+    max_new = [10, 25, 17, 30, 8, 21, 14, 19]  # per-row caps: rows finish at different rounds
+    gen = GenerationConfig(max_new_tokens=max_new)
+    batch = generate(target, prompts, gen, drafter=drafter)
+    expected = [ar(target, [p], m)[0] for p, m in zip(prompts, max_new)]
+    assert [r.tokens for r in batch] == expected
+    singles = [generate(target, [p], GenerationConfig(max_new_tokens=m), drafter=drafter)[0] for p, m in zip(prompts, max_new)]
+    assert [r.tokens for r in batch] == [s.tokens for s in singles]
+    assert [r.accept_lengths for r in batch] == [s.accept_lengths for s in singles]
+    assert any(a > 1 for r in batch for a in r.accept_lengths), "test needs some accepted drafts"
+    assert all(len(r.tokens) == m for r, m in zip(batch, max_new))
+
+
+def test_stop_token_per_row():
+    target = make_target(seed=5, vocab=16)
+    drafter = make_drafter(target, seed=6)
+    prompts = [[t % 15 for t in p] for p in PROMPTS[:4]]
+    free = ar(target, prompts, 30)
+    stop = free[1][5]  # a token row 1 emits at index 5 (and maybe earlier in other rows)
+    got = generate(target, prompts, GenerationConfig(max_new_tokens=30, stop_token_ids=(stop,)), drafter=drafter)
+    for r, f in zip(got, free):
+        cut = f.index(stop) if stop in f else len(f)
+        assert r.tokens == f[:cut]
+        assert r.finish_reason == ("stop" if stop in f else "length")
+
+
+def _exact_two_token_dist(target, prompt, V):
+    """p(t1, t2 | prompt) by enumeration with the target alone (T=1)."""
+    with torch.no_grad():
+        p1 = target(torch.tensor([prompt])).logits[0, -1].softmax(-1)
+        seqs = torch.tensor([prompt + [t] for t in range(V)])
+        p2 = target(seqs).logits[:, -1].softmax(-1)  # [V, V]
+    return (p1[:, None] * p2).flatten()
+
+
+def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    n = counts.sum().item()
+    exp = probs * n
+    big = exp >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    ex = torch.cat([exp[big], exp[~big].sum()[None]])
+    return float(stats.chisquare(obs.numpy(), ex.numpy() * obs.sum().item() / ex.sum().item()).pvalue)
+
+
+@pytest.mark.parametrize("draft_sampling", ["sample", "greedy"])
+def test_sampled_output_follows_target_distribution(draft_sampling):
+    V, N = 6, 6000
+    target = make_target(seed=7, vocab=V, std=0.5)
+    drafter = make_drafter(target, seed=8, block_size=4)
+    prompt = [1, 2, 3]
+    gen = GenerationConfig(max_new_tokens=2, sampling=SamplingParams(temperature=1.0), draft_sampling=draft_sampling)
+    res = generate(target, [prompt] * N, gen, drafter=drafter, generator=torch.Generator().manual_seed(0))
+    pairs = torch.tensor([r.tokens[0] * V + r.tokens[1] for r in res])
+    counts = torch.bincount(pairs, minlength=V * V).double()
+    probs = _exact_two_token_dist(target, prompt, V).double()
+    assert _chi2_pvalue(counts, probs) > 1e-3
+    assert any(a > 1 for r in res for a in r.accept_lengths), "drafts must sometimes be accepted"
+    # the test has power: a sampler off by a 15% uniform mixture is rejected at the same sample size
+    biased = 0.85 * probs + 0.15 / (V * V)
+    wrong = torch.multinomial(biased, N, replacement=True, generator=torch.Generator().manual_seed(1))
+    assert _chi2_pvalue(torch.bincount(wrong, minlength=V * V).double(), probs) < 1e-3
+
+
+def test_ar_sampling_same_engine_is_target_distribution():
+    V, N = 5, 4000
+    target = make_target(seed=9, vocab=V, std=0.5)
+    gen = GenerationConfig(max_new_tokens=2, sampling=SamplingParams(temperature=1.0))
+    res = generate(target, [[1, 2]] * N, gen, generator=torch.Generator().manual_seed(3))
+    counts = torch.bincount(torch.tensor([r.tokens[0] * V + r.tokens[1] for r in res]), minlength=V * V).double()
+    assert _chi2_pvalue(counts, _exact_two_token_dist(target, [1, 2], V).double()) > 1e-3
+
+
+def test_empty_prompt_rejected(target):
+    with pytest.raises(ValueError, match="empty prompt"):
+        generate(target, [[1], []], GenerationConfig(max_new_tokens=3))
