@@ -50,3 +50,37 @@ def target():
 @pytest.fixture
 def drafter(target):
     return make_drafter(target)
+
+
+def build_tiny_world(root):
+    """A seconds-sized world on disk: BPE tokenizer, random tiny Qwen3 target (transformers save_pretrained),
+    ShareGPT data (math problems with their worked answers) and a held-out math prompt file."""
+    from pathlib import Path
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from specdraft.pipeline.corpora import math_docs
+    from specdraft.pipeline.jsonl import write_jsonl
+    from specdraft.pipeline.tokenizer import train_tokenizer
+    from specdraft.pipeline.world import World
+
+    root = Path(root)
+    docs = math_docs(160, seed=0)
+    tok = train_tokenizer([d.prompt + "\n" + d.response for d in docs], 400, root / "target")
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=8, tie_word_embeddings=True, initializer_range=0.3))
+    model.save_pretrained(str(root / "target"))
+    write_jsonl(root / "data.jsonl", [{"id": f"m{i}", "conversations": [
+        {"role": "user", "content": d.prompt}, {"role": "assistant", "content": d.response}]}
+        for i, d in enumerate(docs[:120])])
+    write_jsonl(root / "bench" / "math.jsonl", [{"id": f"h{i}", "prompt": d.prompt} for i, d in enumerate(docs[120:])])
+    write_jsonl(root / "heldin.jsonl", [{"id": f"m{i}", "domain": "math", "prompt": d.prompt}
+                                        for i, d in enumerate(docs[:120])])
+    return World(root / "target", root / "heldin.jsonl", root / "bench", {})
+
+
+@pytest.fixture(scope="session")
+def tiny_world(tmp_path_factory):
+    return build_tiny_world(tmp_path_factory.mktemp("world"))

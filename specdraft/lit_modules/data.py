@@ -40,10 +40,15 @@ def is_validation(conv_id: str, val_fraction: float) -> bool:
 
 
 class LengthGroupedSampler(Sampler[list[int]]):
-    """Batches of similar lengths, shuffled per (seed, epoch); ``skip`` drops batches already consumed."""
+    """Batches of similar lengths, shuffled per (seed, epoch).
 
-    def __init__(self, lengths: list[int], batch_size: int, seed: int, shuffle: bool = True):
+    ``position_fn(batches_per_epoch) -> (epoch, skip)``, read at every ``iter()``, places the stream: the trainer
+    passes one derived from its optimizer step, so a resumed run continues exactly where the interrupted one stopped.
+    """
+
+    def __init__(self, lengths: list[int], batch_size: int, seed: int, shuffle: bool = True, position_fn=None):
         self.lengths, self.batch_size, self.seed, self.shuffle = lengths, batch_size, seed, shuffle
+        self.position_fn = position_fn
         self.epoch, self.skip = 0, 0
 
     def _batches(self) -> list[list[int]]:
@@ -60,6 +65,8 @@ class LengthGroupedSampler(Sampler[list[int]]):
         return batches
 
     def __iter__(self):
+        if self.position_fn is not None:
+            self.epoch, self.skip = self.position_fn(len(self))
         batches = self._batches()[self.skip:]
         self.skip = 0
         return iter(batches)
@@ -90,7 +97,8 @@ class ShareGPTDataModule(L.LightningDataModule):
         self.train_items: list[dict] = []
         self.val_items: list[dict] = []
         self.dropped = 0
-        self.train_sampler: LengthGroupedSampler | None = None
+        self.position_fn = None
+        """Optional ``batches_per_epoch -> (epoch, skip)`` for the training sampler (set by the trainer glue)."""
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_items:
@@ -119,9 +127,9 @@ class ShareGPTDataModule(L.LightningDataModule):
                                  f"{2 * self.block_size} assistant tokens each)")
 
     def train_dataloader(self):
-        self.train_sampler = self.train_sampler or LengthGroupedSampler(
-            [len(it["input_ids"]) for it in self.train_items], self.batch_size, self.seed)
-        return DataLoader(self.train_items, batch_sampler=self.train_sampler, collate_fn=collate)
+        sampler = LengthGroupedSampler([len(it["input_ids"]) for it in self.train_items], self.batch_size, self.seed,
+                                       position_fn=self.position_fn)
+        return DataLoader(self.train_items, batch_sampler=sampler, collate_fn=collate)
 
     def val_dataloader(self):
         sampler = LengthGroupedSampler([len(it["input_ids"]) for it in self.val_items], self.batch_size, self.seed,

@@ -96,7 +96,9 @@ class DrafterSFTModule(L.LightningModule):
     def training_step(self, batch, batch_idx):
         if self._t0 is None:
             self._t0 = time.perf_counter()
-        loss, logits, blk, _, _ = self._step(batch, "train")
+        # anchors are a function of (seed, step): resampled every step, identical after a resume
+        g = torch.Generator(device="cpu").manual_seed(self.hparams.seed * 1_000_003 + self.global_step)
+        loss, logits, blk, _, _ = self._step(batch, "train", g)
         self._tokens_seen += int(batch["lengths"].sum())
         acc = self.slot_accuracy(logits.detach(), blk)
         self.log("train/loss", loss, prog_bar=True)

@@ -116,6 +116,9 @@ class TrainConfig:
     eval_every: int = 100
     """Steps between evaluations (sim_tau on held-out data and a real decode)."""
     eval_prompts: int = 4
+    """Held-out math prompts decoded through the runtime at each evaluation (eval/tau)."""
+    log_every: int = 10
+    """Steps between metric logs to MLflow."""
     seed: int = 0
     max_minutes: float = 0.0
     """Wall-clock cap (0 = none)."""
@@ -214,6 +217,11 @@ def _coerce(key: str, tp, value):
             _fail(key, f"expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             _fail(key, f"expected a number, got {value!r}")
         return float(value)

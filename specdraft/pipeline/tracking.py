@@ -98,9 +98,15 @@ class MLflowTracker(Tracker):
         self._mlflow.set_tags({k: str(v) for k, v in tags.items()})
 
     def register_model(self, artifact_path: str, name: str, tags: dict | None = None) -> str | None:
-        """Register ``runs:/<run>/<artifact_path>`` as a new version of model ``name``; returns the version."""
-        uri = f"runs:/{self.run_id}/{artifact_path}"
-        mv = self._mlflow.register_model(uri, name, tags={k: str(v) for k, v in (tags or {}).items()})
+        """Register this run's ``artifact_path`` folder (an HF-format drafter) as a new version of model ``name``."""
+        client = self._mlflow.MlflowClient(tracking_uri=self.tracking_uri)
+        try:
+            client.get_registered_model(name)
+        except self._mlflow.exceptions.MlflowException:
+            client.create_registered_model(name, description="specdraft drafters (HF-format directories)")
+        source = f"{client.get_run(self.run_id).info.artifact_uri}/{artifact_path}"
+        mv = client.create_model_version(name, source=source, run_id=self.run_id,
+                                         tags={k: str(v) for k, v in (tags or {}).items()})
         return str(mv.version)
 
 

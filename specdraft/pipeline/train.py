@@ -35,22 +35,6 @@ class DecodeEvalCallback(L.Callback):
         pl_module.log("eval/tau", sum(rounds) / max(len(rounds), 1), prog_bar=True)
 
 
-class SkipConsumedBatches(L.Callback):
-    """On resume mid-epoch, make the deterministic sampler skip the batches the interrupted run already used."""
-
-    def __init__(self, dm):
-        self.dm = dm
-
-    def on_train_epoch_start(self, trainer, pl_module):
-        sampler = self.dm.train_sampler
-        if sampler is None:
-            return
-        sampler.epoch = trainer.current_epoch
-        done = trainer.fit_loop.epoch_loop.batch_progress.current.completed
-        if done and trainer.fit_loop.epoch_loop.batch_progress.current.ready == done:
-            sampler.skip = done % max(len(sampler), 1)
-
-
 def _build_drafter(cfg: RunConfig, target, tokenizer, target_dir: Path):
     from specdraft.runtime.drafter_io import (build_drafter, check_compatible, drafter_config_for_target,
                                               load_drafter, read_drafter_config)
@@ -70,7 +54,10 @@ def _build_drafter(cfg: RunConfig, target, tokenizer, target_dir: Path):
     return drafter.to(target.lm_head.weight.device)
 
 
-def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=print) -> Path:
+def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=print,
+                  callbacks: list[L.Callback] | None = None) -> Path:
+    """Train, checkpoint (resuming from ``<work_dir>/checkpoints/drafter-last.ckpt`` when present), export the best
+    checkpoint to ``<work_dir>/drafter/best`` and register it. ``callbacks`` are added to the Lightning trainer."""
     from transformers import AutoTokenizer
 
     from specdraft.lit_modules.data import ShareGPTDataModule
@@ -124,14 +111,16 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
         accumulate_grad_batches=t.accumulate_grad_batches, val_check_interval=min(t.eval_every, steps_per_epoch),
         check_val_every_n_epoch=1, logger=False, enable_model_summary=False, num_sanity_val_steps=0,
         callbacks=[best_cb, last_cb, DecodeEvalCallback(eval_prompts, stop_token_ids(tokenizer)),
-                   SkipConsumedBatches(dm), TrackerCallback(tracker, every=10)],
-        log_every_n_steps=10)
+                   TrackerCallback(tracker, every=t.log_every), *(callbacks or [])],
+        log_every_n_steps=t.log_every)
+    # the data stream is a function of the optimizer step alone, so resuming (even mid-epoch) replays nothing
+    dm.position_fn = lambda per_epoch: divmod(trainer.global_step * t.accumulate_grad_batches, per_epoch)
     resume = ckpt_dir / "drafter-last.ckpt"
     t0 = time.perf_counter()
-    trainer.fit(module, datamodule=dm, ckpt_path=str(resume) if resume.is_file() else None)
+    trainer.fit(module, datamodule=dm, ckpt_path=str(resume) if resume.is_file() else None, weights_only=True)
     trainer.save_checkpoint(str(resume))  # the final state, so a rerun resumes (and finds nothing left to do)
     train_s = time.perf_counter() - t0
-    trainer.validate(module, datamodule=dm, verbose=False)  # final numbers (and a best checkpoint if none yet)
+    trainer.validate(module, datamodule=dm, verbose=False, weights_only=True)  # final numbers (and a best checkpoint if none yet)
     best = Path(best_cb.best_model_path) if best_cb.best_model_path else resume
     if not best_cb.best_model_path:
         best = ckpt_dir / "drafter-best.ckpt"

@@ -1,0 +1,127 @@
+"""Drafter training: train/serve consistency, overfitting one batch, simulated tau, offline == online features."""
+
+import torch
+
+from specdraft.lit_modules.blocks import build_blocks
+from specdraft.lit_modules.drafter_module import DrafterSFTModule
+from specdraft.lit_modules.features import OfflineFeatures, build_offline_cache
+from tests.conftest import make_drafter, make_target
+
+
+def test_training_forward_equals_runtime_draft_path():
+    """Logits of a block built by the training mask == logits of the same block drafted by the runtime cache path."""
+    target = make_target(seed=0)
+    drafter = make_drafter(target, seed=1, block_size=5)
+    ids = torch.randint(0, 60, (1, 20))
+    feats = target(ids, feature_layers=drafter.target_layer_ids).features  # [1, 20, F]
+    anchors = torch.tensor([[4, 9, 13]])
+    blk = build_blocks(ids, torch.ones_like(ids), torch.tensor([20]), anchors, torch.ones_like(anchors, dtype=torch.bool),
+                       5, drafter.config.mask_token_id)
+    ctx_kv = drafter.context_kv(feats, torch.arange(20)[None])
+    train_logits = drafter.logits(drafter(drafter.embed(blk.tokens), blk.positions, ctx_kv, blk.mask)).view(3, 5, -1)
+    for j, a in enumerate(anchors[0].tolist()):
+        cache = drafter.new_cache(1, 40)
+        drafter.ingest(cache, feats[:, :a], torch.tensor([a]))
+        block = torch.full((1, 5), drafter.config.mask_token_id)
+        block[0, 0] = ids[0, a]
+        serve_logits = drafter.logits(drafter.draft_hidden(cache, drafter.embed(block)))[0]
+        torch.testing.assert_close(train_logits[j], serve_logits, atol=1e-5, rtol=1e-4)
+
+
+def _batch(world, n=4):
+    from transformers import AutoTokenizer
+
+    from specdraft.lit_modules.data import ShareGPTDataModule, collate
+
+    tok = AutoTokenizer.from_pretrained(str(world.target_dir))
+    dm = ShareGPTDataModule(str(world.target_dir.parent / "data.jsonl"), tok, n, 256, 4, seed=0)
+    dm.setup()
+    return dm, collate(dm.train_items[:n])
+
+
+def _module(world, drafter_seed=1, **kw):
+    from specdraft.runtime.drafter_io import build_drafter, drafter_config_for_target
+    from specdraft.runtime.load import load_target
+
+    target = load_target(world.target_dir, dtype="float32", device="cpu")
+    torch.manual_seed(drafter_seed)
+    d = build_drafter(drafter_config_for_target(target.args, target.args.vocab_size - 1, 1, 4, num_features=2))
+    return DrafterSFTModule(d, target, lr=3e-3, warmup_ratio=0.0, total_steps=100, num_anchors=8, **kw)
+
+
+def test_overfit_one_batch_loss_falls_and_sim_tau_rises(tiny_world):
+    _, batch = _batch(tiny_world)
+    m = _module(tiny_world)
+    opt = torch.optim.AdamW(m.drafter.parameters(), lr=2e-2)
+    g = lambda: torch.Generator().manual_seed(0)  # the same anchors every step: a fixed batch to memorise
+    with torch.no_grad():
+        loss0, logits, blk, greedy, anchors = m._step(batch, "train", g())
+        tau0 = m.simulated_tau(logits, blk, greedy, anchors)
+    for _ in range(100):
+        loss, *_ = m._step(batch, "train", g())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        loss1, logits, blk, greedy, anchors = m._step(batch, "train", g())
+        acc = m.slot_accuracy(logits, blk)
+    assert loss1 < 0.5 * loss0
+    assert acc[0] > 0.5
+    # sim_tau compares drafts with the TARGET's greedy tokens: train on the target's own greedy continuations
+    from specdraft.lit_modules.data import collate
+    from specdraft.runtime.decode import GenerationConfig, generate
+
+    prompts = [it["input_ids"][:12] for it in _batch(tiny_world)[0].train_items[:4]]
+    gens = generate(m.target, prompts, GenerationConfig(max_new_tokens=40))
+    tgt_batch = collate([{"input_ids": p + r.tokens, "loss_mask": [0] * len(p) + [1] * len(r.tokens), "index": i}
+                         for i, (p, r) in enumerate(zip(prompts, gens))])
+    with torch.no_grad():
+        _, logits, blk, greedy, anchors = m._step(tgt_batch, "train", g())
+        tau_before = m.simulated_tau(logits, blk, greedy, anchors)
+    for _ in range(100):
+        loss, *_ = m._step(tgt_batch, "train", g())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        _, logits, blk, greedy, anchors = m._step(tgt_batch, "train", g())
+        tau_after = m.simulated_tau(logits, blk, greedy, anchors)
+    assert tau_after > tau_before + 0.5, (tau_before, tau_after)
+    assert 1.0 <= tau0 <= 4.0
+
+
+def test_simulated_tau_counts_leading_matches_plus_bonus():
+    K, V = 3, 7
+    greedy = torch.tensor([[1, 2, 3, 4, 5, 6, 0, 1, 2, 3]])  # target's next token after each position
+    anchors = torch.tensor([[0, 4]])
+    ids = torch.zeros(1, 10, dtype=torch.long)
+    blk = build_blocks(ids, torch.ones_like(ids), torch.tensor([10]), anchors, torch.ones(1, 2, dtype=torch.bool), K + 1, 6)
+    drafts = torch.tensor([[[1, 2, 0], [0, 6, 0]]])  # block 0: 2 leading matches; block 1: none
+    logits = torch.nn.functional.one_hot(drafts, V).float()
+    tau = DrafterSFTModule.simulated_tau(logits, blk, greedy, anchors)
+    assert tau.item() == ((2 + 1) + (0 + 1)) / 2
+
+
+def test_offline_features_give_the_same_loss_as_online(tiny_world, tmp_path):
+    dm, batch = _batch(tiny_world)
+    online = _module(tiny_world)
+    cache = build_offline_cache(online.target, tiny_world.target_dir, {"train": dm.train_items[:4]},
+                                online.drafter.target_layer_ids, tmp_path / "feats")
+    offline = _module(tiny_world, offline=OfflineFeatures(cache))
+    offline.drafter.load_state_dict(online.drafter.state_dict())
+    with torch.no_grad():
+        a = online._step(batch, "train", torch.Generator().manual_seed(0))[0]
+        b = offline._step(batch, "train", torch.Generator().manual_seed(0))[0]
+    torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)  # features are stored in bf16
+
+
+def test_offline_cache_refuses_other_layer_set(tiny_world, tmp_path):
+    import pytest
+
+    from specdraft.errors import SpecdraftError
+
+    dm, _ = _batch(tiny_world)
+    m = _module(tiny_world)
+    build_offline_cache(m.target, tiny_world.target_dir, {"train": dm.train_items[:2]}, (0, 1), tmp_path / "f")
+    with pytest.raises(SpecdraftError, match="layer_ids"):
+        build_offline_cache(m.target, tiny_world.target_dir, {"train": dm.train_items[:2]}, (1, 2), tmp_path / "f")

@@ -1,0 +1,70 @@
+from pathlib import Path
+
+import pytest
+
+from specdraft.errors import SpecdraftError
+from specdraft.pipeline.cli import main
+from specdraft.pipeline.config import RunConfig, load_config
+
+CONFIGS = sorted(Path(__file__).resolve().parents[2].joinpath("configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_config_file_loads(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, RunConfig) and cfg.name
+
+
+def test_every_config_opens_with_its_launch_command():
+    for p in CONFIGS:
+        header = []
+        for line in p.read_text().splitlines():
+            if not line.startswith("#"):
+                break
+            header.append(line)
+        assert any("specdraft " in h for h in header), f"{p.name} has no launch command in its header comment"
+
+
+def test_dotted_overrides_are_typed():
+    cfg = load_config(CONFIGS[0], ["train.lr=3e-4", "bench.temperatures=[0.0]", "drafter.block_size=8",
+                                   "tracking.enabled=false"])
+    assert cfg.train.lr == 3e-4 and cfg.bench.temperatures == [0.0] and cfg.drafter.block_size == 8
+    assert cfg.tracking.enabled is False
+
+
+@pytest.mark.parametrize("override,key", [
+    (["train.lrr=1"], "train.lrr"),
+    (["trian.lr=1"], "trian"),
+    (["train.lr=fast"], "train.lr"),
+    (["drafter.block_size=1"], "drafter.block_size"),
+    (["decode.method=beam"], "decode.method"),
+    (["target.tiny.num_layers=2.5"], "target.tiny.num_layers"),
+])
+def test_bad_keys_and_values_name_the_key(override, key):
+    with pytest.raises(SpecdraftError, match=f"'{key}'"):
+        load_config(None, override)
+
+
+def test_unknown_key_suggests_the_close_one():
+    with pytest.raises(SpecdraftError, match="did you mean 'train.lr'"):
+        load_config(None, ["train.lrr=1"])
+
+
+def test_cli_misspelt_key_is_one_clean_line(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ntrain:\n  epochs: 2\n  lerning_rate: 0.1\n")
+    assert main(["train", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train.lerning_rate" in err[0] and "Traceback" not in err[0]
+
+
+def test_cli_print_config(capsys):
+    assert main(["run", str(CONFIGS[0]), "train.lr=0.5", "--print-config"]) == 0
+    assert "lr: 0.5" in capsys.readouterr().out
+
+
+def test_cli_missing_target_path_is_one_clean_line(tmp_path, capsys):
+    assert main(["target", str(CONFIGS[0]), f"target.path={tmp_path / 'nope'}", "tracking.enabled=false",
+                 f"work_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not exist" in err[0]

@@ -1,0 +1,97 @@
+"""`specdraft train` on a seconds-sized world: resume gives the same next losses as an uninterrupted run; the best
+checkpoint is exported in the HF layout the runtime loads; MLflow gets params, metrics, artifacts and a model version."""
+
+import shutil
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from specdraft.pipeline.config import load_config
+from specdraft.pipeline.tracking import Tracker
+
+
+class RecordingTracker(Tracker):
+    def __init__(self):
+        self.metrics = {}
+
+    def log_metrics(self, metrics, step=None):
+        for k, v in metrics.items():
+            self.metrics.setdefault(k, {})[step] = v
+
+
+class StopAt(L.Callback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
+TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+
+
+def _cfg(world, work, *extra):
+    return load_config(TINY, [
+        f"target.path={world.target_dir}", f"work_dir={work}", "tracking.enabled=false", "drafter.num_layers=1",
+        "drafter.block_size=4", "drafter.num_features=2", "train.batch_size=4", "train.num_anchors=8",
+        "train.max_steps=6", "train.eval_every=3", "train.log_every=1", "train.max_minutes=0", "train.lr=3e-3",
+        *extra])
+
+
+def _prepare(world, work):
+    (work / "data").mkdir(parents=True)
+    shutil.copy(world.target_dir.parent / "data.jsonl", work / "data" / "train.jsonl")
+    return work / "data" / "train.jsonl"
+
+
+def test_resume_gives_the_same_next_losses(tiny_world, tmp_path):
+    from specdraft.pipeline.train import train_drafter
+
+    full = RecordingTracker()
+    data = _prepare(tiny_world, tmp_path / "a")
+    train_drafter(_cfg(tiny_world, tmp_path / "a"), tiny_world, data, full, log=lambda m: None)
+
+    data = _prepare(tiny_world, tmp_path / "b")
+    first = RecordingTracker()
+    train_drafter(_cfg(tiny_world, tmp_path / "b"), tiny_world, data, first, log=lambda m: None, callbacks=[StopAt(3)])
+    assert max(first.metrics["train/loss"]) == 3
+    second = RecordingTracker()
+    train_drafter(_cfg(tiny_world, tmp_path / "b"), tiny_world, data, second, log=lambda m: None)
+    resumed = second.metrics["train/loss"]
+    assert sorted(resumed) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert resumed[step] == pytest.approx(full.metrics["train/loss"][step], rel=1e-5, abs=1e-6)
+    for step in (1, 2, 3):
+        assert first.metrics["train/loss"][step] == pytest.approx(full.metrics["train/loss"][step], rel=1e-5)
+
+
+def test_export_loads_in_runtime_and_mlflow_records_the_run(tiny_world, tmp_path, monkeypatch):
+    import mlflow
+
+    from specdraft.pipeline import stages
+    from specdraft.runtime.drafter_io import load_drafter
+    from specdraft.runtime.load import load_target
+
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = _cfg(tiny_world, tmp_path / "w", "tracking.enabled=true", f"tracking.uri={uri}", "tracking.experiment=t")
+    _prepare(tiny_world, tmp_path / "w")
+    out = stages.train(cfg, tiny_world)
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    target = load_target(tiny_world.target_dir, dtype="float32", device="cpu")
+    drafter = load_drafter(out, target)
+    best = torch.load(tmp_path / "w" / "checkpoints" / "drafter-best.ckpt", weights_only=True)["state_dict"]
+    torch.testing.assert_close(drafter.fc.weight, best["drafter.fc.weight"])
+
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("t").experiment_id])
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.data.params["train.max_steps"] == "6"
+    assert "eval/sim_tau" in run.data.metrics and "train/loss" in run.data.metrics
+    assert any(a.path == "drafter" for a in client.list_artifacts(run.info.run_id))
+    versions = client.search_model_versions("name='tiny-dflash'")
+    assert versions and versions[0].tags["stage"] == "sft" and "sim_tau" in versions[0].tags
