@@ -111,14 +111,15 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
         accumulate_grad_batches=t.accumulate_grad_batches, val_check_interval=min(t.eval_every, steps_per_epoch),
         check_val_every_n_epoch=1, logger=False, enable_model_summary=False, num_sanity_val_steps=0,
         callbacks=[best_cb, last_cb, DecodeEvalCallback(eval_prompts, stop_token_ids(tokenizer)),
-                   TrackerCallback(tracker, every=t.log_every), *(callbacks or [])],
+                   TrackerCallback(tracker, every=t.log_every),
+                   L.pytorch.callbacks.TQDMProgressBar(refresh_rate=10), *(callbacks or [])],
         log_every_n_steps=t.log_every)
     # the data stream is a function of the optimizer step alone, so resuming (even mid-epoch) replays nothing
     dm.position_fn = lambda per_epoch: divmod(trainer.global_step * t.accumulate_grad_batches, per_epoch)
     resume = ckpt_dir / "drafter-last.ckpt"
     t0 = time.perf_counter()
     trainer.fit(module, datamodule=dm, ckpt_path=str(resume) if resume.is_file() else None, weights_only=True)
-    trainer.save_checkpoint(str(resume))  # the final state, so a rerun resumes (and finds nothing left to do)
+    trainer.save_checkpoint(str(resume), weights_only=False)  # full state, so a rerun resumes (and finds nothing left to do)
     train_s = time.perf_counter() - t0
     trainer.validate(module, datamodule=dm, verbose=False, weights_only=True)  # final numbers (and a best checkpoint if none yet)
     best = Path(best_cb.best_model_path) if best_cb.best_model_path else resume

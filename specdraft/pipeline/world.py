@@ -114,7 +114,7 @@ def _build_world(cfg: RunConfig, wdir: Path, tracker: Tracker, log) -> World:
     trainer = L.Trainer(max_steps=tiny.max_steps, max_time={"minutes": tiny.max_minutes} if tiny.max_minutes else None,
                         accelerator="auto", devices=1, logger=False, enable_checkpointing=False,
                         gradient_clip_val=1.0, precision="bf16-mixed",
-                        callbacks=[TrackerCallback(tracker, prefix="target/")], enable_model_summary=False,
+                        callbacks=[TrackerCallback(tracker, prefix="target/"), L.pytorch.callbacks.TQDMProgressBar(refresh_rate=10)], enable_model_summary=False,
                         log_every_n_steps=10)
     t_train = time.perf_counter()
     trainer.fit(module, loader)

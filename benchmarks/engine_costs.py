@@ -1,0 +1,99 @@
+"""Engine costs on the embedded target (issue: runtime): ratios measured in one process, interleaved.
+
+1. AR tokens/s of our engine vs ``transformers`` ``generate`` (same target weights, greedy, exactly N new tokens).
+2. Cost of one speculative round (draft + verify a block of B) over one AR step (verify of 1 token).
+Both at batch 1 and batch 8. Prefill is measured separately and subtracted.
+
+    python benchmarks/engine_costs.py configs/tiny.yaml [--drafter DIR] [--new-tokens 128] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+
+def _time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("config")
+    ap.add_argument("--drafter", default="", help="drafter dir (default: the run's exported drafter, else fresh)")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave as is)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specdraft.pipeline.config import load_config
+    from specdraft.pipeline.stages import default_drafter_dir, existing_world
+    from specdraft.runtime.batch_job import encode, read_requests
+    from specdraft.runtime.decode import GenerationConfig, generate
+    from specdraft.runtime.drafter_io import (build_drafter, drafter_config_for_target, load_drafter)
+    from specdraft.runtime.load import load_target
+
+    cfg = load_config(args.config)
+    world = existing_world(cfg)
+    target = load_target(world.target_dir, dtype="float32", device="cpu")
+    tok = AutoTokenizer.from_pretrained(str(world.target_dir))
+    ddir = args.drafter or default_drafter_dir(cfg)
+    try:
+        drafter = load_drafter(ddir, target)
+        drafter_src = str(ddir)
+    except Exception:  # cost does not depend on the weights: a fresh drafter of the configured shape
+        dcfg = drafter_config_for_target(target.args, tok.mask_token_id, cfg.drafter.num_layers,
+                                         cfg.drafter.block_size, num_features=cfg.drafter.num_features or None)
+        drafter = build_drafter(dcfg).bind_target(target.model.embed_tokens, target.lm_head).eval()
+        drafter_src = "fresh (untrained) drafter of the configured shape"
+    hf = AutoModelForCausalLM.from_pretrained(str(world.target_dir), dtype=torch.float32).eval()
+    reqs = read_requests(world.bench_dir / "math.jsonl", lambda m: None)[:8]
+    prompts = [encode(tok, r.messages) for r in reqs]
+    N = args.new_tokens
+    out = {"drafter": drafter_src, "block_size": drafter.block_size, "new_tokens": N, "threads": torch.get_num_threads()}
+
+    for bs in (1, 8):
+        batch = prompts[:bs]
+        gen = GenerationConfig(max_new_tokens=N)  # no stop tokens: exactly N tokens per row
+        prefill = _time(lambda: generate(target, batch, GenerationConfig(max_new_tokens=1)), args.repeats)
+        ar_s = _time(lambda: generate(target, batch, gen), args.repeats)
+        spec_res = generate(target, batch, gen, drafter=drafter)
+        rounds = max(len(r.accept_lengths) for r in spec_res)
+        spec_s = _time(lambda: generate(target, batch, gen, drafter=drafter), args.repeats)
+
+        tok.padding_side = "left"
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in batch])
+        mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in batch])[:, None]).long()
+
+        def hf_generate():
+            with torch.inference_mode():
+                hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=N, min_new_tokens=N, do_sample=False,
+                            pad_token_id=tok.pad_token_id)
+
+        hf_s = _time(hf_generate, args.repeats)
+        ar_step = (ar_s - prefill) / (N - 1)
+        spec_round = (spec_s - prefill) / rounds
+        out[f"bs{bs}"] = {
+            "ours_ar_tokens_per_s": bs * N / ar_s, "hf_generate_tokens_per_s": bs * N / hf_s,
+            "ours_over_hf": hf_s / ar_s, "ar_step_ms": 1000 * ar_step, "spec_round_ms": 1000 * spec_round,
+            "round_over_ar_step": spec_round / ar_step, "spec_rounds": rounds,
+        }
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""`specdraft run` end to end on a micro world (corpora -> tokenizer -> target -> data -> train -> bench), CPU only,
+no network (dialogue corpus off), plus the one-line errors a user sees for bad input."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specdraft.pipeline.cli import main
+
+TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
+MICRO = [
+    "data.math_problems=300", "data.code_files=6", "data.dialogue=false", "data.holdout_prompts=2",
+    "data.train_prompts=48", "data.max_new_tokens=48", "data.batch_size=16", "data.temperature=1.0",
+    "target.tiny.vocab_size=384", "target.tiny.hidden_size=64", "target.tiny.intermediate_size=128",
+    "target.tiny.num_layers=4", "target.tiny.seq_len=64", "target.tiny.batch_size=8", "target.tiny.max_steps=25",
+    "target.tiny.warmup_steps=2",
+    "drafter.num_layers=1", "drafter.block_size=4", "drafter.num_features=2",
+    "train.max_steps=8", "train.batch_size=4", "train.num_anchors=8", "train.eval_every=4", "train.eval_prompts=1",
+    "train.max_seq_len=160",
+    "bench.num_prompts=2", "bench.max_new_tokens=16", "bench.batch_sizes=[1,2]",
+]
+
+
+@pytest.mark.slow
+def test_run_end_to_end_and_rerun_is_cached(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    args = ["run", TINY, f"work_dir={tmp_path / 'w'}", f"tracking.uri=sqlite:///{tmp_path / 'm.db'}", *MICRO]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    w = tmp_path / "w"
+    world = next(w.glob("world-*"))
+    report = json.loads((world / "report.json").read_text())
+    assert set(report["heldout_loss"]) == {"math", "code"} and report["steps"] == 25
+    assert (world / "bench" / "math.jsonl").is_file() and (w / "data" / "train.jsonl").is_file()
+    rows = json.loads((w / "bench" / "bench.json").read_text())["results"]
+    assert {r["method"] for r in rows} == {"ar", "dflash"} and {r["suite"] for r in rows} == {"math", "code"}
+    assert {r["temperature"] for r in rows} == {0.0, 1.0} and {r["batch_size"] for r in rows} == {1, 2}
+    for r in rows:
+        assert r["tau"] >= 1.0 and r["tokens_per_s"] > 0 and len(r["per_position_acceptance"]) == (3 if r["method"] == "dflash" else 0)
+        assert r["per_position_acceptance"] == sorted(r["per_position_acceptance"], reverse=True)
+    assert (w / "bench" / "bench.png").stat().st_size > 1000 and "| dflash |" in (w / "bench" / "bench.md").read_text()
+    assert "bench:" in out
+
+    # a rerun reuses the cached world and the finished training (resumes with nothing left to do)
+    assert main(args) == 0
+    assert "reusing cached tiny world" in capsys.readouterr().out
+
+
+def test_empty_prompt_file_for_data_is_one_clean_line(tmp_path, capsys, tiny_world):
+    empty = tmp_path / "p.jsonl"
+    empty.write_text("")
+    assert main(["data", TINY, f"target.path={tiny_world.target_dir}", f"data.prompts_file={empty}",
+                 "tracking.enabled=false", f"work_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "no valid requests" in err[0]

@@ -1,0 +1,89 @@
+"""DFlash drafter directories: z-lab weight names and config keys, round trips, and refusals before compute."""
+
+import json
+
+import pytest
+import torch
+
+from specdraft.errors import SpecdraftError
+from specdraft.runtime.drafter_io import check_compatible, load_drafter, read_drafter_config, save_drafter
+from specdraft.runtime.models.dflash import build_target_layer_ids
+from tests.conftest import make_drafter, make_target
+
+
+def test_layer_ids_follow_zlab():
+    assert build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert build_target_layer_ids(32, 5) == [1, 8, 15, 22, 29]
+    assert build_target_layer_ids(36, 1) == [18]
+
+
+def test_weight_names_and_config_keys_are_zlabs(tmp_path):
+    target = make_target()
+    d = make_drafter(target, layers=2)
+    save_drafter(d, tmp_path)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    expected = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    for i in range(2):
+        p = f"layers.{i}."
+        expected |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight",
+                     *(p + f"self_attn.{n}_proj.weight" for n in "qkvo"),
+                     p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight",
+                     *(p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down"))}
+    assert keys == expected  # no embedding, no LM head: the drafter borrows the target's
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 6
+    assert set(cfg["dflash_config"]) == {"mask_token_id", "target_layer_ids"}
+    assert cfg["num_target_layers"] == 4
+
+
+def test_round_trip_gives_identical_drafts(tmp_path):
+    target = make_target()
+    d = make_drafter(target)
+    save_drafter(d, tmp_path)
+    d2 = load_drafter(tmp_path, target)
+    for a, b in zip(d.state_dict().values(), d2.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_loads_a_zlab_style_config_without_our_extra_keys(tmp_path):
+    target = make_target()
+    d = make_drafter(target)
+    save_drafter(d, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    for k in ("target_hidden_size", "rope_parameters", "layer_types"):
+        cfg.pop(k)
+    cfg["auto_map"] = {"AutoModel": "dflash.DFlashDraftModel"}  # z-lab ships remote code; we never run it
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    arch, dcfg = read_drafter_config(tmp_path)
+    assert arch == "dflash" and dcfg.target_hidden_size == target.args.hidden_size
+    assert dcfg.extra == {"auto_map": {"AutoModel": "dflash.DFlashDraftModel"}}
+    load_drafter(tmp_path, target)
+
+
+@pytest.mark.parametrize("field,value,msg", [
+    ("vocab_size", 65, "vocab size"), ("hidden_size", 48, "hidden size"),
+    ("target_layer_ids", [1, 9], "do not exist"), ("mask_token_id", 999, "mask_token_id"),
+])
+def test_mismatch_is_refused_with_a_clear_message(field, value, msg):
+    target = make_target()
+    cfg = make_drafter(target).config
+    setattr(cfg, field, value)
+    with pytest.raises(SpecdraftError, match=msg):
+        check_compatible(cfg, target.args)
+
+
+def test_init_drafter_refuses_a_tokenizer_larger_than_the_target(tiny_world, tmp_path):
+    import shutil
+
+    from specdraft.runtime.drafter_io import init_drafter
+
+    t = tmp_path / "target"
+    shutil.copytree(tiny_world.target_dir, t)
+    cfg = json.loads((t / "config.json").read_text())
+    cfg["vocab_size"] = 100  # the tokenizer has more tokens than this
+    (t / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SpecdraftError, match="tokenizer has .* tokens but the target vocabulary has 100"):
+        init_drafter(t, tmp_path / "d")
