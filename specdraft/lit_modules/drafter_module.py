@@ -1,77 +1,167 @@
-"""SFT LightningModule for block drafters (DFlash, arXiv:2602.06036 §4.2): thin wrapper = features + forward + loss.
+"""LightningModule for block drafters: a thin wrapper = target features + drafter forward + the stage's objective.
 
-The target is frozen and only supplies features, its embedding and LM head; the drafter trains. Metrics:
-``train/loss``, ``train/acc_k`` (slot-k top-1 accuracy), ``eval/loss``, ``eval/sim_tau`` (teacher-forced simulated
-acceptance length computed with the runtime's own :func:`accept_greedy`, bonus included) and, from the callback in
-``pipeline``, ``eval/tau`` from real decoding.
+Stages (``Objective.stage``): ``sft`` (DFlash decayed CE, arXiv:2602.06036 §4.2, optional KL), ``kl`` (forward KL to
+the temperature-scaled target), ``eal`` / ``wtv`` (acceptance-aware losses, methods.md §3) and ``grpo`` (group
+relative policy optimisation rewarded by simulated acceptance length, see :mod:`specdraft.lit_modules.grpo`).
+The target is frozen and only supplies features, its embedding and LM head. Metrics: ``train/loss``,
+``train/acc_k``, ``eval/loss``, ``eval/sim_tau`` (teacher-forced greedy acceptance with the runtime's
+:func:`accept_greedy`, bonus included) and, from the pipeline's callback, ``eval/tau`` from real decoding.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import lightning as L
 import torch
 
-from specdraft.lit_modules.blocks import build_blocks, decay_weights, default_gamma, sample_anchors
+from specdraft.lit_modules import grpo
+from specdraft.lit_modules.blocks import Blocks, build_blocks, decay_weights, default_gamma, sample_anchors
 from specdraft.lit_modules.features import OfflineFeatures, online_features
 from specdraft.lit_modules.lm import cosine_with_warmup
-from specdraft.lit_modules.losses import decayed_ce, forward_kl
+from specdraft.lit_modules.losses import decayed_ce, eal_loss, forward_kl, tv_hybrid_loss, wtv_loss
 from specdraft.runtime.models.target import TargetLM
 from specdraft.runtime.verify import accept_greedy
 
+STAGES = ("sft", "kl", "tv", "eal", "wtv", "grpo")
+NEEDS_TARGET_LOGITS = ("kl", "tv", "wtv")
+_FROZEN = ("target.", "reference.")
 
-class DrafterSFTModule(L.LightningModule):
+
+@dataclass
+class Objective:
+    stage: str = "sft"
+    gamma: float = 0.0
+    """Decay of the per-slot CE weights (0 = DFlash default for the block size)."""
+    kl_weight: float = 0.0
+    """sft: weight of an added forward KL."""
+    temperature: float = 1.0
+    """kl/tv/wtv/grpo(sampling): temperature applied to both distributions."""
+    acceptance_form: str = "log"
+    """eal/wtv: -log(1+E) (log) or -E/K (linear)."""
+    wtv_variant: str = "product"
+    """wtv: product (-log(1+E_T)) or stopgrad (sum_k W_k (1 - alpha_k))."""
+    ce_mix_eta: float = 0.0
+    """eal: warm-up mix lambda*CE + (1-lambda)*EAL with lambda = exp(-eta * sg(mean q)); 0 = pure EAL."""
+    grpo: grpo.GRPOConfig | None = None
+
+    @property
+    def needs_target_logits(self) -> bool:
+        sampling_grpo = self.stage == "grpo" and self.grpo is not None and self.grpo.mode == "sampling"
+        return self.stage in NEEDS_TARGET_LOGITS or self.kl_weight > 0 or sampling_grpo
+
+
+class DraftBatch(NamedTuple):
+    logits: torch.Tensor  # [B, N, K, V] drafter logits for slots 1..K
+    blocks: Blocks
+    target_tokens: torch.Tensor  # [B, N, K + 1] target greedy token after each block prefix (teacher-forced)
+    target_logits: torch.Tensor | None  # [B, N, K, V] target logits for slots 1..K (teacher-forced)
+    ctx: tuple  # (block embeds, block positions, ctx features, ctx positions) to re-run a drafter (GRPO reference)
+
+
+class DrafterModule(L.LightningModule):
     def __init__(self, drafter, target: TargetLM, lr: float, warmup_ratio: float, total_steps: int,
-                 num_anchors: int, gamma: float = 0.0, kl_weight: float = 0.0, weight_decay: float = 0.0,
+                 num_anchors: int, objective: Objective | None = None, weight_decay: float = 0.0,
                  offline: OfflineFeatures | None = None, seed: int = 0):
         super().__init__()
-        self.save_hyperparameters(ignore=["drafter", "target", "offline"])
+        self.save_hyperparameters(ignore=["drafter", "target", "offline", "objective"])
+        self.objective = objective or Objective()
+        if self.objective.stage == "grpo" and self.objective.grpo is None:
+            self.objective.grpo = grpo.GRPOConfig()
+        if self.objective.stage not in STAGES:
+            raise ValueError(f"unknown stage {self.objective.stage!r} ({', '.join(STAGES)})")
+        if offline is not None and self.objective.needs_target_logits:
+            raise ValueError(f"stage {self.objective.stage!r} needs target logits: use online features")
         self.drafter = drafter
         self.target = target.requires_grad_(False).eval()
         self.drafter.bind_target(self.target.model.embed_tokens, self.target.lm_head)
         self.offline = offline
         bs = drafter.block_size
-        self.gamma = gamma or default_gamma(bs)
+        self.gamma = self.objective.gamma or default_gamma(bs)
         self.register_buffer("slot_weights", decay_weights(bs, self.gamma), persistent=False)
+        # GRPO's KL anchor: a frozen copy of the starting drafter (kept out of checkpoints, like the target)
+        self.reference = None
+        if self.objective.stage == "grpo":
+            ref = type(drafter)(drafter.config)
+            ref.load_state_dict(drafter.state_dict())
+            self.reference = ref.to(drafter.fc.weight.device).requires_grad_(False).eval()
+            self.reference.bind_target(self.target.model.embed_tokens, self.target.lm_head)
         self._tokens_seen, self._t0 = 0, None
 
     def train(self, mode: bool = True):
         super().train(mode)
         self.target.eval()  # frozen, always in eval mode
+        if self.reference is not None:
+            self.reference.eval()
         return self
 
     # ---- shared forward -------------------------------------------------------------------------------
     def _features(self, batch, split: str):
         ids = batch["input_ids"]
-        layer_ids = self.drafter.target_layer_ids
         if self.offline is not None:
             feats, greedy = self.offline.batch(split, batch["index"].tolist(), ids.shape[1], ids.device)
             return feats.to(self.drafter.fc.weight.dtype), None, greedy
-        return online_features(self.target, ids, layer_ids, need_logits=self.hparams.kl_weight > 0)
+        return online_features(self.target, ids, self.drafter.target_layer_ids,
+                               need_logits=self.objective.needs_target_logits)
 
-    def _step(self, batch, split: str, generator: torch.Generator | None = None):
+    def draft(self, batch, split: str, generator: torch.Generator | None = None) -> DraftBatch:
         ids, loss_mask, lengths = batch["input_ids"], batch["loss_mask"], batch["lengths"]
         feats, target_logits, greedy = self._features(batch, split)
         d = self.drafter
-        bs = d.block_size
+        bs, K = d.block_size, d.block_size - 1
         anchors, valid = sample_anchors(loss_mask, lengths, self.hparams.num_anchors, generator)
         blk = build_blocks(ids, loss_mask, lengths, anchors, valid, bs, d.config.mask_token_id)
-        S = ids.shape[1]
-        ctx_pos = torch.arange(S, device=ids.device).expand(ids.shape[0], S)
+        B, S = ids.shape
+        ctx_pos = torch.arange(S, device=ids.device).expand(B, S)
         ctx_kv = d.context_kv(feats, ctx_pos)
-        hidden = d(d.embed(blk.tokens), blk.positions, ctx_kv, blk.mask)  # [B, N*Bk, D]
-        B, N = anchors.shape
-        hidden = hidden.view(B, N, bs, -1)[:, :, 1:]  # [B, N, K, D] (slot 0 is never a target)
-        logits = d.logits(hidden)  # [B, N, K, V]
-        loss = decayed_ce(logits, blk.labels, blk.label_mask, self.slot_weights)
-        if target_logits is not None and self.hparams.kl_weight > 0:
-            # target distribution for slot k of anchor a is its prediction at position a + k - 1
-            pos = (anchors[:, :, None] + torch.arange(bs - 1, device=ids.device)).clamp(max=S - 1)  # [B, N, K]
-            t_logits = target_logits.gather(1, pos.flatten(1)[..., None].expand(-1, -1, target_logits.shape[-1]))
-            kl = forward_kl(logits, t_logits.view_as(logits), blk.label_mask, self.slot_weights)
-            loss = loss + self.hparams.kl_weight * kl
-        return loss, logits, blk, greedy, anchors
+        embeds = d.embed(blk.tokens)
+        hidden = d(embeds, blk.positions, ctx_kv, blk.mask)  # [B, N*Bk, D]
+        N = anchors.shape[1]
+        logits = d.logits(hidden.view(B, N, bs, -1)[:, :, 1:])  # [B, N, K, V] (slot 0 is never a target)
+        # the target's view of slot k: its prediction at position a + k - 1 (teacher-forced on the data prefix)
+        pos = (anchors[:, :, None] + torch.arange(K + 1, device=ids.device)).clamp(max=S - 1)  # [B, N, K+1]
+        target_tokens = greedy.gather(1, pos.flatten(1)).view(B, N, K + 1)
+        slot_logits = None
+        if target_logits is not None:
+            flat = pos[:, :, :K].flatten(1)[..., None].expand(-1, -1, target_logits.shape[-1])
+            slot_logits = target_logits.gather(1, flat).view(B, N, K, -1)
+        return DraftBatch(logits, blk, target_tokens, slot_logits, (embeds, blk.positions, feats, ctx_pos))
+
+    def objective_loss(self, db: DraftBatch, generator: torch.Generator | None = None) -> torch.Tensor:
+        o, blk = self.objective, db.blocks
+        K = db.logits.shape[2]
+        if o.stage == "sft":
+            loss = decayed_ce(db.logits, blk.labels, blk.label_mask, self.slot_weights)
+            if o.kl_weight > 0:
+                loss = loss + o.kl_weight * forward_kl(db.logits, db.target_logits, blk.label_mask, self.slot_weights,
+                                                       o.temperature)
+            return loss
+        if o.stage == "kl":
+            return forward_kl(db.logits, db.target_logits, blk.label_mask, self.slot_weights, o.temperature)
+        if o.stage == "tv":
+            return tv_hybrid_loss(db.logits, db.target_logits, blk.label_mask, self.slot_weights, o.temperature)
+        if o.stage == "eal":
+            loss, E = eal_loss(db.logits, db.target_tokens[..., :K], blk.label_mask, blk.valid, o.acceptance_form)
+            if o.ce_mix_eta > 0:
+                q = db.logits.float().log_softmax(-1).gather(-1, db.target_tokens[..., :K, None])[..., 0].exp()
+                m = blk.label_mask.float()
+                lam = torch.exp(-o.ce_mix_eta * ((q.detach() * m).sum() / m.sum().clamp_min(1)))
+                loss = lam * decayed_ce(db.logits, blk.labels, blk.label_mask, self.slot_weights) + (1 - lam) * loss
+            return loss
+        if o.stage == "wtv":
+            return wtv_loss(db.logits, db.target_logits, blk.label_mask, o.temperature, blk.valid,
+                            o.acceptance_form, o.wtv_variant)[0]
+        ref = self.reference
+        with torch.no_grad():
+            embeds, positions, feats, ctx_pos = db.ctx
+            B, N = db.logits.shape[:2]
+            hidden = ref(embeds, positions, ref.context_kv(feats, ctx_pos), blk.mask)
+            ref_logits = ref.logits(hidden.view(B, N, K + 1, -1)[:, :, 1:])  # [B, N, K, V]
+        loss, stats = grpo.grpo_loss(db.logits, ref_logits, db.target_tokens, db.target_logits, blk, o.grpo, generator)
+        self._grpo_stats = stats
+        return loss
 
     @staticmethod
     def slot_accuracy(logits, blk) -> torch.Tensor:
@@ -80,38 +170,40 @@ class DrafterSFTModule(L.LightningModule):
         return hit.flatten(0, 1).sum(0).float() / blk.label_mask.flatten(0, 1).sum(0).clamp_min(1)
 
     @staticmethod
-    def simulated_tau(logits, blk, greedy, anchors) -> torch.Tensor:
+    def simulated_tau(logits, blk, target_tokens) -> torch.Tensor:
         """Mean accepted length (bonus included) under greedy verification against the target's teacher-forced
-        greedy tokens, using the runtime's ``accept_greedy``; blocks must be fully in bounds."""
-        B, N, K, V = logits.shape
-        S = greedy.shape[1]
-        pos = anchors[:, :, None] + torch.arange(K + 1, device=logits.device)  # [B, N, K+1]
-        in_bounds = (pos[:, :, -1] < S) & blk.valid & blk.label_mask.all(-1)
-        tgt = greedy.gather(1, pos.clamp(max=S - 1).flatten(1)).view(B, N, K + 1)  # target token after each prefix
-        onehot = torch.nn.functional.one_hot(tgt[in_bounds], V).float()  # as logits: argmax == tgt
-        n_acc, _ = accept_greedy(logits.argmax(-1)[in_bounds], onehot)
+        greedy tokens, computed by the runtime's ``accept_greedy``; only blocks whose window is fully supervised."""
+        V = logits.shape[-1]
+        full = blk.valid & blk.label_mask.all(-1)
+        onehot = torch.nn.functional.one_hot(target_tokens[full], V).float()  # as logits: argmax == target token
+        n_acc, _ = accept_greedy(logits.argmax(-1)[full], onehot)
         return (n_acc.float() + 1).mean() if n_acc.numel() else torch.tensor(float("nan"), device=logits.device)
 
     # ---- Lightning hooks ------------------------------------------------------------------------------
     def training_step(self, batch, batch_idx):
         if self._t0 is None:
             self._t0 = time.perf_counter()
-        # anchors are a function of (seed, step): resampled every step, identical after a resume
+        # anchors (and GRPO samples) are a function of (seed, step): resampled every step, identical after a resume
         g = torch.Generator(device="cpu").manual_seed(self.hparams.seed * 1_000_003 + self.global_step)
-        loss, logits, blk, _, _ = self._step(batch, "train", g)
+        db = self.draft(batch, "train", g)
+        loss = self.objective_loss(db, g)
         self._tokens_seen += int(batch["lengths"].sum())
-        acc = self.slot_accuracy(logits.detach(), blk)
+        acc = self.slot_accuracy(db.logits.detach(), db.blocks)
         self.log("train/loss", loss, prog_bar=True)
         self.log_dict({f"train/acc_{k + 1}": a for k, a in enumerate(acc.tolist())})
         self.log("train/tokens_per_s", self._tokens_seen / max(time.perf_counter() - self._t0, 1e-6))
+        if self.objective.stage == "grpo":
+            self.log_dict({f"train/grpo_{k}": v for k, v in self._grpo_stats.items()})
         return loss
 
     def validation_step(self, batch, batch_idx):
         g = torch.Generator(device="cpu").manual_seed(self.hparams.seed + batch_idx)
-        loss, logits, blk, greedy, anchors = self._step(batch, "val", g)
-        self.log("eval/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
-        self.log("eval/sim_tau", self.simulated_tau(logits, blk, greedy, anchors), prog_bar=True,
-                 batch_size=batch["input_ids"].shape[0])
+        db = self.draft(batch, "val", g)
+        n = batch["input_ids"].shape[0]
+        self.log("eval/loss", decayed_ce(db.logits, db.blocks.labels, db.blocks.label_mask, self.slot_weights),
+                 prog_bar=True, batch_size=n)
+        self.log("eval/sim_tau", self.simulated_tau(db.logits, db.blocks, db.target_tokens), prog_bar=True,
+                 batch_size=n)
 
     def configure_optimizers(self):
         hp = self.hparams
@@ -121,12 +213,12 @@ class DrafterSFTModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def state_dict(self, *args, **kwargs):
-        """Only the drafter is saved (the frozen target is loaded from its own checkpoint)."""
-        return {k: v for k, v in super().state_dict(*args, **kwargs).items() if not k.startswith("target.")}
+        """Only the drafter is saved (the frozen target and GRPO reference come from their own checkpoints)."""
+        return {k: v for k, v in super().state_dict(*args, **kwargs).items() if not k.startswith(_FROZEN)}
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         missing = super().load_state_dict(state_dict, strict=False, assign=assign)
-        bad = [k for k in missing.missing_keys if not k.startswith("target.")] + list(missing.unexpected_keys)
+        bad = [k for k in missing.missing_keys if not k.startswith(_FROZEN)] + list(missing.unexpected_keys)
         if strict and bad:
             raise RuntimeError(f"checkpoint does not match the drafter: {bad[:5]}")
         return missing

@@ -42,3 +42,111 @@ def forward_kl(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: to
     V = draft_logits.shape[-1]
     per = _rowwise(kl, draft_logits.reshape(-1, V), target_logits.reshape(-1, V))
     return _weighted_mean(per.view(mask.shape), mask, weights)
+
+
+# ---- acceptance-aware losses (EAL / WTV; methods.md §3) --------------------------------------------------------
+
+def _valid_prefix(mask: torch.Tensor) -> torch.Tensor:
+    """Slots after the first invalid one are cut: acceptance cannot continue past the end of the window."""
+    return mask.float().cumprod(dim=-1)
+
+
+def expected_accept_length(log_accept: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``E = sum_k prod_{j<=k} a_j`` per block from per-slot log acceptance probabilities ``[..., K]`` (log space)."""
+    m = _valid_prefix(mask)
+    log_c = torch.cumsum(log_accept * m, dim=-1)  # log prod_{j<=k} a_j
+    return (log_c.exp() * m).sum(-1)  # [...]
+
+
+def eal_loss(draft_logits: torch.Tensor, target_tokens: torch.Tensor, mask: torch.Tensor,
+             block_mask: torch.Tensor | None = None, form: str = "log") -> tuple[torch.Tensor, torch.Tensor]:
+    """Expected accepted length under greedy verification (EAL; the third seed abstract, methods.md §3.2).
+
+    With ``q_k = softmax(z_k)[y*_k]`` (draft probability of the target's greedy token), ``E = sum_k prod_{j<=k} q_j``
+    is exactly the expected number of accepted drafts for a drafter that samples each slot independently, and a
+    smooth surrogate for an argmax drafter. Its gradient is automatically front-weighted:
+    ``dE/dlog q_j = sum_{k>=j} prod_{i<=k} q_i``.
+
+    Args:
+        draft_logits: ``[..., K, V]``; target_tokens: ``[..., K]`` target greedy tokens; mask: ``[..., K]``.
+        block_mask: ``[...]`` blocks that count (default: blocks with at least one valid slot).
+        form: ``"log"`` -> ``-log(1 + E)`` (default), ``"linear"`` -> ``-E / K``.
+    Returns:
+        ``(loss, E per block)``.
+    """
+    logq = _rowwise(lambda z, y: F.log_softmax(z.float(), -1).gather(-1, y[:, None])[:, 0],
+                    draft_logits.reshape(-1, draft_logits.shape[-1]), target_tokens.reshape(-1))
+    E = expected_accept_length(logq.view(target_tokens.shape), mask)
+    return _reduce_acceptance(E, mask, block_mask, form), E
+
+
+def acceptance_alpha(draft_logits: torch.Tensor, target_logits: torch.Tensor, temperature: float = 1.0,
+                     target_temperature: float | None = None) -> torch.Tensor:
+    """Per-slot acceptance probability of speculative sampling, ``alpha = sum_v min(p, q) = 1 - TV(p, q)`` ``[..., K]``.
+
+    ``target_temperature=0`` sharpens the target to its argmax (then ``alpha = q(y*)``: WTV reduces to EAL).
+    """
+    tt = temperature if target_temperature is None else target_temperature
+    V = draft_logits.shape[-1]
+
+    def alpha(d, t):
+        q = F.softmax(d.float() / temperature, -1)
+        p = F.one_hot(t.argmax(-1), V).float() if tt == 0 else F.softmax(t.float() / tt, -1)
+        return torch.minimum(p, q).sum(-1)
+
+    return _rowwise(alpha, draft_logits.reshape(-1, V), target_logits.reshape(-1, V)).view(draft_logits.shape[:-1])
+
+
+def wtv_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0,
+             block_mask: torch.Tensor | None = None, form: str = "log", variant: str = "product",
+             target_temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Window total variation loss for speculative sampling at temperature T (methods.md §3.3).
+
+    ``E_T = sum_k prod_{j<=k} alpha_j`` with ``alpha_k = 1 - TV(p_k, q_k)`` (both temperature-scaled): the expected
+    number of accepted drafts in the window, position k weighted by the acceptance of every earlier slot.
+    ``variant="stopgrad"`` uses ``L = sum_k W_k (1 - alpha_k)``, ``W_k = sum_{i>=k} prod_{j<=i, j!=k} sg(alpha_j)``
+    (same gradient direction per slot, no vanishing product).
+
+    Returns:
+        ``(loss, E_T per block)``.
+    """
+    a = acceptance_alpha(draft_logits, target_logits, temperature, target_temperature).clamp_min(1e-8)
+    E = expected_accept_length(a.log(), mask)
+    if variant == "product":
+        return _reduce_acceptance(E, mask, block_mask, form), E
+    if variant != "stopgrad":
+        raise ValueError(f"unknown WTV variant {variant!r} (product, stopgrad)")
+    m = _valid_prefix(mask)
+    sa = a.detach()
+    prefix = torch.cumprod(sa * m + (1 - m), dim=-1) * m  # prod_{j<=i} sg(a_j) on valid slots
+    # W_k = sum_{i>=k} prefix_i / sg(a_k)
+    W = torch.flip(torch.cumsum(torch.flip(prefix, [-1]), -1), [-1]) / sa
+    per_block = (W * (1 - a) * m).sum(-1)
+    bm = _block_mask(mask, block_mask)
+    return (per_block * bm).sum() / bm.sum().clamp_min(1), E
+
+
+def _block_mask(mask: torch.Tensor, block_mask: torch.Tensor | None) -> torch.Tensor:
+    return (mask[..., 0] if block_mask is None else block_mask & mask[..., 0]).float()
+
+
+def _reduce_acceptance(E: torch.Tensor, mask: torch.Tensor, block_mask: torch.Tensor | None, form: str) -> torch.Tensor:
+    bm = _block_mask(mask, block_mask)
+    if form == "log":
+        per = -torch.log1p(E)
+    elif form == "linear":
+        per = -E / mask.shape[-1]
+    else:
+        raise ValueError(f"unknown acceptance-loss form {form!r} (log, linear)")
+    return (per * bm).sum() / bm.sum().clamp_min(1)
+
+
+def tv_hybrid_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor,
+                   weights: torch.Tensor, temperature: float = 1.0, eta: float = 3.0) -> torch.Tensor:
+    """LK-style hybrid ``lambda * KL(p||q) + (1 - lambda) * TV(p, q)``, ``lambda = exp(-eta * sg(mean alpha))``
+    (arXiv:2602.23881): KL's strong gradients early, the acceptance objective once alpha is high."""
+    a = acceptance_alpha(draft_logits, target_logits, temperature)
+    m = mask.float()
+    lam = torch.exp(-eta * ((a.detach() * m).sum() / m.sum().clamp_min(1)))
+    tv = _weighted_mean(1 - a, mask, weights)
+    return lam * forward_kl(draft_logits, target_logits, mask, weights, temperature) + (1 - lam) * tv

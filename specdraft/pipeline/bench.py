@@ -53,11 +53,10 @@ def _suite_prompts(world, suite: str, n: int, tokenizer) -> list[list[int]]:
     return [encode(tokenizer, r.messages) for r in reqs]
 
 
-def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print, drafters: dict | None = None) -> dict:
-    """Run the benchmark grid; ``drafters`` maps method -> (drafter dir, stage) (default: the run's export)."""
+def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
+    """Run the benchmark grid: AR and each (method, stage) drafter, interleaved on the same prompt batches."""
     from transformers import AutoTokenizer
 
-    from specdraft.pipeline.stages import default_drafter_dir
     from specdraft.pipeline.tokenizer import stop_token_ids
     from specdraft.runtime.decode import GenerationConfig, generate
     from specdraft.runtime.drafter_io import load_drafter
@@ -70,8 +69,15 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print, drafters: dict
     tgt = load_target(world.target_dir, dtype=cfg.target.dtype, device=cfg.target.device)
     tok = AutoTokenizer.from_pretrained(str(world.target_dir), trust_remote_code=False)
     stops = stop_token_ids(tok)
-    drafters = drafters or {m: (default_drafter_dir(cfg), cfg.train.stage) for m in b.methods if m != "ar"}
-    loaded = {m: (load_drafter(d, tgt), stage, str(d)) for m, (d, stage) in drafters.items()}
+    stages = b.stages or [cfg.train.stage]
+    loaded = {}  # label -> (drafter, method, stage, dir)
+    for m in b.methods:
+        if m == "ar":
+            continue
+        for st in stages:
+            d = Path(cfg.decode.drafter) if cfg.decode.drafter and len(stages) == 1 else cfg.work_path / "drafter" / st
+            label = m if len(stages) == 1 else f"{m}:{st}"
+            loaded[label] = (load_drafter(d, tgt), m, st, str(d))
     dev = tgt.lm_head.weight.device
 
     rows = []
@@ -104,13 +110,13 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print, drafters: dict
                     a = acc[method]
                     block = loaded[method][0].block_size if method != "ar" else 1
                     tps = a["tokens"] / a["seconds"]
-                    row = {"method": method, "drafter": loaded[method][2] if method != "ar" else "",
-                           "stage": loaded[method][1] if method != "ar" else "", "suite": suite,
+                    _, m_name, stage, ddir = loaded.get(method, (None, "ar", "", ""))
+                    row = {"method": m_name, "drafter": ddir, "stage": stage, "suite": suite,
                            "temperature": temp, "batch_size": bs, **summarize(a["results"], block),
                            "tokens_per_s": tps, "speedup": tps / ar_tps, "target_distinct2": d2,
                            "num_prompts": len(prompts), "tokens": a["tokens"]}
                     rows.append(row)
-                    if method != "ar" and b.methods and method in b.methods:
+                    if method != "ar":
                         log(f"bench: {suite:9s} T={temp:g} bs={bs}: {method} tau {row['tau']:.2f}, "
                             f"speedup {row['speedup']:.2f}x ({tps:.0f} vs AR {ar_tps:.0f} tok/s)")
     if not rows:
@@ -119,7 +125,7 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print, drafters: dict
     report = write_reports(rows, out_dir)
     for r in rows:
         if r["method"] != "ar":
-            key = f"bench/{r['method']}_{r['suite']}_T{r['temperature']:g}_bs{r['batch_size']}"
+            key = f"bench/{r['method']}_{r['stage']}_{r['suite']}_T{r['temperature']:g}_bs{r['batch_size']}"
             tracker.log_metrics({f"{key}_tau": r["tau"], f"{key}_speedup": r["speedup"],
                                  f"{key}_acceptance_rate": r["acceptance_rate"]})
     tracker.log_artifact(out_dir, "bench")
@@ -151,7 +157,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     drafted = [r for r in rows if r["method"] != "ar"]
     if not drafted:
         return
-    labels = [f"{r['method']}\n{r['suite']} T={r['temperature']:g}" for r in drafted]
+    labels = [f"{r['method']}:{r['stage']}\n{r['suite']} T={r['temperature']:g}" for r in drafted]
     fig, axes = plt.subplots(1, 2, figsize=(max(6, 1.2 * len(drafted)), 4))
     axes[0].bar(range(len(drafted)), [r["tau"] for r in drafted], color="tab:blue")
     axes[0].set_title("tau (tokens per target forward)")

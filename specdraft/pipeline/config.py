@@ -91,6 +91,9 @@ class DrafterConfig:
 @dataclass
 class TrainConfig:
     stage: str = "sft"
+    """sft (decayed CE), kl (forward KL baseline), tv (LK-style KL/TV hybrid), eal, wtv, grpo."""
+    init_stage: str = ""
+    """Stage whose exported drafter warm-starts this one (default: none for sft, eal for grpo, sft otherwise)."""
     lr: float = 6e-4
     warmup_ratio: float = 0.04
     epochs: int = 6
@@ -102,7 +105,21 @@ class TrainConfig:
     gamma: float = 0.0
     """Loss decay exp(-(k-1)/gamma); 0 = the DFlash default for the block size (7/5/4 for 16/10/8)."""
     kl_weight: float = 0.0
-    """Weight of forward KL to the target distribution added to the decayed CE."""
+    """sft: weight of forward KL to the target distribution added to the decayed CE."""
+    temperature: float = 1.0
+    """kl/tv/wtv and sampling GRPO: temperature applied to draft and target distributions alike."""
+    acceptance_form: str = "log"
+    """eal/wtv: -log(1+E) (log) or -E/K (linear)."""
+    wtv_variant: str = "product"
+    """wtv: product or stopgrad weighting."""
+    ce_mix_eta: float = 0.0
+    """eal: lambda*CE + (1-lambda)*EAL with lambda = exp(-eta * mean q) (0 = pure EAL)."""
+    grpo_group_size: int = 8
+    grpo_mode: str = "greedy"
+    """Reward under greedy or sampling verification."""
+    grpo_clip: float = 0.2
+    grpo_kl_coef: float = 0.05
+    grpo_draft_temperature: float = 1.0
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     precision: str = "auto"
@@ -143,6 +160,8 @@ class DecodeConfig:
 @dataclass
 class BenchConfig:
     methods: list[str] = field(default_factory=lambda: ["ar", "dflash"])
+    stages: list[str] = field(default_factory=list)
+    """Drafters to compare, by training stage (default: [train.stage]); each is benched as its own row."""
     suites: list[str] = field(default_factory=lambda: ["math", "code", "dialogue"])
     temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
     batch_sizes: list[int] = field(default_factory=lambda: [1])
@@ -180,7 +199,11 @@ class RunConfig:
 
 
 CHOICES = {
-    "train.stage": ("sft",),
+    "train.stage": ("sft", "kl", "tv", "eal", "wtv", "grpo"),
+    "train.init_stage": ("", "sft", "kl", "tv", "eal", "wtv", "grpo"),
+    "train.acceptance_form": ("log", "linear"),
+    "train.wtv_variant": ("product", "stopgrad"),
+    "train.grpo_mode": ("greedy", "sampling"),
     "train.features": ("online", "offline"),
     "decode.method": ("ar", "dflash"),
     "decode.draft_sampling": ("sample", "greedy"),
@@ -283,6 +306,11 @@ def validate(cfg: RunConfig) -> RunConfig:
     for m in cfg.bench.methods:
         if m not in ("ar", "dflash"):
             _fail("bench.methods", f"unknown method {m!r} (ar, dflash)")
+    for st in cfg.bench.stages:
+        if st not in CHOICES["train.stage"]:
+            _fail("bench.stages", f"unknown stage {st!r}")
+    if cfg.train.grpo_group_size < 2:
+        _fail("train.grpo_group_size", "needs at least 2 samples per group")
     for s in cfg.bench.suites:
         if s not in ("math", "code", "dialogue"):
             _fail("bench.suites", f"unknown suite {s!r} (math, code, dialogue)")

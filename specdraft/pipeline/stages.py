@@ -84,7 +84,8 @@ def train(cfg: RunConfig, world=None):
 
 
 def default_drafter_dir(cfg: RunConfig) -> Path:
-    return Path(cfg.decode.drafter) if cfg.decode.drafter else cfg.work_path / "drafter" / "best"
+    """``decode.drafter``, else the export of ``train.stage``."""
+    return Path(cfg.decode.drafter) if cfg.decode.drafter else cfg.work_path / "drafter" / cfg.train.stage
 
 
 def decode(cfg: RunConfig, input_path: Path, output_path: Path):

@@ -3,6 +3,7 @@ resume; export of the best to the HF-format directory the runtime loads; MLflow 
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -35,13 +36,47 @@ class DecodeEvalCallback(L.Callback):
         pl_module.log("eval/tau", sum(rounds) / max(len(rounds), 1), prog_bar=True)
 
 
+DEFAULT_INIT_STAGE = {"sft": "", "grpo": "eal"}
+
+
+def stage_dir(cfg: RunConfig, stage: str) -> Path:
+    """Where a stage's best drafter is exported (HF layout)."""
+    return cfg.work_path / "drafter" / stage
+
+
+def warm_start_dir(cfg: RunConfig) -> Path | None:
+    """``drafter.init_from``, else the previous stage's export (sft for kl/tv/eal/wtv, eal for grpo)."""
+    if cfg.drafter.init_from:
+        return Path(cfg.drafter.init_from)
+    prev = cfg.train.init_stage or DEFAULT_INIT_STAGE.get(cfg.train.stage, "sft")
+    if not prev:
+        return None
+    d = stage_dir(cfg, prev)
+    if not (d / "config.json").is_file():
+        raise SpecdraftError(f"config key 'train.init_stage': stage {cfg.train.stage!r} warm-starts from the "
+                             f"{prev!r} drafter, but {d} does not exist; train that stage first or set drafter.init_from")
+    return d
+
+
+def objective_from_config(cfg: RunConfig):
+    from specdraft.lit_modules.drafter_module import Objective
+    from specdraft.lit_modules.grpo import GRPOConfig
+
+    t = cfg.train
+    g = GRPOConfig(group_size=t.grpo_group_size, mode=t.grpo_mode, draft_temperature=t.grpo_draft_temperature,
+                   temperature=t.temperature, clip=t.grpo_clip, kl_coef=t.grpo_kl_coef)
+    return Objective(stage=t.stage, gamma=t.gamma, kl_weight=t.kl_weight, temperature=t.temperature,
+                     acceptance_form=t.acceptance_form, wtv_variant=t.wtv_variant, ce_mix_eta=t.ce_mix_eta,
+                     grpo=g if t.stage == "grpo" else None)
+
+
 def _build_drafter(cfg: RunConfig, target, tokenizer, target_dir: Path):
-    from specdraft.runtime.drafter_io import (build_drafter, check_compatible, drafter_config_for_target,
-                                              load_drafter, read_drafter_config)
+    from specdraft.runtime.drafter_io import build_drafter, check_compatible, drafter_config_for_target, load_drafter
 
     dc = cfg.drafter
-    if dc.init_from:
-        drafter = load_drafter(dc.init_from, target)
+    init = warm_start_dir(cfg)
+    if init is not None:
+        drafter = load_drafter(init, target)
         return drafter.train().requires_grad_(True)
     mask_id = dc.mask_token_id if dc.mask_token_id >= 0 else tokenizer.mask_token_id
     if mask_id is None:
@@ -57,23 +92,30 @@ def _build_drafter(cfg: RunConfig, target, tokenizer, target_dir: Path):
 def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=print,
                   callbacks: list[L.Callback] | None = None) -> Path:
     """Train, checkpoint (resuming from ``<work_dir>/checkpoints/drafter-last.ckpt`` when present), export the best
-    checkpoint to ``<work_dir>/drafter/best`` and register it. ``callbacks`` are added to the Lightning trainer."""
+    checkpoint to ``<work_dir>/drafter/<stage>`` and register it. ``callbacks`` are added to the Lightning trainer."""
     from transformers import AutoTokenizer
 
     from specdraft.lit_modules.data import ShareGPTDataModule
-    from specdraft.lit_modules.drafter_module import DrafterSFTModule
+    from specdraft.lit_modules.drafter_module import DrafterModule
     from specdraft.lit_modules.features import OfflineFeatures, build_offline_cache
     from specdraft.pipeline.tokenizer import stop_token_ids
     from specdraft.runtime.batch_job import encode, read_requests
     from specdraft.runtime.load import load_target
 
     t = cfg.train
-    if t.features == "offline" and t.kl_weight > 0:
-        raise SpecdraftError("config key 'train.kl_weight': KL needs target logits; use train.features=online")
+    objective = objective_from_config(cfg)
+    if t.features == "offline" and objective.needs_target_logits:
+        raise SpecdraftError(f"config key 'train.features': stage {t.stage!r} (kl_weight={t.kl_weight}) needs the "
+                             "target's full distributions; use train.features=online")
     L.seed_everything(t.seed, workers=True, verbose=False)
     target = load_target(world.target_dir, dtype="float32", device=cfg.target.device)
     tokenizer = AutoTokenizer.from_pretrained(str(world.target_dir), trust_remote_code=False)
     drafter = _build_drafter(cfg, target, tokenizer, world.target_dir)
+    init = warm_start_dir(cfg)
+    tags = {"stage": t.stage, "warm_start": str(init or "")}
+    if init is not None and (init / "specdraft.json").is_file():
+        tags["warm_start_run_id"] = json.loads((init / "specdraft.json").read_text()).get("run_id", "")
+    tracker.set_tags(tags)
     dm = ShareGPTDataModule(str(data_file), tokenizer, t.batch_size, t.max_seq_len, drafter.block_size, t.seed,
                             enable_thinking=cfg.data.enable_thinking)
     dm.setup()
@@ -87,14 +129,14 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
         cache = build_offline_cache(target, world.target_dir, {"train": dm.train_items, "val": dm.val_items},
                                     drafter.target_layer_ids, cfg.work_path / "features")
         offline = OfflineFeatures(cache)
-    module = DrafterSFTModule(drafter, target, t.lr, t.warmup_ratio, total, t.num_anchors, t.gamma, t.kl_weight,
-                              t.weight_decay, offline, t.seed)
+    module = DrafterModule(drafter, target, t.lr, t.warmup_ratio, total, t.num_anchors, objective, t.weight_decay,
+                           offline, t.seed)
 
     eval_prompts = []
     if world.bench_dir is not None and (world.bench_dir / "math.jsonl").is_file():
         reqs = read_requests(world.bench_dir / "math.jsonl", lambda m: None)[: t.eval_prompts]
         eval_prompts = [encode(tokenizer, r.messages) for r in reqs]
-    ckpt_dir = cfg.work_path / "checkpoints"
+    ckpt_dir = cfg.work_path / "checkpoints" / t.stage
     best_cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, filename="drafter-best", monitor="eval/sim_tau",
                                                   mode="max", save_last=False, save_top_k=1,
                                                   enable_version_counter=False)
@@ -129,8 +171,11 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
 
     from specdraft.export.hf import export_checkpoint
 
-    out = export_checkpoint(best, drafter, cfg.work_path / "drafter" / "best")
-    export_checkpoint(resume, drafter, cfg.work_path / "drafter" / "last")
+    out = export_checkpoint(best, drafter, stage_dir(cfg, t.stage))
+    (out / "specdraft.json").write_text(json.dumps({"stage": t.stage, "run_id": tracker.run_id,
+                                                    "sim_tau": float(best_cb.best_model_score or 0.0),
+                                                    "target": str(world.target_dir), "warm_start": str(init or "")}))
+    export_checkpoint(resume, drafter, stage_dir(cfg, t.stage + "-last"))
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("eval/")}
     tps = module._tokens_seen / train_s if train_s > 0 else 0.0
     tracker.log_metrics({"train/wall_s": train_s, "train/final_tokens_per_s": tps,

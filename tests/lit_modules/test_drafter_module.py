@@ -3,7 +3,7 @@
 import torch
 
 from specdraft.lit_modules.blocks import build_blocks
-from specdraft.lit_modules.drafter_module import DrafterSFTModule
+from specdraft.lit_modules.drafter_module import DrafterModule, Objective
 from specdraft.lit_modules.features import OfflineFeatures, build_offline_cache
 from tests.conftest import make_drafter, make_target
 
@@ -39,14 +39,20 @@ def _batch(world, n=4):
     return dm, collate(dm.train_items[:n])
 
 
-def _module(world, drafter_seed=1, **kw):
+def _module(world, drafter_seed=1, stage="sft", **kw):
     from specdraft.runtime.drafter_io import build_drafter, drafter_config_for_target
     from specdraft.runtime.load import load_target
 
     target = load_target(world.target_dir, dtype="float32", device="cpu")
     torch.manual_seed(drafter_seed)
     d = build_drafter(drafter_config_for_target(target.args, target.args.vocab_size - 1, 1, 4, num_features=2))
-    return DrafterSFTModule(d, target, lr=3e-3, warmup_ratio=0.0, total_steps=100, num_anchors=8, **kw)
+    return DrafterModule(d, target, lr=3e-3, warmup_ratio=0.0, total_steps=100, num_anchors=8,
+                         objective=Objective(stage=stage), **kw)
+
+
+def _step(m, batch, g):
+    db = m.draft(batch, "train", g)
+    return m.objective_loss(db, g), db
 
 
 def test_overfit_one_batch_loss_falls_and_sim_tau_rises(tiny_world):
@@ -55,16 +61,16 @@ def test_overfit_one_batch_loss_falls_and_sim_tau_rises(tiny_world):
     opt = torch.optim.AdamW(m.drafter.parameters(), lr=2e-2)
     g = lambda: torch.Generator().manual_seed(0)  # the same anchors every step: a fixed batch to memorise
     with torch.no_grad():
-        loss0, logits, blk, greedy, anchors = m._step(batch, "train", g())
-        tau0 = m.simulated_tau(logits, blk, greedy, anchors)
+        loss0, db = _step(m, batch, g())
+        tau0 = m.simulated_tau(db.logits, db.blocks, db.target_tokens)
     for _ in range(100):
-        loss, *_ = m._step(batch, "train", g())
+        loss, _ = _step(m, batch, g())
         opt.zero_grad()
         loss.backward()
         opt.step()
     with torch.no_grad():
-        loss1, logits, blk, greedy, anchors = m._step(batch, "train", g())
-        acc = m.slot_accuracy(logits, blk)
+        loss1, db = _step(m, batch, g())
+        acc = m.slot_accuracy(db.logits, db.blocks)
     assert loss1 < 0.5 * loss0
     assert acc[0] > 0.5
     # sim_tau compares drafts with the TARGET's greedy tokens: train on the target's own greedy continuations
@@ -76,29 +82,29 @@ def test_overfit_one_batch_loss_falls_and_sim_tau_rises(tiny_world):
     tgt_batch = collate([{"input_ids": p + r.tokens, "loss_mask": [0] * len(p) + [1] * len(r.tokens), "index": i}
                          for i, (p, r) in enumerate(zip(prompts, gens))])
     with torch.no_grad():
-        _, logits, blk, greedy, anchors = m._step(tgt_batch, "train", g())
-        tau_before = m.simulated_tau(logits, blk, greedy, anchors)
+        _, db = _step(m, tgt_batch, g())
+        tau_before = m.simulated_tau(db.logits, db.blocks, db.target_tokens)
     for _ in range(100):
-        loss, *_ = m._step(tgt_batch, "train", g())
+        loss, _ = _step(m, tgt_batch, g())
         opt.zero_grad()
         loss.backward()
         opt.step()
     with torch.no_grad():
-        _, logits, blk, greedy, anchors = m._step(tgt_batch, "train", g())
-        tau_after = m.simulated_tau(logits, blk, greedy, anchors)
+        _, db = _step(m, tgt_batch, g())
+        tau_after = m.simulated_tau(db.logits, db.blocks, db.target_tokens)
     assert tau_after > tau_before + 0.5, (tau_before, tau_after)
     assert 1.0 <= tau0 <= 4.0
 
 
 def test_simulated_tau_counts_leading_matches_plus_bonus():
     K, V = 3, 7
-    greedy = torch.tensor([[1, 2, 3, 4, 5, 6, 0, 1, 2, 3]])  # target's next token after each position
+    target_tokens = torch.tensor([[[1, 2, 3, 4], [5, 6, 0, 1]]])  # target's token after each block prefix
     anchors = torch.tensor([[0, 4]])
     ids = torch.zeros(1, 10, dtype=torch.long)
     blk = build_blocks(ids, torch.ones_like(ids), torch.tensor([10]), anchors, torch.ones(1, 2, dtype=torch.bool), K + 1, 6)
     drafts = torch.tensor([[[1, 2, 0], [0, 6, 0]]])  # block 0: 2 leading matches; block 1: none
     logits = torch.nn.functional.one_hot(drafts, V).float()
-    tau = DrafterSFTModule.simulated_tau(logits, blk, greedy, anchors)
+    tau = DrafterModule.simulated_tau(logits, blk, target_tokens)
     assert tau.item() == ((2 + 1) + (0 + 1)) / 2
 
 
@@ -110,8 +116,8 @@ def test_offline_features_give_the_same_loss_as_online(tiny_world, tmp_path):
     offline = _module(tiny_world, offline=OfflineFeatures(cache))
     offline.drafter.load_state_dict(online.drafter.state_dict())
     with torch.no_grad():
-        a = online._step(batch, "train", torch.Generator().manual_seed(0))[0]
-        b = offline._step(batch, "train", torch.Generator().manual_seed(0))[0]
+        a = _step(online, batch, torch.Generator().manual_seed(0))[0]
+        b = _step(offline, batch, torch.Generator().manual_seed(0))[0]
     torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)  # features are stored in bf16
 
 

@@ -95,3 +95,48 @@ def test_export_loads_in_runtime_and_mlflow_records_the_run(tiny_world, tmp_path
     assert any(a.path == "drafter" for a in client.list_artifacts(run.info.run_id))
     versions = client.search_model_versions("name='tiny-dflash'")
     assert versions and versions[0].tags["stage"] == "sft" and "sim_tau" in versions[0].tags
+
+
+class TagTracker(RecordingTracker):
+    run_id = "run-x"
+
+    def __init__(self):
+        super().__init__()
+        self.tags = {}
+
+    def set_tags(self, tags):
+        self.tags.update(tags)
+
+
+def test_stages_chain_sft_eal_wtv_grpo_with_warm_starts(tiny_world, tmp_path):
+    import json
+
+    from specdraft.errors import SpecdraftError
+    from specdraft.pipeline.train import train_drafter
+    from specdraft.runtime.drafter_io import load_drafter
+    from specdraft.runtime.load import load_target
+
+    work = tmp_path / "w"
+    data = _prepare(tiny_world, work)
+    base = ["train.max_steps=3", "train.eval_every=3", "train.features=online"]
+    with pytest.raises(SpecdraftError, match="train.init_stage"):  # eal needs an sft drafter first
+        train_drafter(_cfg(tiny_world, work, "train.stage=eal", *base), tiny_world, data, TagTracker(), lambda m: None)
+    trackers = {}
+    for stage in ("sft", "eal", "wtv", "grpo"):
+        trackers[stage] = TagTracker()
+        out = train_drafter(_cfg(tiny_world, work, f"train.stage={stage}", "train.grpo_group_size=4", *base),
+                            tiny_world, data, trackers[stage], lambda m: None)
+        assert out == work / "drafter" / stage
+        meta = json.loads((out / "specdraft.json").read_text())
+        assert meta["stage"] == stage and meta["run_id"] == "run-x"
+    assert trackers["sft"].tags["warm_start"] == ""
+    assert trackers["eal"].tags["warm_start"] == str(work / "drafter" / "sft")
+    assert trackers["grpo"].tags["warm_start"] == str(work / "drafter" / "eal")
+    assert trackers["eal"].tags["warm_start_run_id"] == "run-x"
+    assert "train/grpo_reward_mean" in trackers["grpo"].metrics
+    target = load_target(tiny_world.target_dir, dtype="float32", device="cpu")
+    sft, eal = load_drafter(work / "drafter" / "sft", target), load_drafter(work / "drafter" / "eal", target)
+    assert not torch.equal(sft.fc.weight, eal.fc.weight)  # the stage trained
+    with pytest.raises(SpecdraftError, match="train.features"):
+        train_drafter(_cfg(tiny_world, work, "train.stage=wtv", "train.features=offline"), tiny_world, data,
+                      TagTracker(), lambda m: None)

@@ -1,0 +1,115 @@
+"""EAL / WTV / TV losses (methods.md §3): brute-force expectations, limits, identities, gradients."""
+
+import itertools
+
+import pytest
+import torch
+
+from specdraft.lit_modules.losses import acceptance_alpha, eal_loss, tv_hybrid_loss, wtv_loss
+
+
+def _brute_force_expected_accepted(q: torch.Tensor, y: list[int]) -> float:
+    """Sum over every draft outcome of P(outcome) * (#leading matches with y) for independent slots q [K, V]."""
+    K, V = q.shape
+    total = 0.0
+    for drafts in itertools.product(range(V), repeat=K):
+        p = 1.0
+        for k, d in enumerate(drafts):
+            p *= float(q[k, d])
+        n = 0
+        while n < K and drafts[n] == y[n]:
+            n += 1
+        total += p * n
+    return total
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_eal_equals_brute_force_expectation(seed):
+    torch.manual_seed(seed)
+    K, V = 4, 3
+    logits = torch.randn(K, V) * 2
+    y = torch.randint(0, V, (K,))
+    _, E = eal_loss(logits[None], y[None], torch.ones(1, K, dtype=torch.bool))
+    assert E.item() == pytest.approx(_brute_force_expected_accepted(logits.softmax(-1), y.tolist()), rel=1e-5)
+
+
+def test_eal_respects_window_end():
+    logits = torch.randn(1, 4, 5)
+    y = torch.randint(0, 5, (1, 4))
+    mask = torch.tensor([[True, True, False, True]])  # the slot after an invalid one cannot be accepted either
+    _, E = eal_loss(logits, y, mask)
+    q = logits.softmax(-1)[0, torch.arange(4), y[0]]
+    assert E.item() == pytest.approx(float(q[0] + q[0] * q[1]), rel=1e-5)
+
+
+def test_wtv_with_target_sharpened_to_zero_temperature_equals_eal():
+    torch.manual_seed(3)
+    d, t = torch.randn(2, 3, 5, 11), torch.randn(2, 3, 5, 11)
+    mask = torch.ones(2, 3, 5, dtype=torch.bool)
+    l_eal, e_eal = eal_loss(d, t.argmax(-1), mask)
+    l_wtv, e_wtv = wtv_loss(d, t, mask, temperature=1.0, target_temperature=0.0)
+    torch.testing.assert_close(e_wtv, e_eal, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(l_wtv, l_eal, rtol=1e-5, atol=1e-6)
+
+
+def test_sharpening_both_gives_hard_greedy_acceptance():
+    torch.manual_seed(4)
+    d, t = torch.randn(6, 4, 9), torch.randn(6, 4, 9)
+    a = acceptance_alpha(d, t, temperature=1e-4)
+    torch.testing.assert_close(a, (d.argmax(-1) == t.argmax(-1)).float(), atol=1e-4, rtol=0)
+
+
+def test_alpha_is_one_minus_total_variation():
+    torch.manual_seed(5)
+    d, t = torch.randn(3, 7, 13), torch.randn(3, 7, 13)
+    for T in (0.5, 1.0, 2.0):
+        p, q = (t / T).softmax(-1), (d / T).softmax(-1)
+        tv = 0.5 * (p - q).abs().sum(-1)
+        torch.testing.assert_close(acceptance_alpha(d, t, T), 1 - tv, rtol=1e-5, atol=1e-6)
+
+
+def test_wtv_equals_product_of_alphas():
+    torch.manual_seed(6)
+    d, t = torch.randn(1, 3, 6), torch.randn(1, 3, 6)
+    a = acceptance_alpha(d, t)[0]
+    _, E = wtv_loss(d, t, torch.ones(1, 3, dtype=torch.bool))
+    assert E.item() == pytest.approx(float(a[0] + a[0] * a[1] + a[0] * a[1] * a[2]), rel=1e-5)
+
+
+@pytest.mark.parametrize("loss_name", ["eal", "wtv", "wtv_stopgrad", "eal_linear", "tv"])
+def test_two_token_toy_gradients_are_finite_and_point_toward_the_target(loss_name):
+    """Vocabulary {0, 1}, two slots, target wants token 0 in both: descending the loss raises q(0) in both slots."""
+    z = torch.tensor([[[0.3, 0.5], [-20.0, 20.0]]], requires_grad=True)  # slot 2 is (almost) surely wrong
+    t_logits = torch.tensor([[[4.0, -4.0], [4.0, -4.0]]])
+    y = torch.tensor([[0, 0]])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    if loss_name == "eal":
+        loss, _ = eal_loss(z, y, mask)
+    elif loss_name == "eal_linear":
+        loss, _ = eal_loss(z, y, mask, form="linear")
+    elif loss_name == "wtv":
+        loss, _ = wtv_loss(z, t_logits, mask)
+    elif loss_name == "wtv_stopgrad":
+        loss, _ = wtv_loss(z, t_logits, mask, variant="stopgrad")
+    else:
+        loss = tv_hybrid_loss(z, t_logits, mask, torch.ones(2))
+    loss.backward()
+    g = z.grad[0]
+    assert torch.isfinite(g).all()
+    assert g[0, 0] < 0 < g[0, 1]  # slot 1: increase the logit of token 0
+    assert g[1, 0] <= 0 <= g[1, 1]
+    if loss_name != "tv":  # the window losses are front-weighted: the first slot matters most
+        assert g[0, 0].abs() > g[1, 0].abs()
+
+
+def test_stopgrad_variant_has_the_gradient_of_linear_E():
+    torch.manual_seed(7)
+    d = torch.randn(2, 4, 6, requires_grad=True)
+    t = torch.randn(2, 4, 6)
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    wtv_loss(d, t, mask, variant="stopgrad")[0].backward()
+    g1 = d.grad.clone()
+    d.grad = None
+    _, E = wtv_loss(d, t, mask)
+    (-E.mean()).backward()
+    torch.testing.assert_close(g1, d.grad, rtol=1e-4, atol=1e-6)
