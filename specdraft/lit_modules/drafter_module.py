@@ -25,8 +25,8 @@ from specdraft.lit_modules.losses import decayed_ce, eal_loss, forward_kl, tv_hy
 from specdraft.runtime.models.target import TargetLM
 from specdraft.runtime.verify import accept_greedy
 
-STAGES = ("sft", "kl", "tv", "eal", "wtv", "grpo")
-NEEDS_TARGET_LOGITS = ("kl", "tv", "wtv")
+STAGES = ("sft", "kl", "tv", "eal", "wtv", "grpo", "retrace")
+NEEDS_TARGET_LOGITS = ("kl", "tv", "wtv", "retrace")
 _FROZEN = ("target.", "reference.")
 
 
@@ -46,6 +46,8 @@ class Objective:
     ce_mix_eta: float = 0.0
     """eal: warm-up mix lambda*CE + (1-lambda)*EAL with lambda = exp(-eta * sg(mean q)); 0 = pure EAL."""
     grpo: grpo.GRPOConfig | None = None
+    prior_dropout: float = 0.2
+    """retrace: share of second-round blocks trained without their prior (keeps the no-prior path calibrated)."""
 
     @property
     def needs_target_logits(self) -> bool:
@@ -54,6 +56,8 @@ class Objective:
 
 
 class DraftBatch(NamedTuple):
+    """One training forward: drafter logits for random-anchor blocks and the target's view of them."""
+
     logits: torch.Tensor  # [B, N, K, V] drafter logits for slots 1..K
     blocks: Blocks
     target_tokens: torch.Tensor  # [B, N, K + 1] target greedy token after each block prefix (teacher-forced)
@@ -103,36 +107,51 @@ class DrafterModule(L.LightningModule):
         if self.offline is not None:
             feats, greedy = self.offline.batch(split, batch["index"].tolist(), ids.shape[1], ids.device)
             return feats.to(self.drafter.fc.weight.dtype), None, greedy
-        return online_features(self.target, ids, self.drafter.target_layer_ids,
-                               need_logits=self.objective.needs_target_logits)
+        feats, hidden, greedy = online_features(self.target, ids, self.drafter.target_layer_ids)
+        return feats, (hidden if self.objective.needs_target_logits else None), greedy
 
-    def draft(self, batch, split: str, generator: torch.Generator | None = None) -> DraftBatch:
+    def run_blocks(self, batch, feats, anchors, valid, prior=None):
+        """Drafter forward over blocks at ``anchors`` ``[B, N]``; ``prior`` (one row per block, ReTrace) is fused into
+        the block inputs. Returns ``(logits [B, N, K, V], hidden [B, N, Bk, D], blocks, ctx)``."""
         ids, loss_mask, lengths = batch["input_ids"], batch["loss_mask"], batch["lengths"]
-        feats, target_logits, greedy = self._features(batch, split)
         d = self.drafter
-        bs, K = d.block_size, d.block_size - 1
-        anchors, valid = sample_anchors(loss_mask, lengths, self.hparams.num_anchors, generator)
+        bs = d.block_size
         blk = build_blocks(ids, loss_mask, lengths, anchors, valid, bs, d.config.mask_token_id)
         B, S = ids.shape
-        ctx_pos = torch.arange(S, device=ids.device).expand(B, S)
-        ctx_kv = d.context_kv(feats, ctx_pos)
-        embeds = d.embed(blk.tokens)
-        hidden = d(embeds, blk.positions, ctx_kv, blk.mask)  # [B, N*Bk, D]
         N = anchors.shape[1]
-        logits = d.logits(hidden.view(B, N, bs, -1)[:, :, 1:])  # [B, N, K, V] (slot 0 is never a target)
-        # the target's view of slot k: its prediction at position a + k - 1 (teacher-forced on the data prefix)
-        pos = (anchors[:, :, None] + torch.arange(K + 1, device=ids.device)).clamp(max=S - 1)  # [B, N, K+1]
-        target_tokens = greedy.gather(1, pos.flatten(1)).view(B, N, K + 1)
+        ctx_pos = torch.arange(S, device=ids.device).expand(B, S)
+        embeds = d.embed(blk.tokens)  # [B, N*Bk, D]
+        if prior is not None:
+            embeds = embeds + d.fusion_delta(prior, bs).view(B, N * bs, -1).to(embeds.dtype)
+        hidden = d(embeds, blk.positions, d.context_kv(feats, ctx_pos), blk.mask).view(B, N, bs, -1)
+        logits = d.logits(hidden[:, :, 1:])  # [B, N, K, V] (slot 0 is never a target)
+        return logits, hidden, blk, (embeds, blk.positions, feats, ctx_pos)
+
+    def target_view(self, anchors, greedy, target_hidden, K):
+        """The target's teacher-forced view of each block: token after each prefix ``[B, N, K+1]`` and logits for
+        slots 1..K ``[B, N, K, V]`` (its prediction at position ``a + k - 1``; computed only at those positions)."""
+        B, N = anchors.shape
+        S = greedy.shape[1]
+        pos = (anchors[:, :, None] + torch.arange(K + 1, device=anchors.device)).clamp(max=S - 1)  # [B, N, K+1]
+        tokens = greedy.gather(1, pos.flatten(1)).view(B, N, K + 1)
         slot_logits = None
-        if target_logits is not None:
-            flat = pos[:, :, :K].flatten(1)[..., None].expand(-1, -1, target_logits.shape[-1])
-            slot_logits = target_logits.gather(1, flat).view(B, N, K, -1)
-        return DraftBatch(logits, blk, target_tokens, slot_logits, (embeds, blk.positions, feats, ctx_pos))
+        if target_hidden is not None:
+            flat = pos[:, :, :K].flatten(1)[..., None].expand(-1, -1, target_hidden.shape[-1])
+            with torch.no_grad():
+                slot_logits = self.target.lm_head(target_hidden.gather(1, flat)).view(B, N, K, -1)
+        return tokens, slot_logits
+
+    def draft(self, batch, split: str, generator: torch.Generator | None = None) -> DraftBatch:
+        feats, target_hidden, greedy = self._features(batch, split)
+        anchors, valid = sample_anchors(batch["loss_mask"], batch["lengths"], self.hparams.num_anchors, generator)
+        logits, _, blk, ctx = self.run_blocks(batch, feats, anchors, valid)
+        tokens, slot_logits = self.target_view(anchors, greedy, target_hidden, self.drafter.block_size - 1)
+        return DraftBatch(logits, blk, tokens, slot_logits, ctx)
 
     def objective_loss(self, db: DraftBatch, generator: torch.Generator | None = None) -> torch.Tensor:
         o, blk = self.objective, db.blocks
         K = db.logits.shape[2]
-        if o.stage == "sft":
+        if o.stage in ("sft", "retrace"):  # retrace: decayed CE on the second-round blocks
             loss = decayed_ce(db.logits, blk.labels, blk.label_mask, self.slot_weights)
             if o.kl_weight > 0:
                 loss = loss + o.kl_weight * forward_kl(db.logits, db.target_logits, blk.label_mask, self.slot_weights,
@@ -185,7 +204,13 @@ class DrafterModule(L.LightningModule):
             self._t0 = time.perf_counter()
         # anchors (and GRPO samples) are a function of (seed, step): resampled every step, identical after a resume
         g = torch.Generator(device="cpu").manual_seed(self.hparams.seed * 1_000_003 + self.global_step)
-        db = self.draft(batch, "train", g)
+        if self.objective.stage == "retrace":
+            from specdraft.lit_modules.retrace_step import two_round_blocks
+
+            db, stats = two_round_blocks(self, batch, "train", g, self.objective.prior_dropout)
+            self.log_dict({f"train/retrace_{k}": v for k, v in stats.items()})
+        else:
+            db = self.draft(batch, "train", g)
         loss = self.objective_loss(db, g)
         self._tokens_seen += int(batch["lengths"].sum())
         acc = self.slot_accuracy(db.logits.detach(), db.blocks)
@@ -198,8 +223,15 @@ class DrafterModule(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         g = torch.Generator(device="cpu").manual_seed(self.hparams.seed + batch_idx)
-        db = self.draft(batch, "val", g)
         n = batch["input_ids"].shape[0]
+        if self.objective.stage == "retrace":  # second-round blocks (after a rejection), with and without prior
+            from specdraft.lit_modules.retrace_step import two_round_blocks
+
+            db0, _ = two_round_blocks(self, batch, "val", torch.Generator().manual_seed(self.hparams.seed + batch_idx), 1.0)
+            self.log("eval/sim_tau_noprior", self.simulated_tau(db0.logits, db0.blocks, db0.target_tokens), batch_size=n)
+            db, _ = two_round_blocks(self, batch, "val", g, 0.0)
+        else:
+            db = self.draft(batch, "val", g)
         self.log("eval/loss", decayed_ce(db.logits, db.blocks.labels, db.blocks.label_mask, self.slot_weights),
                  prog_bar=True, batch_size=n)
         self.log("eval/sim_tau", self.simulated_tau(db.logits, db.blocks, db.target_tokens), prog_bar=True,

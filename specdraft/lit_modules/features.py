@@ -30,12 +30,20 @@ def target_fingerprint(target_dir: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
+POSITION_CHUNK = 256
+
+
 @torch.no_grad()
-def online_features(target: TargetLM, input_ids: torch.Tensor, layer_ids: tuple[int, ...], need_logits: bool):
-    """``(features [B, S, F], target_logits [B, S, V] or None, greedy next tokens [B, S])``."""
-    out = target(input_ids, feature_layers=layer_ids, return_logits=True)
-    greedy = out.logits.argmax(-1)
-    return out.features, (out.logits if need_logits else None), greedy
+def online_features(target: TargetLM, input_ids: torch.Tensor, layer_ids: tuple[int, ...]):
+    """``(features [B, S, F], final-normed hidden [B, S, D], greedy next tokens [B, S])``.
+
+    The LM head runs in position chunks for the greedy tokens; logits are materialised later only at the positions
+    a loss needs (see ``DrafterModule.target_view``).
+    """
+    out = target(input_ids, feature_layers=layer_ids, return_logits=False)
+    greedy = torch.cat([target.lm_head(out.hidden[:, i:i + POSITION_CHUNK]).argmax(-1)
+                        for i in range(0, out.hidden.shape[1], POSITION_CHUNK)], dim=1)
+    return out.features, out.hidden, greedy
 
 
 def build_offline_cache(target: TargetLM, target_dir: str | Path, items: dict[str, list[dict]],
@@ -59,7 +67,7 @@ def build_offline_cache(target: TargetLM, target_dir: str | Path, items: dict[st
                 ids = torch.zeros(len(batch), L, dtype=torch.long)
                 for i, r in enumerate(batch):
                     ids[i, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
-                feats, _, greedy = online_features(target, ids.to(dev), layer_ids, need_logits=False)
+                feats, _, greedy = online_features(target, ids.to(dev), layer_ids)
                 for i, r in enumerate(batch):
                     n = len(r["input_ids"])
                     shard[f"{r['index']}.features"] = feats[i, :n].to(torch.bfloat16).cpu().contiguous()

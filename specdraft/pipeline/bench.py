@@ -71,13 +71,10 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
     stops = stop_token_ids(tok)
     stages = b.stages or [cfg.train.stage]
     loaded = {}  # label -> (drafter, method, stage, dir)
-    for m in b.methods:
-        if m == "ar":
-            continue
-        for st in stages:
-            d = Path(cfg.decode.drafter) if cfg.decode.drafter and len(stages) == 1 else cfg.work_path / "drafter" / st
-            label = m if len(stages) == 1 else f"{m}:{st}"
-            loaded[label] = (load_drafter(d, tgt), m, st, str(d))
+    for st in stages:
+        d = Path(cfg.decode.drafter) if cfg.decode.drafter and len(stages) == 1 else cfg.work_path / "drafter" / st
+        drafter = load_drafter(d, tgt)
+        loaded[f"{drafter.arch_name}:{st}"] = (drafter, drafter.arch_name, st, str(d))
     dev = tgt.lm_head.weight.device
 
     rows = []

@@ -86,6 +86,12 @@ class DrafterConfig:
     """-1 = the tokenizer's mask token."""
     init_from: str = ""
     """Warm start from an HF-format drafter directory."""
+    retrace_alignment: str = "hard"
+    """ReTrace: hard (shift by n+1) or soft (Gaussian over offsets) alignment of the rejected suffix."""
+    retrace_use_correction: bool = True
+    """ReTrace: refine the retained states with the verify pass's target signals (false: drafter states only)."""
+    retrace_gate_anchor: bool = False
+    """ReTrace: fuse into the anchor slot too (default: mask slots only)."""
 
 
 @dataclass
@@ -120,6 +126,8 @@ class TrainConfig:
     grpo_clip: float = 0.2
     grpo_kl_coef: float = 0.05
     grpo_draft_temperature: float = 1.0
+    prior_dropout: float = 0.2
+    """retrace: share of second-round blocks trained without their prior."""
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     precision: str = "auto"
@@ -144,7 +152,7 @@ class TrainConfig:
 @dataclass
 class DecodeConfig:
     method: str = "dflash"
-    """ar or dflash."""
+    """ar (target alone), dflash or retrace (must match the drafter's architecture)."""
     drafter: str = ""
     """HF-format drafter directory (default: the run's exported drafter)."""
     temperature: float = 0.0
@@ -159,9 +167,9 @@ class DecodeConfig:
 
 @dataclass
 class BenchConfig:
-    methods: list[str] = field(default_factory=lambda: ["ar", "dflash"])
     stages: list[str] = field(default_factory=list)
-    """Drafters to compare, by training stage (default: [train.stage]); each is benched as its own row."""
+    """Drafters to compare against AR, by training stage (default: [train.stage]); a row per drafter, its method
+    being the drafter's architecture (dflash, retrace)."""
     suites: list[str] = field(default_factory=lambda: ["math", "code", "dialogue"])
     temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
     batch_sizes: list[int] = field(default_factory=lambda: [1])
@@ -199,13 +207,15 @@ class RunConfig:
 
 
 CHOICES = {
-    "train.stage": ("sft", "kl", "tv", "eal", "wtv", "grpo"),
-    "train.init_stage": ("", "sft", "kl", "tv", "eal", "wtv", "grpo"),
+    "train.stage": ("sft", "kl", "tv", "eal", "wtv", "grpo", "retrace"),
+    "train.init_stage": ("", "sft", "kl", "tv", "eal", "wtv", "grpo", "retrace"),
+    "drafter.arch": ("dflash", "retrace"),
+    "drafter.retrace_alignment": ("hard", "soft"),
     "train.acceptance_form": ("log", "linear"),
     "train.wtv_variant": ("product", "stopgrad"),
     "train.grpo_mode": ("greedy", "sampling"),
     "train.features": ("online", "offline"),
-    "decode.method": ("ar", "dflash"),
+    "decode.method": ("ar", "dflash", "retrace"),
     "decode.draft_sampling": ("sample", "greedy"),
     "target.dtype": ("auto", "float32", "bfloat16", "float16"),
 }
@@ -303,9 +313,6 @@ def validate(cfg: RunConfig) -> RunConfig:
     for key, choices in CHOICES.items():
         if flat[key] not in choices:
             _fail(key, f"{flat[key]!r} is not one of {', '.join(choices)}")
-    for m in cfg.bench.methods:
-        if m not in ("ar", "dflash"):
-            _fail("bench.methods", f"unknown method {m!r} (ar, dflash)")
     for st in cfg.bench.stages:
         if st not in CHOICES["train.stage"]:
             _fail("bench.stages", f"unknown stage {st!r}")

@@ -109,7 +109,10 @@ def decode(cfg: RunConfig, input_path: Path, output_path: Path):
     drafter_dir = None
     if d.method != "ar":
         drafter_dir = default_drafter_dir(cfg)
-        _, dcfg = read_drafter_config(drafter_dir)  # checked against the target before loading any weights
+        arch, dcfg = read_drafter_config(drafter_dir)  # checked against the target before loading any weights
+        if arch != d.method:
+            raise SpecdraftError(f"config key 'decode.method': {d.method!r} but the drafter in {drafter_dir} is "
+                                 f"a {arch!r} drafter")
         check_compatible(dcfg, TargetArgs.from_hf_config(read_hf_config(world.target_dir)))
     with tracked(cfg, "decode") as tr:
         tgt = load_target(world.target_dir, dtype=cfg.target.dtype, device=cfg.target.device)

@@ -36,7 +36,7 @@ class DecodeEvalCallback(L.Callback):
         pl_module.log("eval/tau", sum(rounds) / max(len(rounds), 1), prog_bar=True)
 
 
-DEFAULT_INIT_STAGE = {"sft": "", "grpo": "eal"}
+DEFAULT_INIT_STAGE = {"sft": "", "grpo": "eal"}  # every other stage warm-starts from sft
 
 
 def stage_dir(cfg: RunConfig, stage: str) -> Path:
@@ -67,7 +67,21 @@ def objective_from_config(cfg: RunConfig):
                    temperature=t.temperature, clip=t.grpo_clip, kl_coef=t.grpo_kl_coef)
     return Objective(stage=t.stage, gamma=t.gamma, kl_weight=t.kl_weight, temperature=t.temperature,
                      acceptance_form=t.acceptance_form, wtv_variant=t.wtv_variant, ce_mix_eta=t.ce_mix_eta,
-                     grpo=g if t.stage == "grpo" else None)
+                     grpo=g if t.stage == "grpo" else None, prior_dropout=t.prior_dropout)
+
+
+def _retrace_from_backbone(cfg: RunConfig, backbone):
+    """A ReTrace drafter whose DFlash part is ``backbone``'s weights and whose fusion starts at zero (== backbone)."""
+    from specdraft.runtime.models.retrace import ReTraceConfig, ReTraceDrafter, ReTraceOptions
+
+    dc = cfg.drafter
+    opts = ReTraceOptions(alignment=dc.retrace_alignment, use_correction=dc.retrace_use_correction,
+                          gate_anchor=dc.retrace_gate_anchor)
+    model = ReTraceDrafter(ReTraceConfig.from_dflash(backbone.config, opts))
+    missing, unexpected = model.load_state_dict(backbone.state_dict(), strict=False)
+    assert not unexpected and all(k.startswith("retrace_") for k in missing), (missing, unexpected)
+    model = model.to(backbone.fc.weight.device)
+    return model.bind_target(*backbone._borrowed)
 
 
 def _build_drafter(cfg: RunConfig, target, tokenizer, target_dir: Path):
@@ -77,6 +91,8 @@ def _build_drafter(cfg: RunConfig, target, tokenizer, target_dir: Path):
     init = warm_start_dir(cfg)
     if init is not None:
         drafter = load_drafter(init, target)
+        if cfg.train.stage == "retrace" and drafter.arch_name != "retrace":
+            drafter = _retrace_from_backbone(cfg, drafter)
         return drafter.train().requires_grad_(True)
     mask_id = dc.mask_token_id if dc.mask_token_id >= 0 else tokenizer.mask_token_id
     if mask_id is None:

@@ -1,6 +1,7 @@
 """The decode engine: lossless speculative decoding over ragged batches (DFlash loop, arXiv:2602.06036 §2).
 
-One round per active row: draft a block ``[anchor, MASK x (B-1)]`` -> verify ``[anchor, d_1..d_{B-1}]`` in ONE target
+One round per active row: draft a block ``[anchor, MASK x (B-1)]`` (its input embeddings may carry the drafter's
+cross-round state, e.g. ReTrace's rejected suffix) -> verify ``[anchor, d_1..d_{B-1}]`` in ONE target
 pass -> accept ``a`` drafts + one target token -> commit (each row's target cache grows by ``a + 1``) -> feed the
 ``a + 1`` committed tokens' target features to the drafter's context cache. The AR baseline (no drafter) is the same
 loop with a block of one token, so speedups compare like with like. Finished rows are compacted away so they stop
@@ -52,11 +53,14 @@ class _State:
     anchor: torch.Tensor  # [b] last committed token, not yet in the target cache
     ctx_features: torch.Tensor | None  # [b, T, F] target features not yet ingested by the drafter
     ctx_counts: torch.Tensor | None  # [b]
+    draft_state: object = None  # drafter's cross-round state (ReTrace: the rejected suffix), or None
 
     def select(self, keep: torch.Tensor) -> None:
         self.rows, self.anchor = self.rows[keep], self.anchor[keep]
         if self.ctx_features is not None:
             self.ctx_features, self.ctx_counts = self.ctx_features[keep], self.ctx_counts[keep]
+        if self.draft_state is not None:
+            self.draft_state = self.draft_state.select(keep)
 
 
 def _pad(prompts: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,7 +134,7 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
             drafter.ingest(dcache, state.ctx_features, state.ctx_counts)
             blk = torch.full((b, block), drafter.config.mask_token_id, dtype=torch.long, device=dev)
             blk[:, 0] = state.anchor
-            hidden = drafter.draft_hidden(dcache, drafter.embed(blk))  # [b, Bk, D]
+            hidden = drafter.draft_hidden(dcache, drafter.block_embeds(blk, state.draft_state))  # [b, Bk, D]
             draft_logits = drafter.logits(hidden[:, 1:])  # [b, K, V]
             if params.greedy or config.draft_sampling == "greedy":
                 draft_tokens = draft_logits.argmax(-1)  # [b, K]
@@ -154,6 +158,8 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
         tcache.crop(tcache.lengths + n_acc + 1)  # anchor + accepted drafts are now committed
         if drafter is not None:
             state.ctx_features, state.ctx_counts = out.features, n_acc + 1
+            state.draft_state = drafter.next_round_state(state.draft_state, hidden, draft_tokens, n_acc, out.logits,
+                                                         out.features)
         state.anchor = nxt
         keep = []
         for i, (row, a, d, t) in enumerate(zip(state.rows.tolist(), n_acc.tolist(), draft_tokens.tolist(),

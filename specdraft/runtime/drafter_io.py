@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from specdraft.errors import SpecdraftError
 from specdraft.runtime.load import load_safetensors_dir
 from specdraft.runtime.models.dflash import DFlashConfig, build_target_layer_ids
+import specdraft.runtime.models  # noqa: F401  (registers every drafter architecture)
 from specdraft.runtime.models.registry import resolve_drafter
 from specdraft.runtime.models.target import TargetArgs, TargetLM
 

@@ -51,6 +51,12 @@ class OracleStubDrafter:
         self._anchors = block[:, 0].tolist()
         return torch.zeros(block.shape[0], block.shape[1], 1)
 
+    def block_embeds(self, block, state):
+        return self.embed(block)
+
+    def next_round_state(self, *args):
+        return None
+
     @torch.no_grad()
     def draft_hidden(self, cache, block_embeds):
         K = self.block_size - 1

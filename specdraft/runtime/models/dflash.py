@@ -217,6 +217,15 @@ class DFlashDrafter(nn.Module):
             h = layer(h, cos, sin, ck, cv, mask)
         return self.norm(h)
 
+    # ---- engine hooks (cross-round state; DFlash keeps none, ReTrace carries the rejected suffix) ----------
+    def block_embeds(self, block_tokens: torch.Tensor, state=None) -> torch.Tensor:
+        """Input embeddings of a block ``[b, Bk] -> [b, Bk, D]`` given the cross-round state."""
+        return self.embed(block_tokens)
+
+    def next_round_state(self, state, hidden, draft_tokens, num_accepted, target_logits, target_features):
+        """State carried into the next round from this round's draft and verify outputs (no extra forward)."""
+        return None
+
     # ---- inference with a context-only cache -----------------------------------------------------------
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
         p = self.fc.weight

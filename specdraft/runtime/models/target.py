@@ -70,8 +70,9 @@ class TargetArgs:
 
 
 class TargetOutput(NamedTuple):
-    logits: torch.Tensor  # [B, T or P, V]
+    logits: torch.Tensor  # [B, T or P, V] (empty when return_logits=False)
     features: torch.Tensor | None  # [B, T, n_layers * D] (outputs of the requested layers, concatenated)
+    hidden: torch.Tensor | None = None  # [B, T, D] final-normed hidden states (when return_logits=False)
 
 
 class DecoderLayer(nn.Module):
@@ -139,7 +140,8 @@ class TargetLM(nn.Module):
             new_mask: ``[B, T, T]`` bool visibility among new tokens (default causal).
             feature_layers: decoder layer ids whose outputs are returned, concatenated, in this order.
             logits_at: ``[B, P]`` positions (within ``tokens``) whose logits are computed; default all.
-            return_logits: skip the LM head entirely (feature extraction for training).
+            return_logits: False skips the LM head and returns the final-normed hidden states instead (training
+                computes logits only where it needs them: a 150k-vocabulary ``[B, T, V]`` would not fit).
         """
         B, T = tokens.shape
         dev = tokens.device
@@ -167,7 +169,7 @@ class TargetLM(nn.Module):
                 outputs[i] = x
         features = torch.cat([outputs[l] for l in feature_layers], dim=-1) if feature_layers else None
         if not return_logits:
-            return TargetOutput(logits=torch.empty(0, device=dev), features=features)
+            return TargetOutput(logits=torch.empty(0, device=dev), features=features, hidden=self.model.norm(x))
         if logits_at is not None:
             x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))  # [B, P, D]
         return TargetOutput(logits=self.lm_head(self.model.norm(x)), features=features)

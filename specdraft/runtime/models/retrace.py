@@ -1,0 +1,195 @@
+"""ReTrace: rejected-trajectory conditioning on a DFlash backbone (first seed abstract; design: methods.md §1).
+
+After a verification that accepted ``n`` of ``K`` drafts, the rejected suffix (slots ``n+1..K``) is not thrown away:
+the drafter's last-layer hidden states there are RETAINED, ALIGNED to the next block (the next anchor sits at the old
+slot ``n+1``, so old slot ``s`` lands on new slot ``s - (n+1)``), REFINED with correction signals the same
+verification already produced (the target's own token at the slot, its features there, draft/target agreement, the
+target's probability of the draft token, its entropy, the slot index) and admitted into the next block's input
+embeddings by GATED RESIDUAL FUSION ``x = e(token) + m * g * W_o u`` with ``W_o`` zero-initialised, so a fresh ReTrace
+drafter computes exactly what its DFlash backbone computes. Only drafter inputs change: verification, and therefore
+losslessness, are untouched; rejected tokens are never committed; no extra forward pass of either model is needed.
+
+Ablations (``retrace_config``): ``alignment`` hard (shift) or soft (Gaussian kernel over offsets, learnable width);
+``use_correction`` (refine with target signals or with the drafter's hidden states alone); ``gate_anchor`` (fuse into
+the anchor slot too, not only the mask slots).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdraft.runtime.models.dflash import DFlashConfig, DFlashDrafter
+from specdraft.runtime.models.registry import HF_ARCHITECTURES, register_drafter
+
+N_SCALARS = 4  # agreement, p_target(draft), target entropy, slot / block
+
+
+@dataclass
+class ReTraceOptions:
+    alignment: str = "hard"
+    use_correction: bool = True
+    gate_anchor: bool = False
+    gate_bias_init: float = -4.0
+
+
+@dataclass
+class ReTraceConfig(DFlashConfig):
+    retrace: ReTraceOptions = field(default_factory=ReTraceOptions)
+
+    def to_hf_config(self) -> dict:
+        cfg = super().to_hf_config()
+        cfg["architectures"] = ["ReTraceDraftModel"]
+        cfg["retrace_config"] = {"alignment": self.retrace.alignment, "use_correction": self.retrace.use_correction,
+                                 "gate_anchor": self.retrace.gate_anchor,
+                                 "gate_bias_init": self.retrace.gate_bias_init}
+        return cfg
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "ReTraceConfig":
+        base = DFlashConfig.from_hf_config({k: v for k, v in cfg.items() if k != "retrace_config"})
+        kw = {f: getattr(base, f) for f in DFlashConfig.__dataclass_fields__}
+        return cls(**kw, retrace=ReTraceOptions(**(cfg.get("retrace_config") or {})))
+
+    @classmethod
+    def from_dflash(cls, base: DFlashConfig, options: ReTraceOptions) -> "ReTraceConfig":
+        return cls(**{f: getattr(base, f) for f in DFlashConfig.__dataclass_fields__}, retrace=options)
+
+
+class Prior(NamedTuple):
+    """The previous block as the next round sees it, indexed by OLD slot (0..Bk-1), per row."""
+
+    hidden: torch.Tensor  # [b, Bk, D] drafter last-layer hidden states
+    target_tokens: torch.Tensor  # [b, Bk] target's own token at each slot (its argmax given the prefix before it)
+    target_features: torch.Tensor  # [b, Bk, F] target features at each slot from the verify pass
+    scalars: torch.Tensor  # [b, Bk, 4] agreement, p_target(draft), target entropy, slot / Bk
+    valid: torch.Tensor  # [b, Bk] bool: slot was rejected (s >= n + 1, s <= K)
+    shift: torch.Tensor  # [b] n + 1: old slot s lands on new slot s - shift
+
+    def select(self, rows: torch.Tensor) -> "Prior":
+        return Prior(*(t.index_select(0, rows) for t in self))
+
+
+def build_prior(hidden: torch.Tensor, draft_tokens: torch.Tensor, num_accepted: torch.Tensor,
+                target_logits: torch.Tensor, target_features: torch.Tensor) -> Prior:
+    """Retain the rejected suffix of one round (no extra forward: every input comes from the draft/verify passes).
+
+    Args:
+        hidden: ``[b, Bk, D]`` drafter hidden states of the block (slot 0 = anchor).
+        draft_tokens: ``[b, K]`` drafts for slots 1..K.
+        num_accepted: ``[b]``.
+        target_logits: ``[b, Bk, V]`` verify logits; index ``i`` scores the token at slot ``i + 1``.
+        target_features: ``[b, Bk, F]`` verify features; index ``s`` is the target's state at slot ``s``.
+    """
+    b, Bk, _ = hidden.shape
+    K = Bk - 1
+    dev = hidden.device
+    logp = F.log_softmax(target_logits[:, :K].float(), -1)  # [b, K, V] target's view of slots 1..K
+    tgt_tok = logp.argmax(-1)  # [b, K]
+    p_draft = logp.gather(-1, draft_tokens[..., None])[..., 0].exp()
+    entropy = -(logp.exp() * logp).sum(-1)
+    agree = (tgt_tok == draft_tokens).float()
+    slot = torch.arange(1, Bk, device=dev, dtype=torch.float32).expand(b, K) / Bk
+    scalars = torch.stack([agree, p_draft, entropy, slot], -1)  # [b, K, 4]
+    pad = lambda t: torch.cat([torch.zeros_like(t[:, :1]), t], dim=1)  # slot 0 (anchor) carries no signal
+    s = torch.arange(Bk, device=dev)
+    valid = (s[None, :] >= num_accepted[:, None] + 1) & (s[None, :] <= K)  # [b, Bk]
+    return Prior(hidden.detach(), pad(tgt_tok), target_features.detach(), pad(scalars).to(hidden.dtype), valid,
+                 num_accepted + 1)
+
+
+def empty_prior(batch: int, block: int, dim: int, n_features: int, device, dtype) -> Prior:
+    z = torch.zeros
+    return Prior(z(batch, block, dim, device=device, dtype=dtype), z(batch, block, dtype=torch.long, device=device),
+                 z(batch, block, n_features, device=device, dtype=dtype),
+                 z(batch, block, N_SCALARS, device=device, dtype=dtype),
+                 z(batch, block, dtype=torch.bool, device=device), z(batch, dtype=torch.long, device=device))
+
+
+@register_drafter("retrace")
+class ReTraceDrafter(DFlashDrafter):
+    config_class = ReTraceConfig
+
+    def __init__(self, config: ReTraceConfig):
+        super().__init__(config)
+        D = config.hidden_size
+        E = D  # DFlash embeds with the target's embedding: E == D
+        opts = config.retrace
+        if opts.alignment not in ("hard", "soft"):
+            raise ValueError(f"retrace alignment must be hard or soft, got {opts.alignment!r}")
+        c_dim = 2 * D + N_SCALARS
+        self.retrace_norm_h = nn.LayerNorm(D)
+        self.retrace_norm_c = nn.LayerNorm(c_dim)
+        self.retrace_refiner = nn.Sequential(nn.Linear(D + c_dim, 2 * E), nn.SiLU(), nn.Linear(2 * E, E))
+        self.retrace_gate = nn.Linear(2 * E, E)
+        self.retrace_out = nn.Linear(E, E, bias=False)
+        self.retrace_log_width = nn.Parameter(torch.zeros(()))  # soft alignment bandwidth (log sigma)
+        self._init_fusion()
+
+    def _init_fusion(self) -> None:
+        nn.init.zeros_(self.retrace_out.weight)  # fresh ReTrace == DFlash, bit for bit
+        nn.init.constant_(self.retrace_gate.bias, self.config.retrace.gate_bias_init)
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        super().reset_parameters(std)
+        for m in (self.retrace_norm_h, self.retrace_norm_c):
+            m.reset_parameters()
+        self._init_fusion()
+
+    # ---- fusion -----------------------------------------------------------------------------------------
+    def _refine(self, prior: Prior) -> torch.Tensor:
+        """``u`` per OLD slot ``[b, Bk, E]``."""
+        h = prior.hidden
+        if self.config.retrace.use_correction:
+            c = torch.cat([self.embed(prior.target_tokens).to(h.dtype),
+                           self.hidden_norm(self.fc(prior.target_features.to(h.dtype))), prior.scalars], dim=-1)
+        else:
+            c = h.new_zeros(*h.shape[:2], 2 * h.shape[-1] + N_SCALARS)
+        return self.retrace_refiner(torch.cat([self.retrace_norm_h(h), self.retrace_norm_c(c)], dim=-1))
+
+    def _align(self, u: torch.Tensor, prior: Prior) -> tuple[torch.Tensor, torch.Tensor]:
+        """Map old-slot refinements onto new slots: ``([b, Bk, E], present [b, Bk])``."""
+        b, Bk, _ = u.shape
+        dev = u.device
+        new = torch.arange(Bk, device=dev)
+        src = new[None, :] + prior.shift[:, None]  # old slot that lands on each new slot (hard shift)
+        present = (src < Bk) & prior.valid.gather(1, src.clamp(max=Bk - 1))
+        if self.config.retrace.alignment == "hard":
+            aligned = u.gather(1, src.clamp(max=Bk - 1)[..., None].expand(-1, -1, u.shape[-1]))
+        else:
+            # soft: every retained slot contributes to every new slot by a Gaussian in its aligned offset
+            offset = (new[None, None, :] - (new[None, :, None] - prior.shift[:, None, None])).float()  # [b, old, new]
+            sigma = F.softplus(self.retrace_log_width) + 0.1
+            logits = -(offset ** 2) / (2 * sigma ** 2)
+            logits = logits.masked_fill(~prior.valid[:, :, None], float("-inf"))
+            w = torch.nan_to_num(torch.softmax(logits, dim=1), nan=0.0)  # [b, old, new]
+            aligned = torch.einsum("bon,boe->bne", w.to(u.dtype), u)
+        return aligned, present
+
+    def block_embeds(self, block_tokens: torch.Tensor, state: Prior | None) -> torch.Tensor:
+        """``e(block)`` plus the gated residual from the previous round's rejected suffix (if any)."""
+        x = self.embed(block_tokens)  # [b, Bk, D]
+        if state is None or not bool(state.valid.any()):
+            return x
+        return x + self.fusion_delta(state, block_tokens.shape[1]).to(x.dtype)
+
+    def fusion_delta(self, prior: Prior, block: int) -> torch.Tensor:
+        u, present = self._align(self._refine(prior), prior)  # [b, Bk, E], [b, Bk]
+        e_mask = self.embed(torch.full_like(prior.shift, self.config.mask_token_id))[:, None].expand_as(u)
+        gate = torch.sigmoid(self.retrace_gate(torch.cat([e_mask.to(u.dtype), u], dim=-1)))
+        m = present.clone()
+        if not self.config.retrace.gate_anchor:
+            m[:, 0] = False
+        return m[..., None].to(u.dtype) * gate * self.retrace_out(u)
+
+    # ---- engine hooks -------------------------------------------------------------------------------------
+    def next_round_state(self, state, hidden, draft_tokens, num_accepted, target_logits, target_features):
+        """Carry the rejected suffix into the next round (reset on full acceptance: ``valid`` is then empty)."""
+        return build_prior(hidden, draft_tokens, num_accepted, target_logits, target_features)
+
+
+HF_ARCHITECTURES["ReTraceDraftModel"] = "retrace"
