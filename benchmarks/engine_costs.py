@@ -2,7 +2,8 @@
 
 1. AR tokens/s of our engine vs ``transformers`` ``generate`` (same target weights, greedy, exactly N new tokens).
 2. Cost of one speculative round (draft + verify a block of B) over one AR step (verify of 1 token).
-Both at batch 1 and batch 8. Prefill is measured separately and subtracted.
+3. ReTrace's per-round fusion overhead: a round with an active ReTrace fusion over the same DFlash backbone.
+All at batch 1 and batch 8. Prefill is measured separately and subtracted.
 
     python benchmarks/engine_costs.py configs/tiny.yaml [--drafter DIR] [--new-tokens 128] [--repeats 3]
 """
@@ -59,6 +60,12 @@ def main() -> None:
                                          cfg.drafter.block_size, num_features=cfg.drafter.num_features or None)
         drafter = build_drafter(dcfg).bind_target(target.model.embed_tokens, target.lm_head).eval()
         drafter_src = "fresh (untrained) drafter of the configured shape"
+    from specdraft.runtime.models.retrace import ReTraceConfig, ReTraceDrafter, ReTraceOptions
+
+    retrace = ReTraceDrafter(ReTraceConfig.from_dflash(drafter.config, ReTraceOptions()))
+    retrace.load_state_dict(drafter.state_dict(), strict=False)
+    torch.nn.init.normal_(retrace.retrace_out.weight, std=0.02)  # fusion active (a zero W_o would skip nothing)
+    retrace = retrace.bind_target(target.model.embed_tokens, target.lm_head).eval()
     hf = AutoModelForCausalLM.from_pretrained(str(world.target_dir), dtype=torch.float32).eval()
     reqs = read_requests(world.bench_dir / "math.jsonl", lambda m: None)[:8]
     prompts = [encode(tok, r.messages) for r in reqs]
@@ -85,12 +92,18 @@ def main() -> None:
                             pad_token_id=tok.pad_token_id)
 
         hf_s = _time(hf_generate, args.repeats)
+        # ReTrace over the same backbone, fusion switched on; same drafts are not needed, only per-round cost
+        rt_res = generate(target, batch, gen, drafter=retrace)
+        rt_rounds = max(len(r.accept_lengths) for r in rt_res)
+        rt_s = _time(lambda: generate(target, batch, gen, drafter=retrace), args.repeats)
+        rt_round = (rt_s - prefill) / rt_rounds
         ar_step = (ar_s - prefill) / (N - 1)
         spec_round = (spec_s - prefill) / rounds
         out[f"bs{bs}"] = {
             "ours_ar_tokens_per_s": bs * N / ar_s, "hf_generate_tokens_per_s": bs * N / hf_s,
             "ours_over_hf": hf_s / ar_s, "ar_step_ms": 1000 * ar_step, "spec_round_ms": 1000 * spec_round,
             "round_over_ar_step": spec_round / ar_step, "spec_rounds": rounds,
+            "retrace_round_ms": 1000 * rt_round, "retrace_fusion_overhead": (rt_round - spec_round) / rt_round,
         }
     print(json.dumps(out, indent=2))
 

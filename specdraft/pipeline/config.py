@@ -314,8 +314,8 @@ def validate(cfg: RunConfig) -> RunConfig:
         if flat[key] not in choices:
             _fail(key, f"{flat[key]!r} is not one of {', '.join(choices)}")
     for st in cfg.bench.stages:
-        if st not in CHOICES["train.stage"]:
-            _fail("bench.stages", f"unknown stage {st!r}")
+        if not st or "/" in st:
+            _fail("bench.stages", f"{st!r} is not a drafter name under <work_dir>/drafter/")
     if cfg.train.grpo_group_size < 2:
         _fail("train.grpo_group_size", "needs at least 2 samples per group")
     for s in cfg.bench.suites:

@@ -97,9 +97,8 @@ def decode(cfg: RunConfig, input_path: Path, output_path: Path):
     from specdraft.runtime.batch_job import read_requests, run_batch_job, shard_for_rank, warn_stderr
     from specdraft.runtime.decode import GenerationConfig
     from specdraft.runtime.drafter_io import load_drafter, read_drafter_config
-    from specdraft.runtime.load import load_target
-    from specdraft.runtime.models.target import TargetArgs, read_hf_config
     from specdraft.runtime.drafter_io import check_compatible
+    from specdraft.runtime.load import load_target, read_target_args
     from specdraft.runtime.sampling import SamplingParams
 
     world = existing_world(cfg)
@@ -113,7 +112,7 @@ def decode(cfg: RunConfig, input_path: Path, output_path: Path):
         if arch != d.method:
             raise SpecdraftError(f"config key 'decode.method': {d.method!r} but the drafter in {drafter_dir} is "
                                  f"a {arch!r} drafter")
-        check_compatible(dcfg, TargetArgs.from_hf_config(read_hf_config(world.target_dir)))
+        check_compatible(dcfg, read_target_args(world.target_dir))
     with tracked(cfg, "decode") as tr:
         tgt = load_target(world.target_dir, dtype=cfg.target.dtype, device=cfg.target.device)
         drafter = load_drafter(drafter_dir, tgt) if drafter_dir else None

@@ -60,13 +60,20 @@ def build_or_load_world(cfg: RunConfig, tracker: Tracker, log=print) -> World:
 
 
 def _external_world(cfg: RunConfig) -> World:
-    from specdraft.runtime.load import load_target
+    """Check a user's checkpoint without loading its weights: config readable, weights and tokenizer present."""
+    from specdraft.runtime.load import read_target_args
 
     path = Path(cfg.target.path)
-    load_target(path, dtype=cfg.target.dtype, device="cpu" if cfg.target.device == "auto" else cfg.target.device)
+    try:
+        args = read_target_args(path)
+    except SpecdraftError as e:
+        raise SpecdraftError(f"config key 'target.path': {e}") from None
+    if not any((path / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json")):
+        raise SpecdraftError(f"config key 'target.path': no safetensors weights in {path}")
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        raise SpecdraftError(f"target path {path} has no tokenizer files")
-    return World(path, None, None, {"target": str(path)})
+        raise SpecdraftError(f"config key 'target.path': no tokenizer files in {path}")
+    return World(path, None, None, {"target": str(path), "model_type": args.model_type,
+                                    "layers": args.num_hidden_layers, "vocab_size": args.vocab_size})
 
 
 def _pack(tokenizer, docs: list[Doc], seq_len: int) -> torch.Tensor:

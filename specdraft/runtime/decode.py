@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -73,8 +73,7 @@ def _pad(prompts: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.
 
 @torch.inference_mode()
 def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: GenerationConfig, drafter=None,
-             generator: torch.Generator | None = None,
-             on_round: Callable[[int], None] | None = None) -> list[RowResult]:
+             generator: torch.Generator | None = None) -> list[RowResult]:
     """Decode a batch of prompts with the target alone (``drafter=None``) or speculatively.
 
     Args:
@@ -83,7 +82,6 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
         config: lengths, sampling, stop tokens.
         drafter: a block drafter bound to ``target`` (e.g. :class:`DFlashDrafter`), or ``None`` for AR.
         generator: RNG for sampling (on the target's device).
-        on_round: called with the number of tokens committed in each round (progress bars).
     Returns:
         one :class:`RowResult` per prompt, in order.
     """
@@ -165,8 +163,6 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
         for i, (row, a, d, t) in enumerate(zip(state.rows.tolist(), n_acc.tolist(), draft_tokens.tolist(),
                                                nxt.tolist())):
             accept_lengths[row].append(a + 1)
-            if on_round is not None:
-                on_round(a + 1)
             if not emit(row, d[:a] + [t]):
                 keep.append(i)
         _compact(state, tcache, dcache, keep, b)

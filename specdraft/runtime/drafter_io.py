@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from specdraft.errors import SpecdraftError
-from specdraft.runtime.load import load_safetensors_dir
+from specdraft.runtime.load import load_safetensors_dir, read_target_args
 from specdraft.runtime.models.dflash import DFlashConfig, build_target_layer_ids
 import specdraft.runtime.models  # noqa: F401  (registers every drafter architecture)
 from specdraft.runtime.models.registry import resolve_drafter
@@ -106,15 +106,8 @@ def load_drafter(path: str | Path, target: TargetLM):
 def init_drafter(target_dir: str | Path, out_dir: str | Path, num_layers: int = 5, block_size: int = 16,
                  mask_token_id: int | None = None, seed: int = 0) -> Path:
     """Write a freshly initialised drafter sized for the target at ``target_dir``."""
-    from specdraft.runtime.models.target import read_hf_config
-
     target_dir = Path(target_dir)
-    if not target_dir.is_dir():
-        raise SpecdraftError(f"target path {target_dir} does not exist")
-    try:
-        args = TargetArgs.from_hf_config(read_hf_config(target_dir))
-    except (FileNotFoundError, ValueError, KeyError) as e:
-        raise SpecdraftError(f"cannot read target config in {target_dir}: {e}") from None
+    args = read_target_args(target_dir)
     if mask_token_id is None:
         mask_token_id = tokenizer_mask_id(target_dir, args.vocab_size)
     torch.manual_seed(seed)

@@ -47,20 +47,27 @@ def load_safetensors_dir(path: str | Path, prefix_filter: str | None = None) -> 
     return state
 
 
-def load_target(path: str | Path, dtype: str = "auto", device: str = "auto") -> TargetLM:
-    """Build a :class:`TargetLM` from a local HF checkpoint directory (sharded or not)."""
+def read_target_args(path: str | Path) -> TargetArgs:
+    """The architecture of the target checkpoint at ``path`` (no weights read); clear errors for bad paths."""
     path = Path(path)
     if not path.is_dir():
         raise SpecdraftError(f"target path {path} does not exist (set target.path to a local HF checkpoint directory)")
     try:
-        args = TargetArgs.from_hf_config(read_hf_config(path))
+        return TargetArgs.from_hf_config(read_hf_config(path))
     except (FileNotFoundError, ValueError, KeyError) as e:
         raise SpecdraftError(f"cannot read target config in {path}: {e}") from None
+
+
+def load_target(path: str | Path, dtype: str = "auto", device: str = "auto") -> TargetLM:
+    """Build a :class:`TargetLM` from a local HF checkpoint directory (sharded or not)."""
+    path = Path(path)
+    args = read_target_args(path)
     dev = resolve_device(device)
     with torch.device("meta"):
         model = TargetLM(args)
     state = load_safetensors_dir(path)
-    state = {k.removeprefix("language_model."): v for k, v in state.items()}
+    state = {k.removeprefix("language_model."): v for k, v in state.items()
+             if not k.endswith("rotary_emb.inv_freq")}  # older checkpoints carry RoPE buffers
     if args.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)

@@ -55,6 +55,14 @@ def _step(m, batch, g):
     return m.objective_loss(db, g), db
 
 
+def _fit(m, batch, opt, seed, steps):
+    for _ in range(steps):
+        loss, _ = _step(m, batch, torch.Generator().manual_seed(seed))  # the same anchors every step
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
 def test_overfit_one_batch_loss_falls_and_sim_tau_rises(tiny_world):
     _, batch = _batch(tiny_world)
     m = _module(tiny_world)
@@ -63,11 +71,7 @@ def test_overfit_one_batch_loss_falls_and_sim_tau_rises(tiny_world):
     with torch.no_grad():
         loss0, db = _step(m, batch, g())
         tau0 = m.simulated_tau(db.logits, db.blocks, db.target_tokens)
-    for _ in range(100):
-        loss, _ = _step(m, batch, g())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    _fit(m, batch, opt, 0, 100)
     with torch.no_grad():
         loss1, db = _step(m, batch, g())
         acc = m.slot_accuracy(db.logits, db.blocks)
@@ -84,11 +88,7 @@ def test_overfit_one_batch_loss_falls_and_sim_tau_rises(tiny_world):
     with torch.no_grad():
         _, db = _step(m, tgt_batch, g())
         tau_before = m.simulated_tau(db.logits, db.blocks, db.target_tokens)
-    for _ in range(100):
-        loss, _ = _step(m, tgt_batch, g())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    _fit(m, tgt_batch, opt, 0, 100)
     with torch.no_grad():
         _, db = _step(m, tgt_batch, g())
         tau_after = m.simulated_tau(db.logits, db.blocks, db.target_tokens)

@@ -140,3 +140,13 @@ def test_stages_chain_sft_eal_wtv_grpo_with_warm_starts(tiny_world, tmp_path):
     with pytest.raises(SpecdraftError, match="train.features"):
         train_drafter(_cfg(tiny_world, work, "train.stage=wtv", "train.features=offline"), tiny_world, data,
                       TagTracker(), lambda m: None)
+
+    # ReTrace warm-starts from the sft DFlash drafter; its fusion starts at zero, so it begins exactly as sft
+    rt = TagTracker()
+    out = train_drafter(_cfg(tiny_world, work, "train.stage=retrace", "drafter.retrace_alignment=soft", *base),
+                        tiny_world, data, rt, lambda m: None)
+    assert rt.tags["warm_start"] == str(work / "drafter" / "sft")
+    assert json.loads((out / "config.json").read_text())["retrace_config"]["alignment"] == "soft"
+    r = load_drafter(out, target)
+    assert r.arch_name == "retrace" and "train/retrace_round1_tau" in rt.metrics
+    assert "eval/sim_tau_noprior" in rt.metrics

@@ -1,0 +1,112 @@
+"""Training-stage comparison at the same data and step budget, measured by `specdraft bench` in one run.
+
+From one base drafter (the run's ``sft`` export), train each variant for the same number of steps on the same data:
+
+    sft      decayed CE, continued (the CE baseline and ReTrace's own DFlash backbone at equal budget)
+    kl       forward KL to the target at T (the KL baseline for WTV)
+    eal      expected accepted length, greedy            -> compare with sft at T=0
+    wtv      window total variation at T                  -> compare with kl at T=1
+    grpo     from eal, reward = simulated acceptance      -> compare with eal
+    retrace  ReTrace fusion on the DFlash backbone        -> compare with sft (plus ablations below)
+
+then bench all of them (plus AR) on the held-out suites at T=0 and T=1 and print the ratios.
+
+    python benchmarks/stage_comparison.py configs/tiny.yaml --steps 150 [--variants sft,eal,...] [--ablations]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+
+VARIANTS = {
+    "sft": [],
+    "kl": ["train.features=online"],
+    "eal": [],
+    "wtv": ["train.features=online"],
+    "grpo": ["train.features=online", "train.init_stage=eal"],
+    "retrace": ["train.features=online"],
+}
+ABLATIONS = {  # ReTrace ablations, each its own export dir
+    "retrace-soft": ["drafter.retrace_alignment=soft"],
+    "retrace-nocorr": ["drafter.retrace_use_correction=false"],
+    "retrace-anchor": ["drafter.retrace_gate_anchor=true"],
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("config")
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--ablations", action="store_true", help="also train the ReTrace ablations")
+    ap.add_argument("--out", default="", help="work dir (default: <work_dir>-compare)")
+    ap.add_argument("--bench-only", action="store_true")
+    args, overrides = ap.parse_known_args()
+
+    from specdraft.pipeline import stages
+    from specdraft.pipeline.config import load_config
+
+    base_cfg = load_config(args.config, overrides)
+    world = stages.existing_world(base_cfg)
+    base = base_cfg.work_path / "drafter" / "sft"
+    if not (base / "config.json").is_file():
+        raise SystemExit(f"no base drafter at {base}: run `specdraft run {args.config}` first")
+    out = Path(args.out or f"{base_cfg.work_dir}-compare")
+    (out / "data").mkdir(parents=True, exist_ok=True)
+    shutil.copy(base_cfg.work_path / "data" / "train.jsonl", out / "data" / "train.jsonl")
+    if world.bench_dir is not None and not (out / "bench_prompts").is_dir():
+        shutil.copytree(world.bench_dir, out / "bench_prompts")
+    common = [f"target.path={world.target_dir}", f"work_dir={out}", f"train.max_steps={args.steps}",
+              "train.max_minutes=0", f"train.eval_every={max(args.steps // 2, 1)}", "train.warmup_ratio=0.0",
+              *overrides]
+    todo = {k: VARIANTS[k] for k in args.variants.split(",")}
+    if args.ablations:
+        todo.update(ABLATIONS)
+    timings = {}
+    for name, extra in todo.items():
+        stage = "retrace" if name.startswith("retrace") else name
+        init = [] if stage == "grpo" else [f"drafter.init_from={base}"]
+        cfg = load_config(args.config, [*common, f"train.stage={stage}", *init, *extra])
+        if args.bench_only:
+            continue
+        t0 = time.perf_counter()
+        stages.train(cfg, world)
+        timings[name] = time.perf_counter() - t0
+        if name != stage:  # keep each ablation's export under its own name
+            dst = out / "drafter" / name
+            shutil.rmtree(dst, ignore_errors=True)
+            shutil.copytree(out / "drafter" / stage, dst)
+        shutil.rmtree(out / "checkpoints" / stage, ignore_errors=True)  # each variant starts from the base
+
+    names = [n for n in todo if (out / "drafter" / n / "config.json").is_file()]
+    cfg = load_config(args.config, [*common, f"bench.stages={json.dumps(names)}"])
+    report = stages.bench(cfg, world)
+    rows = report["results"]
+
+    def tau(stage, suite, temp):
+        for r in rows:
+            if r["stage"] == stage and r["suite"] == suite and r["temperature"] == temp and r["batch_size"] == 1:
+                return r["tau"]
+        return None
+
+    suites = sorted({r["suite"] for r in rows})
+    pairs = [("eal", "sft", 0.0), ("wtv", "kl", 1.0), ("grpo", "eal", 0.0), ("grpo", "eal", 1.0),
+             ("retrace", "sft", 0.0), ("retrace", "sft", 1.0)]
+    pairs += [(a, "sft", t) for a in ABLATIONS for t in (0.0, 1.0)]
+    summary = {"steps": args.steps, "train_seconds": timings, "ratios": {}}
+    for a, b, t in pairs:
+        if a in names and b in names:
+            per = {s: (tau(a, s, t) / tau(b, s, t)) for s in suites if tau(a, s, t) and tau(b, s, t)}
+            mean = sum(per.values()) / max(len(per), 1)
+            summary["ratios"][f"{a}/{b} T={t:g}"] = {"per_suite": per, "mean": mean}
+            print(f"tau {a}/{b} at T={t:g}: " + ", ".join(f"{s} {v:.3f}" for s, v in per.items()) + f" (mean {mean:.3f})")
+    (out / "stage_comparison.json").write_text(json.dumps(summary, indent=2))
+    print(f"wrote {out / 'stage_comparison.json'} and {out / 'bench'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""ReTrace: zero-init fusion == backbone bit for bit, alignment of the carried suffix, reset on full acceptance,
+and losslessness (greedy equality in ragged batches, chi-square under sampling) with the fusion switched on."""
+
+import pytest
+import torch
+
+from specdraft.runtime.decode import GenerationConfig, generate
+from specdraft.runtime.models.retrace import ReTraceConfig, ReTraceDrafter, ReTraceOptions, build_prior
+from specdraft.runtime.sampling import SamplingParams
+from tests.conftest import make_drafter, make_target
+from tests.runtime.test_decode import PROMPTS, _chi2_pvalue, _exact_two_token_dist, ar
+
+
+def retrace_from(backbone, active: bool, seed: int = 0, **opts):
+    torch.manual_seed(seed)
+    r = ReTraceDrafter(ReTraceConfig.from_dflash(backbone.config, ReTraceOptions(**opts)))
+    r.load_state_dict(backbone.state_dict(), strict=False)
+    if active:  # a "trained" fusion: open gates, non-zero output projection
+        torch.nn.init.normal_(r.retrace_out.weight, std=0.5)
+        torch.nn.init.zeros_(r.retrace_gate.bias)
+    return r.bind_target(*backbone._borrowed).eval()
+
+
+def _random_prior(drafter, b=3, n=(0, 2, 4)):
+    Bk, D = drafter.block_size, drafter.config.hidden_size
+    F = drafter.fc.in_features
+    K = Bk - 1
+    g = torch.Generator().manual_seed(5)
+    V = drafter.config.vocab_size
+    return build_prior(torch.randn(b, Bk, D, generator=g), torch.randint(0, V, (b, K), generator=g),
+                       torch.tensor(n), torch.randn(b, Bk, V, generator=g), torch.randn(b, Bk, F, generator=g))
+
+
+@pytest.mark.parametrize("opts", [{}, {"alignment": "soft"}, {"use_correction": False}, {"gate_anchor": True}])
+def test_fresh_fusion_is_bit_identical_to_the_backbone(opts):
+    target = make_target()
+    backbone = make_drafter(target)
+    r = retrace_from(backbone, active=False, **opts)
+    blk = torch.full((3, backbone.block_size), backbone.config.mask_token_id)
+    blk[:, 0] = torch.tensor([3, 4, 5])
+    prior = _random_prior(r)
+    assert prior.valid.any()
+    assert torch.equal(r.block_embeds(blk, prior), backbone.block_embeds(blk, None))
+    cache_a, cache_b = backbone.new_cache(3, 32), r.new_cache(3, 32)
+    feats = target(torch.randint(0, 60, (3, 7)), feature_layers=backbone.target_layer_ids).features
+    backbone.ingest(cache_a, feats, torch.tensor([7, 5, 6]))
+    r.ingest(cache_b, feats, torch.tensor([7, 5, 6]))
+    la = backbone.logits(backbone.draft_hidden(cache_a, backbone.block_embeds(blk, None)))
+    lb = r.logits(r.draft_hidden(cache_b, r.block_embeds(blk, prior)))
+    assert torch.equal(la, lb)
+
+
+def test_carried_suffix_lands_on_the_right_slots():
+    """Round: anchor at a, K=5, n=2 accepted. Rejected old slots 3..5 hold tokens that are the true continuation at
+    their absolute positions; after the shift by n+1 they must sit on new slots 0..2 (slot 0 = the new anchor)."""
+    target = make_target()
+    r = retrace_from(make_drafter(target), active=True)
+    Bk, D = r.block_size, r.config.hidden_size  # Bk = 6, K = 5
+    truth = torch.tensor([10, 11, 12, 13, 14, 15, 16, 17, 18])  # token at absolute position a + i
+    drafts = torch.tensor([[11, 12, 40, 14, 15]])  # slots 1..5: two right, slot 3 wrong (target: 13), 4..5 right
+    hidden = torch.zeros(1, Bk, D)
+    for s in range(Bk):
+        hidden[0, s, 0] = s  # tag each old slot's hidden state with its slot index
+    prior = build_prior(hidden, drafts, torch.tensor([2]), torch.randn(1, Bk, r.config.vocab_size),
+                        torch.randn(1, Bk, r.fc.in_features))
+    assert prior.valid[0].tolist() == [False, False, False, True, True, True] and prior.shift.tolist() == [3]
+    aligned, present = r._align(prior.hidden, prior)
+    assert present[0].tolist() == [True, True, True, False, False, False]
+    assert aligned[0, :3, 0].tolist() == [3.0, 4.0, 5.0]
+    # new block anchored at a' = a + 3: new slot s' is absolute a + 3 + s'; the old slot carried there drafted it
+    for s_new, s_old in enumerate([3, 4, 5]):
+        if s_old >= 4:
+            assert drafts[0, s_old - 1] == truth[3 + s_new]
+    # gating touches mask slots only by default: new slot 0 (the anchor) is left alone
+    delta = r.fusion_delta(prior, Bk)
+    assert delta[0, 0].abs().sum() == 0 and delta[0, 1:3].abs().sum() > 0 and delta[0, 3:].abs().sum() == 0
+
+
+def test_full_acceptance_resets_the_prior():
+    target = make_target()
+    r = retrace_from(make_drafter(target), active=True)
+    K = r.block_size - 1
+    prior = _random_prior(r, b=2, n=(K, 1))
+    assert not prior.valid[0].any() and prior.valid[1].any()
+    delta = r.fusion_delta(prior, r.block_size)
+    assert delta[0].abs().sum() == 0 and delta[1].abs().sum() > 0
+
+
+@pytest.mark.parametrize("opts", [{}, {"alignment": "soft", "gate_anchor": True}])
+def test_greedy_retrace_equals_ar_in_ragged_batches(opts):
+    target = make_target(seed=3, vocab=12)
+    r = retrace_from(make_drafter(target, seed=4), active=True, **opts)
+    prompts = [[t % 11 for t in p] for p in PROMPTS]
+    max_new = [10, 25, 17, 30, 8, 21, 14, 19]
+    batch = generate(target, prompts, GenerationConfig(max_new_tokens=max_new), drafter=r)
+    assert [x.tokens for x in batch] == [ar(target, [p], m)[0] for p, m in zip(prompts, max_new)]
+    singles = [generate(target, [p], GenerationConfig(max_new_tokens=m), drafter=r)[0] for p, m in zip(prompts, max_new)]
+    assert [x.accept_lengths for x in batch] == [x.accept_lengths for x in singles]  # per-row state, compaction-safe
+    assert any(1 < a < r.block_size for x in batch for a in x.accept_lengths)  # rejections happened: prior in use
+
+
+def test_fusion_changes_drafts_but_not_the_output_distribution():
+    V, N = 6, 6000
+    target = make_target(seed=7, vocab=V, std=0.5)
+    backbone = make_drafter(target, seed=8, block_size=4)
+    r = retrace_from(backbone, active=True)
+    prompt = [1, 2, 3]
+    gen = GenerationConfig(max_new_tokens=3, sampling=SamplingParams(temperature=1.0))
+    res = generate(target, [prompt] * N, gen, drafter=r, generator=torch.Generator().manual_seed(0))
+    counts = torch.bincount(torch.tensor([x.tokens[0] * V + x.tokens[1] for x in res]), minlength=V * V).double()
+    assert _chi2_pvalue(counts, _exact_two_token_dist(target, prompt, V).double()) > 1e-3
+    base = generate(target, [prompt] * 200, gen, drafter=backbone, generator=torch.Generator().manual_seed(0))
+    fused = generate(target, [prompt] * 200, gen, drafter=r, generator=torch.Generator().manual_seed(0))
+    assert [x.accept_lengths for x in base] != [x.accept_lengths for x in fused]  # the prior does act on drafts
