@@ -68,7 +68,7 @@ def save_drafter(drafter, out_dir: str | Path, extra_config: dict | None = None)
     out.mkdir(parents=True, exist_ok=True)
     cfg = drafter.config.to_hf_config()
     cfg.update(extra_config or {})
-    state = {k: v.detach().to("cpu").contiguous() for k, v in drafter.state_dict().items()}
+    state = {k: v.detach().to("cpu").clone() for k, v in drafter.state_dict().items()}  # parts of fused weights
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return out

@@ -83,8 +83,9 @@ def test_export_loads_in_runtime_and_mlflow_records_the_run(tiny_world, tmp_path
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
     target = load_target(tiny_world.target_dir, dtype="float32", device="cpu")
     drafter = load_drafter(out, target)
-    best = torch.load(tmp_path / "w" / "checkpoints" / "drafter-best.ckpt", weights_only=True)["state_dict"]
+    best = torch.load(tmp_path / "w" / "checkpoints" / "sft" / "drafter-best.ckpt", weights_only=True)["state_dict"]
     torch.testing.assert_close(drafter.fc.weight, best["drafter.fc.weight"])
+    torch.testing.assert_close(drafter.layers[0].self_attn.qkv_proj.weight[:8], best["drafter.layers.0.self_attn.q_proj.weight"][:8])
 
     client = mlflow.MlflowClient(tracking_uri=uri)
     runs = client.search_runs([client.get_experiment_by_name("t").experiment_id])

@@ -122,9 +122,7 @@ class DraftLayer(nn.Module):
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
 
     def forward(self, h, cos, sin, ctx_k, ctx_v, mask):
-        x = self.input_layernorm(h)
-        q = self.self_attn.query(x, cos, sin)  # [B, H, Q, Dh]
-        k, v = self.self_attn.key_value(x, cos, sin)  # [B, Hkv, Q, Dh]
+        q, k, v = self.self_attn.qkv(self.input_layernorm(h), cos, sin)  # [B, H, Q, Dh], [B, Hkv, Q, Dh] x2
         k = torch.cat([ctx_k, k], dim=2)  # [B, Hkv, S + Q, Dh]
         v = torch.cat([ctx_v, v], dim=2)
         h = h + self.self_attn.attend(q, k, v, mask)

@@ -1,6 +1,8 @@
 """Building blocks shared by the target forward and the drafters: RMSNorm, RoPE, SwiGLU MLP, attention projections.
 
-Parameter names follow Hugging Face's Qwen3/Llama modules so checkpoints load with a plain ``load_state_dict``.
+q/k/v and gate/up projections are FUSED into one matmul each (as in gpt-fast), while state dicts keep Hugging Face's
+Qwen3/Llama names (``q_proj``, ``k_proj``, ``v_proj``, ``gate_proj``, ``up_proj``): hooks split the fused weights on
+``state_dict()`` and merge the parts on ``load_state_dict()``, so checkpoints load and save unchanged.
 """
 
 from __future__ import annotations
@@ -25,15 +27,38 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def fuse_in_state_dict(module: nn.Module, fused: str, parts: list[tuple[str, int]]) -> None:
+    """Expose ``module.<fused>`` (an ``nn.Linear`` whose output rows are ``parts`` stacked) under the parts' names."""
+    sizes = [n for _, n in parts]
+
+    def split(mod, state_dict, prefix, local_metadata):
+        for kind in ("weight", "bias"):
+            key = f"{prefix}{fused}.{kind}"
+            if key in state_dict:
+                for (name, _), chunk in zip(parts, state_dict.pop(key).split(sizes, dim=0)):
+                    state_dict[f"{prefix}{name}.{kind}"] = chunk
+
+    def merge(mod, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        for kind in ("weight", "bias"):
+            keys = [f"{prefix}{name}.{kind}" for name, _ in parts]
+            if all(k in state_dict for k in keys):
+                state_dict[f"{prefix}{fused}.{kind}"] = torch.cat([state_dict.pop(k) for k in keys], dim=0)
+
+    module.register_state_dict_post_hook(split)
+    module.register_load_state_dict_pre_hook(merge)
+
+
 class SwiGLU(nn.Module):
     def __init__(self, dim: int, hidden: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
-        self.up_proj = nn.Linear(dim, hidden, bias=bias)
+        self.hidden = hidden
+        self.gate_up_proj = nn.Linear(dim, 2 * hidden, bias=bias)
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
+        fuse_in_state_dict(self, "gate_up_proj", [("gate_proj", hidden), ("up_proj", hidden)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.hidden, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
@@ -77,29 +102,42 @@ class AttentionProjections(nn.Module):
                  eps: float):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
-        self.q_proj = nn.Linear(dim, n_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.q_size, self.kv_size = n_heads * head_dim, n_kv_heads * head_dim
+        self.qkv_proj = nn.Linear(dim, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(n_heads * head_dim, dim, bias=False)
+        fuse_in_state_dict(self, "qkv_proj", [("q_proj", self.q_size), ("k_proj", self.kv_size),
+                                              ("v_proj", self.kv_size)])
         if qk_norm:
             self.q_norm = RMSNorm(head_dim, eps)
             self.k_norm = RMSNorm(head_dim, eps)
         else:
             self.q_norm = self.k_norm = None
 
-    def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Rotated, normed ``q [B, H, T, Dh]`` and ``k, v [B, H_kv, T, Dh]`` from one fused matmul."""
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self._rotate_q(q, cos, sin), *self._rotate_kv(k, v, cos, sin)
+
+    def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values only (context features injected into a drafter's K/V never form queries)."""
+        w = self.qkv_proj.weight[self.q_size:]
+        b = self.qkv_proj.bias[self.q_size:] if self.qkv_proj.bias is not None else None
+        k, v = F.linear(x, w, b).split(self.kv_size, dim=-1)
+        return self._rotate_kv(k, v, cos, sin)
+
+    def _rotate_q(self, q, cos, sin):
+        B, T, _ = q.shape
+        q = q.view(B, T, self.n_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
         return apply_rope(q.transpose(1, 2), cos, sin)  # [B, H, T, Dh]
 
-    def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        B, T, _ = x.shape
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+    def _rotate_kv(self, k, v, cos, sin):
+        B, T, _ = k.shape
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.reshape(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(k.transpose(1, 2), cos, sin), v  # [B, H_kv, T, Dh] each
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

@@ -85,9 +85,7 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(a.hidden_size, a.intermediate_size)
 
     def forward(self, x, cos, sin, layer_idx: int, cache: KVCache | None, slots, used: int, mask):
-        h = self.input_layernorm(x)
-        q = self.self_attn.query(h, cos, sin)
-        k, v = self.self_attn.key_value(h, cos, sin)
+        q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
         if cache is not None:
             cache.write(layer_idx, k, v, slots)
             k, v = cache.view(layer_idx, used)
