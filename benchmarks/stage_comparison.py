@@ -31,9 +31,9 @@ VARIANTS = {
     "retrace": ["train.features=online"],
 }
 ABLATIONS = {  # ReTrace ablations, each its own export dir
-    "retrace-soft": ["drafter.retrace_alignment=soft"],
-    "retrace-nocorr": ["drafter.retrace_use_correction=false"],
-    "retrace-anchor": ["drafter.retrace_gate_anchor=true"],
+    "retrace-soft": ["train.features=online", "drafter.retrace_alignment=soft"],
+    "retrace-nocorr": ["train.features=online", "drafter.retrace_use_correction=false"],
+    "retrace-anchor": ["train.features=online", "drafter.retrace_gate_anchor=true"],
 }
 
 
@@ -45,6 +45,7 @@ def main() -> None:
     ap.add_argument("--ablations", action="store_true", help="also train the ReTrace ablations")
     ap.add_argument("--out", default="", help="work dir (default: <work_dir>-compare)")
     ap.add_argument("--bench-only", action="store_true")
+    ap.add_argument("--retrain", action="store_true", help="retrain variants that already have an export")
     args, overrides = ap.parse_known_args()
 
     from specdraft.pipeline import stages
@@ -71,7 +72,7 @@ def main() -> None:
         stage = "retrace" if name.startswith("retrace") else name
         init = [] if stage == "grpo" else [f"drafter.init_from={base}"]
         cfg = load_config(args.config, [*common, f"train.stage={stage}", *init, *extra])
-        if args.bench_only:
+        if args.bench_only or ((out / "drafter" / name / "config.json").is_file() and not args.retrain):
             continue
         t0 = time.perf_counter()
         stages.train(cfg, world)

@@ -246,7 +246,9 @@ class DFlashDrafter(nn.Module):
         lengths = cache.lengths
         used = int(lengths.max())
         positions = lengths[:, None] + torch.arange(Bk, device=dev)  # [B, Bk]
-        ctx_visible = torch.arange(used, device=dev)[None, :] < lengths[:, None]  # [B, S]
-        mask = torch.cat([ctx_visible, ctx_visible.new_ones(B, Bk)], dim=1)[:, None, None, :]  # [B, 1, 1, S + Bk]
+        mask = None  # every row's whole context is visible (equal lengths): the unmasked attention kernel
+        if bool((lengths != used).any()):
+            ctx_visible = torch.arange(used, device=dev)[None, :] < lengths[:, None]  # [B, S]
+            mask = torch.cat([ctx_visible, ctx_visible.new_ones(B, Bk)], dim=1)[:, None, None, :]  # [B, 1, 1, S + Bk]
         ctx_kv = [cache.view(i, used) for i in range(len(self.layers))]
         return self(block_embeds, positions, ctx_kv, mask)

@@ -1,0 +1,31 @@
+"""CUDA paths (run with `pytest -m gpu` on a GPU machine; skipped with a reason on CPU)."""
+
+import pytest
+import torch
+
+from specdraft.runtime.decode import GenerationConfig, generate
+from specdraft.runtime.sampling import SamplingParams
+from tests.conftest import make_drafter, make_target, requires_cuda
+from tests.runtime.test_decode import PROMPTS
+
+pytestmark = [pytest.mark.gpu, requires_cuda]
+
+
+def test_cuda_fp32_greedy_speculative_equals_ar_in_ragged_batches():
+    target = make_target(seed=3, vocab=12).cuda()
+    drafter = make_drafter(target, seed=4).cuda().bind_target(target.model.embed_tokens, target.lm_head)
+    prompts = [[t % 11 for t in p] for p in PROMPTS]
+    gen = GenerationConfig(max_new_tokens=[10, 25, 17, 30, 8, 21, 14, 19])
+    spec = generate(target, prompts, gen, drafter=drafter)
+    ar = generate(target, prompts, gen)
+    assert [r.tokens for r in spec] == [r.tokens for r in ar]
+
+
+def test_cuda_bf16_sampling_runs_with_device_generator():
+    target = make_target(seed=5, vocab=32).to("cuda", torch.bfloat16)
+    drafter = make_drafter(target, seed=6).to("cuda", torch.bfloat16)
+    drafter.bind_target(target.model.embed_tokens, target.lm_head)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    res = generate(target, PROMPTS[:4], GenerationConfig(max_new_tokens=20, sampling=SamplingParams(1.0, top_p=0.9)),
+                   drafter=drafter, generator=g)
+    assert all(len(r.tokens) == 20 and all(0 <= t < 32 for t in r.tokens) for r in res)
