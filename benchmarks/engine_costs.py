@@ -5,7 +5,7 @@
 3. ReTrace's per-round fusion overhead: a round with an active ReTrace fusion over the same DFlash backbone.
 All at batch 1 and batch 8. Prefill is measured separately and subtracted.
 
-    python benchmarks/engine_costs.py configs/tiny.yaml [--drafter DIR] [--new-tokens 128] [--repeats 3]
+    python benchmarks/engine_costs.py configs/tiny.yaml [--drafter DIR] [--new-tokens 128] [--repeats 3] [key=value]
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave as is)")
-    args = ap.parse_args()
+    args, overrides = ap.parse_known_args()  # plus dotted config overrides, e.g. drafter.num_layers=1
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -47,7 +47,7 @@ def main() -> None:
     from specdraft.runtime.drafter_io import (build_drafter, drafter_config_for_target, load_drafter)
     from specdraft.runtime.load import load_target
 
-    cfg = load_config(args.config)
+    cfg = load_config(args.config, overrides)
     world = existing_world(cfg)
     target = load_target(world.target_dir, dtype="float32", device="cpu")
     tok = AutoTokenizer.from_pretrained(str(world.target_dir))

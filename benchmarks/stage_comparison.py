@@ -7,7 +7,9 @@ From one base drafter (the run's ``sft`` export), train each variant for the sam
     eal      expected accepted length, greedy            -> compare with sft at T=0
     wtv      window total variation at T                  -> compare with kl at T=1
     grpo     from eal, reward = simulated acceptance      -> compare with eal
-    retrace  ReTrace fusion on the DFlash backbone        -> compare with sft (plus ablations below)
+    retrace-main  ReTrace on the DFlash backbone          -> compare with sft (plus the ablations below)
+
+Every ReTrace variant trains into the shared ``drafter/retrace`` export and is then copied to ``drafter/<name>``.
 
 then bench all of them (plus AR) on the held-out suites at T=0 and T=1 and print the ratios.
 
@@ -28,7 +30,7 @@ VARIANTS = {
     "eal": [],
     "wtv": ["train.features=online"],
     "grpo": ["train.features=online", "train.init_stage=eal"],
-    "retrace": ["train.features=online"],
+    "retrace-main": ["train.features=online"],  # hard alignment, correction signals, mask slots only
 }
 ABLATIONS = {  # ReTrace ablations, each its own export dir
     "retrace-soft": ["train.features=online", "drafter.retrace_alignment=soft"],
@@ -96,7 +98,7 @@ def main() -> None:
 
     suites = sorted({r["suite"] for r in rows})
     pairs = [("eal", "sft", 0.0), ("wtv", "kl", 1.0), ("grpo", "eal", 0.0), ("grpo", "eal", 1.0),
-             ("retrace", "sft", 0.0), ("retrace", "sft", 1.0)]
+             ("retrace-main", "sft", 0.0), ("retrace-main", "sft", 1.0)]
     pairs += [(a, "sft", t) for a in ABLATIONS for t in (0.0, 1.0)]
     summary = {"steps": args.steps, "train_seconds": timings, "ratios": {}}
     for a, b, t in pairs:
