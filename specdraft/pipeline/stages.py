@@ -50,18 +50,18 @@ def target(cfg: RunConfig):
 
 def existing_world(cfg: RunConfig):
     """The target this config points at, without building anything."""
-    from specdraft.pipeline.world import World, world_hash
-    import json
+    from specdraft.pipeline.world import World, cached_world, world_dir
 
     if cfg.target.path:
         p = Path(cfg.target.path)
         if not p.is_dir():
             raise SpecdraftError(f"config key 'target.path': {p} does not exist")
         return World(p, None, None, {})
-    wdir = cfg.work_path / f"world-{world_hash(cfg)}"
-    if not (wdir / "report.json").is_file():
-        raise SpecdraftError(f"no tiny target built for this config yet in {wdir}; run `specdraft target CONFIG` first")
-    return World(wdir / "target", wdir / "heldin_prompts.jsonl", wdir / "bench", json.loads((wdir / "report.json").read_text()))
+    world = cached_world(cfg)
+    if world is None:
+        raise SpecdraftError(f"no tiny target built for this config yet in {world_dir(cfg)}; "
+                             "run `specdraft target CONFIG` first")
+    return world
 
 
 def data(cfg: RunConfig, world=None):

@@ -84,7 +84,7 @@ def _retrace_from_backbone(cfg: RunConfig, backbone):
     return model.bind_target(*backbone._borrowed)
 
 
-def _build_drafter(cfg: RunConfig, target, tokenizer, target_dir: Path):
+def _build_drafter(cfg: RunConfig, target, tokenizer):
     from specdraft.runtime.drafter_io import build_drafter, check_compatible, drafter_config_for_target, load_drafter
 
     dc = cfg.drafter
@@ -126,7 +126,7 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
     L.seed_everything(t.seed, workers=True, verbose=False)
     target = load_target(world.target_dir, dtype="float32", device=cfg.target.device)
     tokenizer = AutoTokenizer.from_pretrained(str(world.target_dir), trust_remote_code=False)
-    drafter = _build_drafter(cfg, target, tokenizer, world.target_dir)
+    drafter = _build_drafter(cfg, target, tokenizer)
     init = warm_start_dir(cfg)
     tags = {"stage": t.stage, "warm_start": str(init or "")}
     if init is not None and (init / "specdraft.json").is_file():

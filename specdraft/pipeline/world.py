@@ -48,15 +48,27 @@ def cache_root() -> Path:
     return Path(os.environ.get("SPECDRAFT_CACHE", Path.home() / ".cache" / "specdraft"))
 
 
+def world_dir(cfg: RunConfig) -> Path:
+    return cfg.work_path / f"world-{world_hash(cfg)}"
+
+
+def cached_world(cfg: RunConfig) -> World | None:
+    """The tiny world already built for this config, or None."""
+    wdir = world_dir(cfg)
+    report_file = wdir / "report.json"
+    if not report_file.is_file():
+        return None
+    return World(wdir / "target", wdir / "heldin_prompts.jsonl", wdir / "bench", json.loads(report_file.read_text()))
+
+
 def build_or_load_world(cfg: RunConfig, tracker: Tracker, log=print) -> World:
     if cfg.target.path:
         return _external_world(cfg)
-    wdir = cfg.work_path / f"world-{world_hash(cfg)}"
-    report_file = wdir / "report.json"
-    if report_file.is_file():
-        log(f"target: reusing cached tiny world {wdir}")
-        return World(wdir / "target", wdir / "heldin_prompts.jsonl", wdir / "bench", json.loads(report_file.read_text()))
-    return _build_world(cfg, wdir, tracker, log)
+    world = cached_world(cfg)
+    if world is not None:
+        log(f"target: reusing cached tiny world {world_dir(cfg)}")
+        return world
+    return _build_world(cfg, world_dir(cfg), tracker, log)
 
 
 def _external_world(cfg: RunConfig) -> World:
