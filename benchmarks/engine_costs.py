@@ -3,7 +3,8 @@
 1. AR tokens/s of our engine vs ``transformers`` ``generate`` (same target weights, greedy, exactly N new tokens).
 2. Cost of one speculative round (draft + verify a block of B) over one AR step (verify of 1 token).
 3. ReTrace's per-round fusion overhead: a round with an active ReTrace fusion over the same DFlash backbone.
-All at batch 1 and batch 8. Prefill is measured separately and subtracted.
+All at batch 1 and batch 8. Prefill is measured separately and subtracted. Each repeat is one interleaved cycle
+(prefill, AR, speculative, HF); ratios are per cycle, reported as the median and range over cycles.
 
     python benchmarks/engine_costs.py configs/tiny.yaml [--drafter DIR] [--new-tokens 128] [--repeats 3] [key=value]
 """
@@ -75,11 +76,8 @@ def main() -> None:
     for bs in (1, 8):
         batch = prompts[:bs]
         gen = GenerationConfig(max_new_tokens=N)  # no stop tokens: exactly N tokens per row
-        prefill = _time(lambda: generate(target, batch, GenerationConfig(max_new_tokens=1)), args.repeats)
-        ar_s = _time(lambda: generate(target, batch, gen), args.repeats)
         spec_res = generate(target, batch, gen, drafter=drafter)
         rounds = max(len(r.accept_lengths) for r in spec_res)
-        spec_s = _time(lambda: generate(target, batch, gen, drafter=drafter), args.repeats)
 
         tok.padding_side = "left"
         width = max(len(p) for p in batch)
@@ -91,30 +89,42 @@ def main() -> None:
                 hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=N, min_new_tokens=N, do_sample=False,
                             pad_token_id=tok.pad_token_id)
 
-        hf_s = _time(hf_generate, args.repeats)
+        # one cycle = prefill, AR, speculative, HF back to back; ratios are taken within a cycle (the machine's
+        # load drifts between cycles) and the median over cycles is reported with its range
+        cycles = []
+        for _ in range(args.repeats):
+            prefill = _time(lambda: generate(target, batch, GenerationConfig(max_new_tokens=1)), 1)
+            ar_s = _time(lambda: generate(target, batch, gen), 1)
+            spec_s = _time(lambda: generate(target, batch, gen, drafter=drafter), 1)
+            hf_s = _time(hf_generate, 1)
+            ar_step, spec_round = (ar_s - prefill) / (N - 1), (spec_s - prefill) / rounds
+            cycles.append({"ours_over_hf": hf_s / ar_s, "round_over_ar_step": spec_round / ar_step,
+                           "ar_step_ms": 1000 * ar_step, "spec_round_ms": 1000 * spec_round,
+                           "ours_ar_tokens_per_s": bs * N / ar_s, "hf_generate_tokens_per_s": bs * N / hf_s})
         # ReTrace's extra work per round: retaining the suffix (next_round_state) + fusing it (block_embeds), on
-        # tensors of a real round's shapes, against the measured DFlash round
+        # tensors of a real round's shapes, against the measured DFlash round (the fused target context comes from
+        # the drafter's ingest, which a DFlash round runs too)
         Bk, V = retrace.block_size, target.args.vocab_size
         hid = torch.randn(bs, Bk, target.args.hidden_size)
         drafts = torch.randint(0, V, (bs, Bk - 1))
         n_acc = torch.full((bs,), 2)
-        t_logits, t_feats = torch.randn(bs, Bk, V), torch.randn(bs, Bk, retrace.fc.in_features)
+        t_logits, t_ctx = torch.randn(bs, Bk, V), torch.randn(bs, Bk, target.args.hidden_size)
         blk = torch.full((bs, Bk), tok.mask_token_id)
 
         def fusion_work():
             with torch.inference_mode():
-                prior = retrace.next_round_state(None, hid, drafts, n_acc, t_logits, t_feats)
+                prior = retrace.next_round_state(None, hid, drafts, n_acc, t_logits, t_ctx)
                 retrace.block_embeds(blk, prior)
 
         fusion = _time(lambda: [fusion_work() for _ in range(50)], args.repeats) / 50
-        ar_step = (ar_s - prefill) / (N - 1)
-        spec_round = (spec_s - prefill) / rounds
-        out[f"bs{bs}"] = {
-            "ours_ar_tokens_per_s": bs * N / ar_s, "hf_generate_tokens_per_s": bs * N / hf_s,
-            "ours_over_hf": hf_s / ar_s, "ar_step_ms": 1000 * ar_step, "spec_round_ms": 1000 * spec_round,
-            "round_over_ar_step": spec_round / ar_step, "spec_rounds": rounds,
-            "retrace_fusion_ms": 1000 * fusion, "retrace_fusion_share_of_round": fusion / (spec_round + fusion),
-        }
+        res = {k: statistics.median(c[k] for c in cycles) for k in cycles[0]}
+        res["round_over_ar_step_range"] = [min(c["round_over_ar_step"] for c in cycles),
+                                           max(c["round_over_ar_step"] for c in cycles)]
+        res["ours_over_hf_range"] = [min(c["ours_over_hf"] for c in cycles), max(c["ours_over_hf"] for c in cycles)]
+        res["spec_rounds"] = rounds
+        res["retrace_fusion_ms"] = 1000 * fusion
+        res["retrace_fusion_share_of_round"] = fusion / (res["spec_round_ms"] / 1000 + fusion)
+        out[f"bs{bs}"] = res
     print(json.dumps(out, indent=2))
 
 

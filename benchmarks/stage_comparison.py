@@ -5,6 +5,7 @@ From one base drafter (the run's ``sft`` export), train each variant for the sam
     sft      decayed CE, continued (the CE baseline and ReTrace's own DFlash backbone at equal budget)
     kl       forward KL to the target at T (the KL baseline for WTV)
     eal      expected accepted length, greedy            -> compare with sft at T=0
+    eal-mix  EAL with the CE warm-up mix (lambda = exp(-3 mean q)) -> compare with sft at T=0
     wtv      window total variation at T                  -> compare with kl at T=1
     grpo     from eal, reward = simulated acceptance      -> compare with eal
     retrace-main  ReTrace on the DFlash backbone          -> compare with sft (plus the ablations below)
@@ -28,6 +29,7 @@ VARIANTS = {
     "sft": [],
     "kl": ["train.features=online"],
     "eal": [],
+    "eal-mix": ["train.ce_mix_eta=3.0"],  # EAL with the CE warm-up mix of methods.md §3.2
     "wtv": ["train.features=online"],
     "grpo": ["train.features=online", "train.init_stage=eal"],
     "retrace-main": ["train.features=online"],  # hard alignment, correction signals, mask slots only
@@ -36,6 +38,7 @@ ABLATIONS = {  # ReTrace ablations, each its own export dir
     "retrace-soft": ["train.features=online", "drafter.retrace_alignment=soft"],
     "retrace-nocorr": ["train.features=online", "drafter.retrace_use_correction=false"],
     "retrace-anchor": ["train.features=online", "drafter.retrace_gate_anchor=true"],
+    "retrace-cheap": ["train.features=online", "train.retrace_signals=cheap"],  # teacher-forced correction signals
 }
 
 
@@ -47,6 +50,7 @@ def main() -> None:
     ap.add_argument("--ablations", action="store_true", help="also train the ReTrace ablations")
     ap.add_argument("--out", default="", help="work dir (default: <work_dir>-compare)")
     ap.add_argument("--bench-only", action="store_true")
+    ap.add_argument("--train-only", action="store_true", help="train the variants, bench later with --bench-only")
     ap.add_argument("--retrain", action="store_true", help="retrain variants that already have an export")
     args, overrides = ap.parse_known_args()
 
@@ -71,7 +75,7 @@ def main() -> None:
         todo.update(ABLATIONS)
     timings = {}
     for name, extra in todo.items():
-        stage = "retrace" if name.startswith("retrace") else name
+        stage = "retrace" if name.startswith("retrace") else name.split("-")[0]
         init = [] if stage == "grpo" else [f"drafter.init_from={base}"]
         cfg = load_config(args.config, [*common, f"train.stage={stage}", *init, *extra])
         if args.bench_only or ((out / "drafter" / name / "config.json").is_file() and not args.retrain):
@@ -79,11 +83,17 @@ def main() -> None:
         t0 = time.perf_counter()
         stages.train(cfg, world)
         timings[name] = time.perf_counter() - t0
+        seconds_file = out / "train_seconds.json"
+        seen = json.loads(seconds_file.read_text()) if seconds_file.is_file() else {}
+        seconds_file.write_text(json.dumps({**seen, name: timings[name]}, indent=2))
         if name != stage:  # keep each ablation's export under its own name
             dst = out / "drafter" / name
             shutil.rmtree(dst, ignore_errors=True)
             shutil.copytree(out / "drafter" / stage, dst)
         shutil.rmtree(out / "checkpoints" / stage, ignore_errors=True)  # each variant starts from the base
+    if args.train_only:
+        print(f"trained {', '.join(timings) or 'nothing new'}: {timings}")
+        return
 
     names = [n for n in todo if (out / "drafter" / n / "config.json").is_file()]
     cfg = load_config(args.config, [*common, f"bench.stages={json.dumps(names)}"])
@@ -97,9 +107,11 @@ def main() -> None:
         return None
 
     suites = sorted({r["suite"] for r in rows})
-    pairs = [("eal", "sft", 0.0), ("wtv", "kl", 1.0), ("grpo", "eal", 0.0), ("grpo", "eal", 1.0),
+    pairs = [("eal", "sft", 0.0), ("eal-mix", "sft", 0.0), ("wtv", "kl", 1.0), ("grpo", "eal", 0.0), ("grpo", "eal", 1.0),
              ("retrace-main", "sft", 0.0), ("retrace-main", "sft", 1.0)]
     pairs += [(a, "sft", t) for a in ABLATIONS for t in (0.0, 1.0)]
+    if (out / "train_seconds.json").is_file():
+        timings = json.loads((out / "train_seconds.json").read_text())
     summary = {"steps": args.steps, "train_seconds": timings, "ratios": {}}
     for a, b, t in pairs:
         if a in names and b in names:

@@ -26,7 +26,7 @@ from specdraft.runtime.models.target import TargetLM
 from specdraft.runtime.verify import accept_greedy
 
 STAGES = ("sft", "kl", "tv", "eal", "wtv", "grpo", "retrace")
-NEEDS_TARGET_LOGITS = ("kl", "tv", "wtv", "retrace")
+NEEDS_TARGET_LOGITS = ("kl", "tv", "wtv")
 _FROZEN = ("target.", "reference.")
 
 
@@ -48,11 +48,16 @@ class Objective:
     grpo: grpo.GRPOConfig | None = None
     prior_dropout: float = 0.2
     """retrace: share of second-round blocks trained without their prior (keeps the no-prior path calibrated)."""
+    retrace_signals: str = "exact"
+    """retrace: correction signals from a replayed verify pass (exact) or teacher-forced (cheap); see retrace_step."""
+    fusion_lr_scale: float = 10.0
+    """retrace: learning-rate multiplier of the new fusion/refiner parameters over the warm-started backbone's."""
 
     @property
     def needs_target_logits(self) -> bool:
         sampling_grpo = self.stage == "grpo" and self.grpo is not None and self.grpo.mode == "sampling"
-        return self.stage in NEEDS_TARGET_LOGITS or self.kl_weight > 0 or sampling_grpo
+        cheap_retrace = self.stage == "retrace" and self.retrace_signals == "cheap"
+        return self.stage in NEEDS_TARGET_LOGITS or self.kl_weight > 0 or sampling_grpo or cheap_retrace
 
 
 class DraftBatch(NamedTuple):
@@ -207,7 +212,8 @@ class DrafterModule(L.LightningModule):
         if self.objective.stage == "retrace":
             from specdraft.lit_modules.retrace_step import two_round_blocks
 
-            db, stats = two_round_blocks(self, batch, "train", g, self.objective.prior_dropout)
+            db, stats = two_round_blocks(self, batch, "train", g, self.objective.prior_dropout,
+                                         self.objective.retrace_signals)
             self.log_dict({f"train/retrace_{k}": v for k, v in stats.items()})
         else:
             db = self.draft(batch, "train", g)
@@ -227,9 +233,11 @@ class DrafterModule(L.LightningModule):
         if self.objective.stage == "retrace":  # second-round blocks (after a rejection), with and without prior
             from specdraft.lit_modules.retrace_step import two_round_blocks
 
-            db0, _ = two_round_blocks(self, batch, "val", torch.Generator().manual_seed(self.hparams.seed + batch_idx), 1.0)
+            sig = self.objective.retrace_signals
+            db0, _ = two_round_blocks(self, batch, "val", torch.Generator().manual_seed(self.hparams.seed + batch_idx), 1.0,
+                                      sig)
             self.log("eval/sim_tau_noprior", self.simulated_tau(db0.logits, db0.blocks, db0.target_tokens), batch_size=n)
-            db, _ = two_round_blocks(self, batch, "val", g, 0.0)
+            db, _ = two_round_blocks(self, batch, "val", g, 0.0, sig)
         else:
             db = self.draft(batch, "val", g)
         self.log("eval/loss", decayed_ce(db.logits, db.blocks.labels, db.blocks.label_mask, self.slot_weights),
@@ -239,7 +247,12 @@ class DrafterModule(L.LightningModule):
 
     def configure_optimizers(self):
         hp = self.hparams
-        opt = torch.optim.AdamW(self.drafter.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, betas=(0.9, 0.95))
+        named = list(self.drafter.named_parameters())
+        fusion = [p for n, p in named if n.startswith("retrace_")]  # new, zero-initialised: they learn faster
+        groups = [{"params": [p for n, p in named if not n.startswith("retrace_")], "lr": hp.lr}]
+        if fusion:
+            groups.append({"params": fusion, "lr": hp.lr * self.objective.fusion_lr_scale})
+        opt = torch.optim.AdamW(groups, lr=hp.lr, weight_decay=hp.weight_decay, betas=(0.9, 0.95))
         warmup = int(hp.warmup_ratio * hp.total_steps)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_with_warmup(s, warmup, hp.total_steps, 0.0))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -1,44 +1,104 @@
 """ReTrace training step (methods.md §1.5): a no-grad first round produces drafts and rejected suffixes at random
-anchors, simulated greedy verification (the runtime's ``accept_greedy`` against the target's teacher-forced tokens)
-picks the next anchors ``a' = a + n + 1``, and the second round trains with the aligned prior fused into its inputs.
+anchors, verification picks the next anchors ``a' = a + n + 1``, and the second round trains with the aligned prior
+fused into its inputs.
 
-Correction signals use the target's teacher-forced logits and features at the old slots ("cheap mode"): exact at
-the first rejected slot, approximate after it (the real verify pass conditions on the draft prefix). Prior dropout
-keeps the no-prior path calibrated; blocks whose first round was fully accepted carry an empty prior naturally.
+Correction signals come in two modes (``train.retrace_signals``):
+
+- ``exact`` (default): the target verifies every round-1 block ``[x_a, d_1..d_K]`` exactly as serving does, in ONE
+  extra no-grad target pass over all blocks against the cached sequence (each block sees only the context before its
+  anchor). Acceptance, the target's tokens, probabilities and features at the rejected slots are then the ones the
+  runtime will hand the drafter. Costs one target pass over ``N * Bk`` tokens per step.
+- ``cheap``: the target's teacher-forced logits/features at the old slots. Exact at the first rejected slot only:
+  after it the real verify pass conditions on the WRONG draft prefix, while teacher forcing conditions on the true
+  text, so the target's token at a later slot is the label itself. Measured on the tiny world, a drafter trained so
+  learns to copy it and serves worse than its backbone (kept as an ablation).
+
+Prior dropout keeps the no-prior path calibrated; blocks whose first round was fully accepted carry an empty prior
+naturally.
 """
 
 from __future__ import annotations
 
 import torch
 
+from specdraft.lit_modules.features import online_features
 from specdraft.runtime.models.retrace import build_prior
+from specdraft.runtime.models.target import TargetLM
 from specdraft.runtime.verify import accept_greedy
 
+SIGNAL_MODES = ("exact", "cheap")
 
-def two_round_blocks(module, batch, split: str, generator: torch.Generator | None, prior_dropout: float):
+
+@torch.no_grad()
+def verify_blocks(target: TargetLM, cache, anchors: torch.Tensor, blocks: torch.Tensor,
+                  layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The serving verify pass, replayed for many blocks of one cached sequence at once.
+
+    Args:
+        target: the frozen target.
+        cache: its KV cache holding the whole sequence (``lengths`` = the sequence length per row).
+        anchors: ``[B, N]`` anchor positions.
+        blocks: ``[B, N, Bk]`` verify inputs ``[x_a, d_1..d_K]``.
+        layer_ids: the drafter's feature layers.
+    Returns:
+        ``(logits [B, N, Bk, V], features [B, N, Bk, F])``: index ``i`` of the logits scores slot ``i + 1``, index
+        ``s`` of the features is the target's state after slot ``s`` (as :func:`generate` sees them).
+    """
+    B, N, Bk = blocks.shape
+    dev = blocks.device
+    k = torch.arange(Bk, device=dev)
+    positions = (anchors[:, :, None] + k).flatten(1)  # [B, N * Bk]
+    block_id = torch.arange(N, device=dev).repeat_interleave(Bk)  # [Q]
+    slot = k.repeat(N)  # [Q]
+    causal_in_block = (block_id[:, None] == block_id[None, :]) & (slot[:, None] >= slot[None, :])  # [Q, Q]
+    visible = anchors.repeat_interleave(Bk, dim=1)  # [B, Q]: strictly before the anchor, as in serving
+    out = target(blocks.flatten(1), cache=cache, positions=positions, new_mask=causal_in_block,
+                 feature_layers=layer_ids, visible_prefix=visible)
+    return out.logits.view(B, N, Bk, -1), out.features.view(B, N, Bk, -1)
+
+
+def two_round_blocks(module, batch, split: str, generator: torch.Generator | None, prior_dropout: float,
+                     signals: str = "exact"):
     """Returns ``(DraftBatch of round 2, stats)``; ``module`` is a :class:`DrafterModule` over a ReTrace drafter."""
     from specdraft.lit_modules.blocks import sample_anchors
     from specdraft.lit_modules.drafter_module import DraftBatch
 
+    if signals not in SIGNAL_MODES:
+        raise ValueError(f"retrace signals must be one of {SIGNAL_MODES}, got {signals!r}")
     d = module.drafter
     bs, K = d.block_size, d.block_size - 1
-    feats, target_hidden, greedy = module._features(batch, split)
-    lengths = batch["lengths"]
+    ids, lengths = batch["input_ids"], batch["lengths"]
+    cache = None
+    if signals == "exact":  # features from a cached target pass, so the verify replay can attend to the sequence
+        B0, S0 = ids.shape
+        N0 = min(module.hparams.num_anchors, S0)
+        cache = module.target.new_cache(B0, S0 + N0 * bs)
+        feats, target_hidden, greedy = online_features(module.target, ids, d.target_layer_ids, cache=cache)
+        feats = feats.to(d.fc.weight.dtype)
+        if not module.objective.needs_target_logits:
+            target_hidden = None
+    else:
+        feats, target_hidden, greedy = module._features(batch, split)
     anchors, valid = sample_anchors(batch["loss_mask"], lengths, module.hparams.num_anchors, generator)
     B, N = anchors.shape
     with torch.no_grad():
         logits1, hidden1, _, _ = module.run_blocks(batch, feats, anchors, valid)
-        tokens1, slot_logits1 = module.target_view(anchors, greedy, target_hidden, K)
         drafts = logits1.argmax(-1)  # [B, N, K]
-        V = logits1.shape[-1]
-        n, _ = accept_greedy(drafts.flatten(0, 1), torch.nn.functional.one_hot(tokens1.flatten(0, 1), V).float())
-        n = n.view(B, N)
         S, F = feats.shape[1], feats.shape[2]
-        pos = (anchors[:, :, None] + torch.arange(bs, device=anchors.device)).clamp(max=S - 1)  # [B, N, Bk]
-        f_slots = feats.gather(1, pos.flatten(1)[..., None].expand(-1, -1, F)).view(B, N, bs, F)
-        verify_logits = torch.cat([slot_logits1, slot_logits1[:, :, -1:]], dim=2)  # index i scores slot i + 1
+        if signals == "exact":
+            blocks = torch.cat([ids.gather(1, anchors)[..., None], drafts], dim=-1)  # [B, N, Bk]
+            verify_logits, f_slots = verify_blocks(module.target, cache, anchors, blocks, d.target_layer_ids)
+            n, _ = accept_greedy(drafts.flatten(0, 1), verify_logits.flatten(0, 1))
+        else:
+            tokens1, slot_logits1 = module.target_view(anchors, greedy, target_hidden, K)
+            V = logits1.shape[-1]
+            n, _ = accept_greedy(drafts.flatten(0, 1), torch.nn.functional.one_hot(tokens1.flatten(0, 1), V).float())
+            pos = (anchors[:, :, None] + torch.arange(bs, device=anchors.device)).clamp(max=S - 1)  # [B, N, Bk]
+            f_slots = feats.gather(1, pos.flatten(1)[..., None].expand(-1, -1, F)).view(B, N, bs, F)
+            verify_logits = torch.cat([slot_logits1, slot_logits1[:, :, -1:]], dim=2)  # index i scores slot i + 1
+        n = n.view(B, N)
         prior = build_prior(hidden1.flatten(0, 1), drafts.flatten(0, 1), n.flatten(), verify_logits.flatten(0, 1),
-                            f_slots.flatten(0, 1))
+                            d.fuse_context(f_slots.to(feats.dtype)).flatten(0, 1))
         if prior_dropout > 0:
             gen_dev = generator.device if generator is not None else anchors.device
             keep = torch.rand(B * N, generator=generator, device=gen_dev).to(anchors.device) >= prior_dropout

@@ -128,6 +128,11 @@ class TrainConfig:
     grpo_draft_temperature: float = 1.0
     prior_dropout: float = 0.2
     """retrace: share of second-round blocks trained without their prior."""
+    retrace_signals: str = "exact"
+    """retrace: correction signals from a replayed verify pass of each first-round block (exact, one extra target
+    pass per step, needs train.features=online) or the target's teacher-forced view (cheap, ablation)."""
+    retrace_fusion_lr_scale: float = 10.0
+    """retrace: learning-rate multiplier of the new fusion/refiner parameters (the backbone keeps train.lr)."""
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     precision: str = "auto"
@@ -211,6 +216,7 @@ CHOICES = {
     "train.init_stage": ("", "sft", "kl", "tv", "eal", "wtv", "grpo", "retrace"),
     "drafter.arch": ("dflash", "retrace"),
     "drafter.retrace_alignment": ("hard", "soft"),
+    "train.retrace_signals": ("exact", "cheap"),
     "train.acceptance_form": ("log", "linear"),
     "train.wtv_variant": ("product", "stopgrad"),
     "train.grpo_mode": ("greedy", "sampling"),
@@ -323,7 +329,8 @@ def validate(cfg: RunConfig) -> RunConfig:
             _fail("bench.suites", f"unknown suite {s!r} (math, code, dialogue)")
     positive = ["drafter.block_size", "drafter.num_layers", "train.batch_size", "train.num_anchors",
                 "decode.batch_size", "decode.max_new_tokens", "bench.num_prompts", "bench.max_new_tokens",
-                "data.batch_size", "data.max_new_tokens", "target.tiny.num_layers", "target.tiny.hidden_size"]
+                "data.batch_size", "data.max_new_tokens", "target.tiny.num_layers", "target.tiny.hidden_size",
+                "train.retrace_fusion_lr_scale"]
     for key in positive:
         if flat[key] <= 0:
             _fail(key, f"must be positive, got {flat[key]}")

@@ -67,7 +67,8 @@ def objective_from_config(cfg: RunConfig):
                    temperature=t.temperature, clip=t.grpo_clip, kl_coef=t.grpo_kl_coef)
     return Objective(stage=t.stage, gamma=t.gamma, kl_weight=t.kl_weight, temperature=t.temperature,
                      acceptance_form=t.acceptance_form, wtv_variant=t.wtv_variant, ce_mix_eta=t.ce_mix_eta,
-                     grpo=g if t.stage == "grpo" else None, prior_dropout=t.prior_dropout)
+                     grpo=g if t.stage == "grpo" else None, prior_dropout=t.prior_dropout,
+                     retrace_signals=t.retrace_signals, fusion_lr_scale=t.retrace_fusion_lr_scale)
 
 
 def _retrace_from_backbone(cfg: RunConfig, backbone):
@@ -123,6 +124,9 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
     if t.features == "offline" and objective.needs_target_logits:
         raise SpecdraftError(f"config key 'train.features': stage {t.stage!r} (kl_weight={t.kl_weight}) needs the "
                              "target's full distributions; use train.features=online")
+    if t.features == "offline" and t.stage == "retrace" and t.retrace_signals == "exact":
+        raise SpecdraftError("config key 'train.features': stage 'retrace' replays the target's verify pass for its "
+                             "correction signals (train.retrace_signals=exact); use train.features=online")
     L.seed_everything(t.seed, workers=True, verbose=False)
     target = load_target(world.target_dir, dtype="float32", device=cfg.target.device)
     tokenizer = AutoTokenizer.from_pretrained(str(world.target_dir), trust_remote_code=False)

@@ -3,7 +3,8 @@
 One round per active row: draft a block ``[anchor, MASK x (B-1)]`` (its input embeddings may carry the drafter's
 cross-round state, e.g. ReTrace's rejected suffix) -> verify ``[anchor, d_1..d_{B-1}]`` in ONE target
 pass -> accept ``a`` drafts + one target token -> commit (each row's target cache grows by ``a + 1``) -> feed the
-``a + 1`` committed tokens' target features to the drafter's context cache. The AR baseline (no drafter) is the same
+``a + 1`` committed tokens' target features to the drafter's context cache (right away, so the next round starts
+drafting at once). The AR baseline (no drafter) is the same
 loop with a block of one token, so speedups compare like with like. Finished rows are compacted away so they stop
 costing compute; stop tokens and ``max_new_tokens`` are per row.
 """
@@ -51,14 +52,10 @@ class _State:
 
     rows: torch.Tensor  # [b] original row index
     anchor: torch.Tensor  # [b] last committed token, not yet in the target cache
-    ctx_features: torch.Tensor | None  # [b, T, F] target features not yet ingested by the drafter
-    ctx_counts: torch.Tensor | None  # [b]
     draft_state: object = None  # drafter's cross-round state (ReTrace: the rejected suffix), or None
 
     def select(self, keep: torch.Tensor) -> None:
         self.rows, self.anchor = self.rows[keep], self.anchor[keep]
-        if self.ctx_features is not None:
-            self.ctx_features, self.ctx_counts = self.ctx_features[keep], self.ctx_counts[keep]
         if self.draft_state is not None:
             self.draft_state = self.draft_state.select(keep)
 
@@ -103,8 +100,9 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
     tcache.crop(lens)
     first = sample(out.logits[:, 0], params, generator)  # [B]
     dcache = drafter.new_cache(B, max_len) if drafter is not None else None
-    state = _State(rows=torch.arange(B, device=dev), anchor=first,
-                   ctx_features=out.features, ctx_counts=lens if drafter is not None else None)
+    if drafter is not None:
+        drafter.ingest(dcache, out.features, lens)  # the prompt's target features -> the drafter's context cache
+    state = _State(rows=torch.arange(B, device=dev), anchor=first)
 
     generated: list[list[int]] = [[] for _ in range(B)]
     accept_lengths: list[list[int]] = [[] for _ in range(B)]
@@ -129,7 +127,6 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
     while state.rows.numel() > 0:
         b = state.rows.numel()
         if drafter is not None:
-            drafter.ingest(dcache, state.ctx_features, state.ctx_counts)
             blk = torch.full((b, block), drafter.config.mask_token_id, dtype=torch.long, device=dev)
             blk[:, 0] = state.anchor
             hidden = drafter.draft_hidden(dcache, drafter.block_embeds(blk, state.draft_state))  # [b, Bk, D]
@@ -154,10 +151,10 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
             n_acc, nxt = accept_speculative_sampling(draft_tokens, draft_probs,
                                                      logits_to_probs(out.logits, params), generator)
         tcache.crop(tcache.lengths + n_acc + 1)  # anchor + accepted drafts are now committed
-        if drafter is not None:
-            state.ctx_features, state.ctx_counts = out.features, n_acc + 1
+        if drafter is not None:  # the committed tokens' target features join the drafter's context
+            fused = drafter.ingest(dcache, out.features, n_acc + 1)  # [b, Bk, D] for all verified slots
             state.draft_state = drafter.next_round_state(state.draft_state, hidden, draft_tokens, n_acc, out.logits,
-                                                         out.features)
+                                                         fused)
         state.anchor = nxt
         keep = []
         for i, (row, a, d, t) in enumerate(zip(state.rows.tolist(), n_acc.tolist(), draft_tokens.tolist(),

@@ -57,16 +57,20 @@ class KVCache:
         self.lengths = self.lengths.index_select(0, rows)
 
 
-def cached_attention_mask(lengths: torch.Tensor, used: int, new_mask: torch.Tensor) -> torch.Tensor:
+def cached_attention_mask(lengths: torch.Tensor, used: int, new_mask: torch.Tensor,
+                          visible_prefix: torch.Tensor | None = None) -> torch.Tensor:
     """Boolean mask over the cache prefix for queries that were written at ``lengths[b] + t``.
 
-    Key ``j`` is visible to new query ``t`` of row ``b`` iff it is committed (``j < lengths[b]``) or it is new
-    token ``r = j - lengths[b]`` with ``new_mask[b, t, r]`` (causal, tree or all-visible among the new tokens).
+    Key ``j`` is visible to new query ``t`` of row ``b`` iff it is committed (``j < lengths[b]``, and
+    ``j < visible_prefix[b, t]`` when given) or it is new token ``r = j - lengths[b]`` with ``new_mask[b, t, r]``
+    (causal, tree or all-visible among the new tokens).
 
     Args:
         lengths: ``[B]`` committed lengths before the write.
         used: number of slots the attention reads (``max(lengths) + T``).
         new_mask: ``[B, T, T]`` or ``[T, T]`` bool visibility among the new tokens.
+        visible_prefix: ``[B, T]`` committed entries each new query may see (training replays many verify blocks
+            against one cached sequence, each seeing only the context before its own anchor); default all.
     Returns:
         ``[B, 1, T, used]`` bool mask for ``scaled_dot_product_attention``.
     """
@@ -75,8 +79,10 @@ def cached_attention_mask(lengths: torch.Tensor, used: int, new_mask: torch.Tens
         new_mask = new_mask.expand(lengths.shape[0], T, T)
     j = torch.arange(used, device=lengths.device)  # [used]
     rel = j[None, :] - lengths[:, None]  # [B, used]
-    committed = rel < 0  # [B, used]
+    committed = (rel < 0)[:, None, :]  # [B, 1, used]
+    if visible_prefix is not None:
+        committed = committed & (j[None, None, :] < visible_prefix[:, :, None])  # [B, T, used]
     is_new = (rel >= 0) & (rel < T)
     idx = rel.clamp(0, T - 1)[:, None, :].expand(-1, T, -1)  # [B, T, used]
     new_vis = new_mask.gather(2, idx) & is_new[:, None, :]  # [B, T, used]
-    return (committed[:, None, :] | new_vis)[:, None]  # [B, 1, T, used]
+    return (committed | new_vis)[:, None]  # [B, 1, T, used]

@@ -151,3 +151,6 @@ def test_stages_chain_sft_eal_wtv_grpo_with_warm_starts(tiny_world, tmp_path):
     r = load_drafter(out, target)
     assert r.arch_name == "retrace" and "train/retrace_round1_tau" in rt.metrics
     assert "eval/sim_tau_noprior" in rt.metrics
+    with pytest.raises(SpecdraftError, match="verify pass"):  # exact correction signals need the target in the loop
+        train_drafter(_cfg(tiny_world, work, "train.stage=retrace", "train.features=offline"), tiny_world, data,
+                      TagTracker(), lambda m: None)

@@ -23,12 +23,11 @@ def retrace_from(backbone, active: bool, seed: int = 0, **opts):
 
 def _random_prior(drafter, b=3, n=(0, 2, 4)):
     Bk, D = drafter.block_size, drafter.config.hidden_size
-    F = drafter.fc.in_features
     K = Bk - 1
     g = torch.Generator().manual_seed(5)
     V = drafter.config.vocab_size
     return build_prior(torch.randn(b, Bk, D, generator=g), torch.randint(0, V, (b, K), generator=g),
-                       torch.tensor(n), torch.randn(b, Bk, V, generator=g), torch.randn(b, Bk, F, generator=g))
+                       torch.tensor(n), torch.randn(b, Bk, V, generator=g), torch.randn(b, Bk, D, generator=g))
 
 
 @pytest.mark.parametrize("opts", [{}, {"alignment": "soft"}, {"use_correction": False}, {"gate_anchor": True}])
@@ -62,7 +61,7 @@ def test_carried_suffix_lands_on_the_right_slots():
     for s in range(Bk):
         hidden[0, s, 0] = s  # tag each old slot's hidden state with its slot index
     prior = build_prior(hidden, drafts, torch.tensor([2]), torch.randn(1, Bk, r.config.vocab_size),
-                        torch.randn(1, Bk, r.fc.in_features))
+                        torch.randn(1, Bk, D))
     assert prior.valid[0].tolist() == [False, False, False, True, True, True] and prior.shift.tolist() == [3]
     aligned, present = r._align(prior.hidden, prior)
     assert present[0].tolist() == [True, True, True, False, False, False]

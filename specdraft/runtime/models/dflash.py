@@ -168,7 +168,9 @@ class DFlashDrafter(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._borrowed is None:
             raise RuntimeError("drafter is not bound to a target: call bind_target(embed_tokens, lm_head)")
-        return self._borrowed[1](hidden)
+        # flattened to 2-D: a strided block slice ``hidden[:, 1:]`` would otherwise go through a slow batched matmul
+        flat = self._borrowed[1](hidden.reshape(-1, hidden.shape[-1]))  # [B * Q, V]
+        return flat.view(*hidden.shape[:-1], flat.shape[-1])  # [B, Q, V]
 
     def reset_parameters(self, std: float = 0.02) -> None:
         for name, p in self.named_parameters():
@@ -184,16 +186,21 @@ class DFlashDrafter(nn.Module):
             self.inv_freq = self.inv_freq.to(positions.device)
         return rope_cos_sin(positions, self.inv_freq, dtype)
 
-    def context_kv(self, ctx_features: torch.Tensor, ctx_positions: torch.Tensor):
+    def fuse_context(self, ctx_features: torch.Tensor) -> torch.Tensor:
+        """``H_t = hidden_norm(fc([H_l1; ...; H_ln]))``: ``[B, T, n_feat * D_t] -> [B, T, D]``."""
+        return self.hidden_norm(self.fc(ctx_features))
+
+    def context_kv(self, ctx_features: torch.Tensor, ctx_positions: torch.Tensor, fused: torch.Tensor | None = None):
         """Per-layer context K/V from target features.
 
         Args:
             ctx_features: ``[B, T, n_feat * D_t]`` target layer outputs of committed tokens.
             ctx_positions: ``[B, T]`` their absolute positions.
+            fused: ``fuse_context(ctx_features)`` when the caller already has it.
         Returns:
             list over layers of ``(k, v)``, each ``[B, H_kv, T, Dh]`` (post k_norm, post RoPE).
         """
-        c = self.hidden_norm(self.fc(ctx_features))  # [B, T, D]
+        c = self.fuse_context(ctx_features) if fused is None else fused  # [B, T, D]
         cos, sin = self._rope(ctx_positions, c.dtype)
         return [layer.self_attn.key_value(c, cos, sin) for layer in self.layers]
 
@@ -220,8 +227,9 @@ class DFlashDrafter(nn.Module):
         """Input embeddings of a block ``[b, Bk] -> [b, Bk, D]`` given the cross-round state."""
         return self.embed(block_tokens)
 
-    def next_round_state(self, state, hidden, draft_tokens, num_accepted, target_logits, target_features):
-        """State carried into the next round from this round's draft and verify outputs (no extra forward)."""
+    def next_round_state(self, state, hidden, draft_tokens, num_accepted, target_logits, target_context):
+        """State carried into the next round from this round's draft and verify outputs (no extra forward);
+        ``target_context`` ``[b, Bk, D]`` is what :meth:`ingest` returned for the verify pass's features."""
         return None
 
     # ---- inference with a context-only cache -----------------------------------------------------------
@@ -230,14 +238,20 @@ class DFlashDrafter(nn.Module):
         c = self.config
         return KVCache(c.num_hidden_layers, batch_size, c.num_key_value_heads, max_len, c.head_dim, p.dtype, p.device)
 
-    def ingest(self, cache: KVCache, ctx_features: torch.Tensor, counts: torch.Tensor) -> None:
-        """Append the first ``counts[b]`` rows of ``ctx_features`` ``[B, T, F]`` to each row's context cache."""
+    def ingest(self, cache: KVCache, ctx_features: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Append the first ``counts[b]`` rows of ``ctx_features`` ``[B, T, F]`` to each row's context cache.
+
+        Returns the fused context ``[B, T, D]`` of ALL ``T`` rows (a verify pass's rejected slots included), so a
+        cross-round state can reuse it without a second ``fc``.
+        """
         B, T, _ = ctx_features.shape
         cache.check_room(T)
         slots = cache.lengths[:, None] + torch.arange(T, device=ctx_features.device)  # [B, T]
-        for i, (k, v) in enumerate(self.context_kv(ctx_features, slots)):
+        fused = self.fuse_context(ctx_features)  # [B, T, D]
+        for i, (k, v) in enumerate(self.context_kv(ctx_features, slots, fused)):
             cache.write(i, k, v, slots)
         cache.lengths = cache.lengths + counts
+        return fused
 
     def draft_hidden(self, cache: KVCache, block_embeds: torch.Tensor) -> torch.Tensor:
         """Hidden states ``[B, Bk, D]`` of one block per row, anchored right after each row's cached context."""

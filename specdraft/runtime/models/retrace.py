@@ -6,7 +6,12 @@ slot ``n+1``, so old slot ``s`` lands on new slot ``s - (n+1)``), REFINED with c
 verification already produced (the target's own token at the slot, its features there, draft/target agreement, the
 target's probability of the draft token, its entropy, the slot index) and admitted into the next block's input
 embeddings by GATED RESIDUAL FUSION ``x = e(token) + m * g * W_o u`` with ``W_o`` zero-initialised, so a fresh ReTrace
-drafter computes exactly what its DFlash backbone computes. Only drafter inputs change: verification, and therefore
+drafter computes exactly what its DFlash backbone computes.
+
+Choices made against methods.md §1 on measurements (tiny world, CPU): the refiner is width ``E`` (not ``2E``) and the
+gate reads ``u`` alone (``W_g [e_MASK; u]`` has a constant ``e_MASK`` half, i.e. a bias); the target features enter
+as the drafter's own fused context ``hidden_norm(fc(f))`` that :meth:`DFlashDrafter.ingest` already computed for the
+verify block, so the fusion adds no second ``fc``. Together these cut the per-round fusion cost about in half. Only drafter inputs change: verification, and therefore
 losslessness, are untouched; rejected tokens are never committed; no extra forward pass of either model is needed.
 
 Ablations (``retrace_config``): ``alignment`` hard (shift) or soft (Gaussian kernel over offsets, learnable width);
@@ -65,7 +70,7 @@ class Prior(NamedTuple):
 
     hidden: torch.Tensor  # [b, Bk, D] drafter last-layer hidden states
     target_tokens: torch.Tensor  # [b, Bk] target's own token at each slot (its argmax given the prefix before it)
-    target_features: torch.Tensor  # [b, Bk, F] target features at each slot from the verify pass
+    target_context: torch.Tensor  # [b, Bk, D] hidden_norm(fc(target features)) at each slot from the verify pass
     scalars: torch.Tensor  # [b, Bk, 4] agreement, p_target(draft), target entropy, slot / Bk
     valid: torch.Tensor  # [b, Bk] bool: slot was rejected (s >= n + 1, s <= K)
     shift: torch.Tensor  # [b] n + 1: old slot s lands on new slot s - shift
@@ -75,7 +80,7 @@ class Prior(NamedTuple):
 
 
 def build_prior(hidden: torch.Tensor, draft_tokens: torch.Tensor, num_accepted: torch.Tensor,
-                target_logits: torch.Tensor, target_features: torch.Tensor) -> Prior:
+                target_logits: torch.Tensor, target_context: torch.Tensor) -> Prior:
     """Retain the rejected suffix of one round (no extra forward: every input comes from the draft/verify passes).
 
     Args:
@@ -83,7 +88,8 @@ def build_prior(hidden: torch.Tensor, draft_tokens: torch.Tensor, num_accepted: 
         draft_tokens: ``[b, K]`` drafts for slots 1..K.
         num_accepted: ``[b]``.
         target_logits: ``[b, Bk, V]`` verify logits; index ``i`` scores the token at slot ``i + 1``.
-        target_features: ``[b, Bk, F]`` verify features; index ``s`` is the target's state at slot ``s``.
+        target_context: ``[b, Bk, D]`` the drafter's fused view of the verify features (``fuse_context``); index
+            ``s`` is the target's state at slot ``s``.
     """
     b, Bk, _ = hidden.shape
     K = Bk - 1
@@ -98,16 +104,8 @@ def build_prior(hidden: torch.Tensor, draft_tokens: torch.Tensor, num_accepted: 
     pad = lambda t: torch.cat([torch.zeros_like(t[:, :1]), t], dim=1)  # slot 0 (anchor) carries no signal
     s = torch.arange(Bk, device=dev)
     valid = (s[None, :] >= num_accepted[:, None] + 1) & (s[None, :] <= K)  # [b, Bk]
-    return Prior(hidden.detach(), pad(tgt_tok), target_features.detach(), pad(scalars).to(hidden.dtype), valid,
-                 num_accepted + 1)
-
-
-def empty_prior(batch: int, block: int, dim: int, n_features: int, device, dtype) -> Prior:
-    z = torch.zeros
-    return Prior(z(batch, block, dim, device=device, dtype=dtype), z(batch, block, dtype=torch.long, device=device),
-                 z(batch, block, n_features, device=device, dtype=dtype),
-                 z(batch, block, N_SCALARS, device=device, dtype=dtype),
-                 z(batch, block, dtype=torch.bool, device=device), z(batch, dtype=torch.long, device=device))
+    return Prior(hidden.detach(), pad(tgt_tok), target_context.detach().to(hidden.dtype), pad(scalars).to(hidden.dtype),
+                 valid, num_accepted + 1)
 
 
 @register_drafter("retrace")
@@ -124,8 +122,8 @@ class ReTraceDrafter(DFlashDrafter):
         c_dim = 2 * D + N_SCALARS
         self.retrace_norm_h = nn.LayerNorm(D)
         self.retrace_norm_c = nn.LayerNorm(c_dim)
-        self.retrace_refiner = nn.Sequential(nn.Linear(D + c_dim, 2 * E), nn.SiLU(), nn.Linear(2 * E, E))
-        self.retrace_gate = nn.Linear(2 * E, E)
+        self.retrace_refiner = nn.Sequential(nn.Linear(D + c_dim, E), nn.SiLU(), nn.Linear(E, E))
+        self.retrace_gate = nn.Linear(E, E)
         self.retrace_out = nn.Linear(E, E, bias=False)
         self.retrace_log_width = nn.Parameter(torch.zeros(()))  # soft alignment bandwidth (log sigma)
         self._init_fusion()
@@ -145,8 +143,7 @@ class ReTraceDrafter(DFlashDrafter):
         """``u`` per OLD slot ``[b, Bk, E]``."""
         h = prior.hidden
         if self.config.retrace.use_correction:
-            c = torch.cat([self.embed(prior.target_tokens).to(h.dtype),
-                           self.hidden_norm(self.fc(prior.target_features.to(h.dtype))), prior.scalars], dim=-1)
+            c = torch.cat([self.embed(prior.target_tokens).to(h.dtype), prior.target_context, prior.scalars], dim=-1)
         else:
             c = h.new_zeros(*h.shape[:2], 2 * h.shape[-1] + N_SCALARS)
         return self.retrace_refiner(torch.cat([self.retrace_norm_h(h), self.retrace_norm_c(c)], dim=-1))
@@ -179,17 +176,16 @@ class ReTraceDrafter(DFlashDrafter):
 
     def fusion_delta(self, prior: Prior, block: int) -> torch.Tensor:
         u, present = self._align(self._refine(prior), prior)  # [b, Bk, E], [b, Bk]
-        e_mask = self.embed(torch.full_like(prior.shift, self.config.mask_token_id))[:, None].expand_as(u)
-        gate = torch.sigmoid(self.retrace_gate(torch.cat([e_mask.to(u.dtype), u], dim=-1)))
+        gate = torch.sigmoid(self.retrace_gate(u))  # [b, Bk, E]
         m = present.clone()
         if not self.config.retrace.gate_anchor:
             m[:, 0] = False
         return m[..., None].to(u.dtype) * gate * self.retrace_out(u)
 
     # ---- engine hooks -------------------------------------------------------------------------------------
-    def next_round_state(self, state, hidden, draft_tokens, num_accepted, target_logits, target_features):
+    def next_round_state(self, state, hidden, draft_tokens, num_accepted, target_logits, target_context):
         """Carry the rejected suffix into the next round (reset on full acceptance: ``valid`` is then empty)."""
-        return build_prior(hidden, draft_tokens, num_accepted, target_logits, target_features)
+        return build_prior(hidden, draft_tokens, num_accepted, target_logits, target_context)
 
 
 HF_ARCHITECTURES["ReTraceDraftModel"] = "retrace"

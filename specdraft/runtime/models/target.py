@@ -127,7 +127,8 @@ class TargetLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, positions: torch.Tensor | None = None,
                 new_mask: torch.Tensor | None = None, feature_layers: tuple[int, ...] = (),
-                logits_at: torch.Tensor | None = None, return_logits: bool = True) -> TargetOutput:
+                logits_at: torch.Tensor | None = None, return_logits: bool = True,
+                visible_prefix: torch.Tensor | None = None) -> TargetOutput:
         """Run the target on new tokens.
 
         Args:
@@ -140,6 +141,7 @@ class TargetLM(nn.Module):
             logits_at: ``[B, P]`` positions (within ``tokens``) whose logits are computed; default all.
             return_logits: False skips the LM head and returns the final-normed hidden states instead (training
                 computes logits only where it needs them: a 150k-vocabulary ``[B, T, V]`` would not fit).
+            visible_prefix: ``[B, T]`` cached entries each new token may see (default all committed ones).
         """
         B, T = tokens.shape
         dev = tokens.device
@@ -157,7 +159,7 @@ class TargetLM(nn.Module):
             used = int(offsets.max()) + T
             if new_mask is None:
                 new_mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
-            mask = cached_attention_mask(offsets, used, new_mask)
+            mask = cached_attention_mask(offsets, used, new_mask, visible_prefix)
         elif new_mask is not None:
             mask = new_mask[:, None] if new_mask.dim() == 3 else new_mask
         outputs: dict[int, torch.Tensor] = {}
