@@ -9,9 +9,11 @@ embeddings by GATED RESIDUAL FUSION ``x = e(token) + m * g * W_o u`` with ``W_o`
 drafter computes exactly what its DFlash backbone computes.
 
 Choices made against methods.md §1 on measurements (tiny world, CPU): the refiner is width ``E`` (not ``2E``) and the
-gate reads ``u`` alone (``W_g [e_MASK; u]`` has a constant ``e_MASK`` half, i.e. a bias); the target features enter
+gate reads ``u`` alone (``W_g [e_MASK; u]`` has a constant ``e_MASK`` half, i.e. a bias); ``h`` enters without a
+LayerNorm (it is already the drafter's final RMS-normed state); the refiner, gate and output projection run only on
+the new slots that can receive a prior; the target features enter
 as the drafter's own fused context ``hidden_norm(fc(f))`` that :meth:`DFlashDrafter.ingest` already computed for the
-verify block, so the fusion adds no second ``fc``. Together these cut the per-round fusion cost about in half. Only drafter inputs change: verification, and therefore
+verify block, so the fusion adds no second ``fc``. Only drafter inputs change: verification, and therefore
 losslessness, are untouched; rejected tokens are never committed; no extra forward pass of either model is needed.
 
 Ablations (``retrace_config``): ``alignment`` hard (shift) or soft (Gaussian kernel over offsets, learnable width);
@@ -94,10 +96,11 @@ def build_prior(hidden: torch.Tensor, draft_tokens: torch.Tensor, num_accepted: 
     b, Bk, _ = hidden.shape
     K = Bk - 1
     dev = hidden.device
-    logp = F.log_softmax(target_logits[:, :K].float(), -1)  # [b, K, V] target's view of slots 1..K
-    tgt_tok = logp.argmax(-1)  # [b, K]
-    p_draft = logp.gather(-1, draft_tokens[..., None])[..., 0].exp()
-    entropy = -(logp.exp() * logp).sum(-1)
+    z = target_logits[:, :K].float()  # [b, K, V] target's view of slots 1..K
+    lse = torch.logsumexp(z, -1)  # [b, K]
+    tgt_tok = z.argmax(-1)  # [b, K]
+    p_draft = (z.gather(-1, draft_tokens[..., None])[..., 0] - lse).exp()
+    entropy = lse - (torch.softmax(z, -1) * z).sum(-1)  # H(p) = lse - E_p[z]
     agree = (tgt_tok == draft_tokens).float()
     slot = torch.arange(1, Bk, device=dev, dtype=torch.float32).expand(b, K) / Bk
     scalars = torch.stack([agree, p_draft, entropy, slot], -1)  # [b, K, 4]
@@ -106,6 +109,14 @@ def build_prior(hidden: torch.Tensor, draft_tokens: torch.Tensor, num_accepted: 
     valid = (s[None, :] >= num_accepted[:, None] + 1) & (s[None, :] <= K)  # [b, Bk]
     return Prior(hidden.detach(), pad(tgt_tok), target_context.detach().to(hidden.dtype), pad(scalars).to(hidden.dtype),
                  valid, num_accepted + 1)
+
+
+def _gather_slots(prior: Prior, src: torch.Tensor) -> Prior:
+    """The prior's per-slot fields at old slots ``src`` ``[b, n]`` (one row per new slot)."""
+    def take(t):
+        return t.gather(1, src) if t.dim() == 2 else t.gather(1, src[..., None].expand(-1, -1, t.shape[-1]))
+    return Prior(take(prior.hidden), take(prior.target_tokens), take(prior.target_context), take(prior.scalars),
+                 take(prior.valid), prior.shift)
 
 
 @register_drafter("retrace")
@@ -120,8 +131,7 @@ class ReTraceDrafter(DFlashDrafter):
         if opts.alignment not in ("hard", "soft"):
             raise ValueError(f"retrace alignment must be hard or soft, got {opts.alignment!r}")
         c_dim = 2 * D + N_SCALARS
-        self.retrace_norm_h = nn.LayerNorm(D)
-        self.retrace_norm_c = nn.LayerNorm(c_dim)
+        self.retrace_norm_c = nn.LayerNorm(c_dim)  # h needs none: it is the drafter's final-normed state
         self.retrace_refiner = nn.Sequential(nn.Linear(D + c_dim, E), nn.SiLU(), nn.Linear(E, E))
         self.retrace_gate = nn.Linear(E, E)
         self.retrace_out = nn.Linear(E, E, bias=False)
@@ -134,8 +144,7 @@ class ReTraceDrafter(DFlashDrafter):
 
     def reset_parameters(self, std: float = 0.02) -> None:
         super().reset_parameters(std)
-        for m in (self.retrace_norm_h, self.retrace_norm_c):
-            m.reset_parameters()
+        self.retrace_norm_c.reset_parameters()
         self._init_fusion()
 
     # ---- fusion -----------------------------------------------------------------------------------------
@@ -146,7 +155,7 @@ class ReTraceDrafter(DFlashDrafter):
             c = torch.cat([self.embed(prior.target_tokens).to(h.dtype), prior.target_context, prior.scalars], dim=-1)
         else:
             c = h.new_zeros(*h.shape[:2], 2 * h.shape[-1] + N_SCALARS)
-        return self.retrace_refiner(torch.cat([self.retrace_norm_h(h), self.retrace_norm_c(c)], dim=-1))
+        return self.retrace_refiner(torch.cat([h, self.retrace_norm_c(c)], dim=-1))
 
     def _align(self, u: torch.Tensor, prior: Prior) -> tuple[torch.Tensor, torch.Tensor]:
         """Map old-slot refinements onto new slots: ``([b, Bk, E], present [b, Bk])``."""
@@ -175,12 +184,28 @@ class ReTraceDrafter(DFlashDrafter):
         return x + self.fusion_delta(state, block_tokens.shape[1]).to(x.dtype)
 
     def fusion_delta(self, prior: Prior, block: int) -> torch.Tensor:
-        u, present = self._align(self._refine(prior), prior)  # [b, Bk, E], [b, Bk]
-        gate = torch.sigmoid(self.retrace_gate(u))  # [b, Bk, E]
-        m = present.clone()
-        if not self.config.retrace.gate_anchor:
-            m[:, 0] = False
-        return m[..., None].to(u.dtype) * gate * self.retrace_out(u)
+        """``m * g * W_o u`` per NEW slot ``[b, Bk, E]``, computed only on the new slots that can carry a prior.
+
+        New slots past ``Bk - min(shift)`` hold no retained slot in any row, and slot 0 (the anchor) is fused only
+        with ``gate_anchor``; under hard alignment the prior rows are gathered first, so the refiner, gate and output
+        projection run on those slots alone (the refiner is row-wise: gather-then-refine == refine-then-gather).
+        """
+        Bk = prior.valid.shape[1]
+        lo = 0 if self.config.retrace.gate_anchor else 1
+        hi = Bk - int(prior.shift.min())  # [lo, hi): new slots that some row can fill
+        if hi <= lo:
+            return prior.hidden.new_zeros(*prior.hidden.shape[:2], self.retrace_out.out_features)
+        if self.config.retrace.alignment == "hard":
+            new = torch.arange(lo, hi, device=prior.shift.device)
+            src = new[None, :] + prior.shift[:, None]  # [b, n] old slot landing on each new slot
+            present = (src < Bk) & prior.valid.gather(1, src.clamp(max=Bk - 1))  # [b, n]
+            u = self._refine(_gather_slots(prior, src.clamp(max=Bk - 1)))  # [b, n, E]
+        else:
+            u, present = self._align(self._refine(prior), prior)  # [b, Bk, E], [b, Bk]
+            u, present = u[:, lo:hi], present[:, lo:hi]
+        gate = torch.sigmoid(self.retrace_gate(u))  # [b, n, E]
+        delta = present[..., None].to(u.dtype) * gate * self.retrace_out(u)  # [b, n, E]
+        return F.pad(delta, (0, 0, lo, Bk - hi))  # [b, Bk, E]
 
     # ---- engine hooks -------------------------------------------------------------------------------------
     def next_round_state(self, state, hidden, draft_tokens, num_accepted, target_logits, target_context):
