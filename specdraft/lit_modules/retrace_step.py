@@ -98,7 +98,7 @@ def two_round_blocks(module, batch, split: str, generator: torch.Generator | Non
             verify_logits = torch.cat([slot_logits1, slot_logits1[:, :, -1:]], dim=2)  # index i scores slot i + 1
         n = n.view(B, N)
         prior = build_prior(hidden1.flatten(0, 1), drafts.flatten(0, 1), n.flatten(), verify_logits.flatten(0, 1),
-                            d.fuse_context(f_slots.to(feats.dtype)).flatten(0, 1))
+                            d.fuse_context(f_slots.to(feats.dtype)).flatten(0, 1), d.embed)
         if prior_dropout > 0:
             gen_dev = generator.device if generator is not None else anchors.device
             keep = torch.rand(B * N, generator=generator, device=gen_dev).to(anchors.device) >= prior_dropout

@@ -27,7 +27,8 @@ def _random_prior(drafter, b=3, n=(0, 2, 4)):
     g = torch.Generator().manual_seed(5)
     V = drafter.config.vocab_size
     return build_prior(torch.randn(b, Bk, D, generator=g), torch.randint(0, V, (b, K), generator=g),
-                       torch.tensor(n), torch.randn(b, Bk, V, generator=g), torch.randn(b, Bk, D, generator=g))
+                       torch.tensor(n), torch.randn(b, Bk, V, generator=g), torch.randn(b, Bk, D, generator=g),
+                       drafter.embed)
 
 
 @pytest.mark.parametrize("opts", [{}, {"alignment": "soft"}, {"use_correction": False}, {"gate_anchor": True}])
@@ -61,7 +62,7 @@ def test_carried_suffix_lands_on_the_right_slots():
     for s in range(Bk):
         hidden[0, s, 0] = s  # tag each old slot's hidden state with its slot index
     prior = build_prior(hidden, drafts, torch.tensor([2]), torch.randn(1, Bk, r.config.vocab_size),
-                        torch.randn(1, Bk, D))
+                        torch.randn(1, Bk, D), r.embed)
     assert prior.valid[0].tolist() == [False, False, False, True, True, True] and prior.shift.tolist() == [3]
     aligned, present = r._align(prior.hidden, prior)
     assert present[0].tolist() == [True, True, True, False, False, False]

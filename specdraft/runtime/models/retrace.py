@@ -71,9 +71,9 @@ class Prior(NamedTuple):
     """The previous block as the next round sees it, indexed by OLD slot (0..Bk-1), per row."""
 
     hidden: torch.Tensor  # [b, Bk, D] drafter last-layer hidden states
-    target_tokens: torch.Tensor  # [b, Bk] target's own token at each slot (its argmax given the prefix before it)
-    target_context: torch.Tensor  # [b, Bk, D] hidden_norm(fc(target features)) at each slot from the verify pass
-    scalars: torch.Tensor  # [b, Bk, 4] agreement, p_target(draft), target entropy, slot / Bk
+    signals: torch.Tensor  # [b, Bk, 2D + 4] correction signals per slot, concatenated:
+    #   e(target's own token at the slot) [D] ; hidden_norm(fc(target features)) at the slot [D] ;
+    #   agreement, p_target(draft), target entropy, slot / Bk [4]
     valid: torch.Tensor  # [b, Bk] bool: slot was rejected (s >= n + 1, s <= K)
     shift: torch.Tensor  # [b] n + 1: old slot s lands on new slot s - shift
 
@@ -82,7 +82,7 @@ class Prior(NamedTuple):
 
 
 def build_prior(hidden: torch.Tensor, draft_tokens: torch.Tensor, num_accepted: torch.Tensor,
-                target_logits: torch.Tensor, target_context: torch.Tensor) -> Prior:
+                target_logits: torch.Tensor, target_context: torch.Tensor, embed) -> Prior:
     """Retain the rejected suffix of one round (no extra forward: every input comes from the draft/verify passes).
 
     Args:
@@ -92,31 +92,31 @@ def build_prior(hidden: torch.Tensor, draft_tokens: torch.Tensor, num_accepted: 
         target_logits: ``[b, Bk, V]`` verify logits; index ``i`` scores the token at slot ``i + 1``.
         target_context: ``[b, Bk, D]`` the drafter's fused view of the verify features (``fuse_context``); index
             ``s`` is the target's state at slot ``s``.
+        embed: the (target's) token embedding.
     """
     b, Bk, _ = hidden.shape
     K = Bk - 1
-    dev = hidden.device
     z = target_logits[:, :K].float()  # [b, K, V] target's view of slots 1..K
-    lse = torch.logsumexp(z, -1)  # [b, K]
-    tgt_tok = z.argmax(-1)  # [b, K]
-    p_draft = (z.gather(-1, draft_tokens[..., None])[..., 0] - lse).exp()
-    entropy = lse - (torch.softmax(z, -1) * z).sum(-1)  # H(p) = lse - E_p[z]
-    agree = (tgt_tok == draft_tokens).float()
-    slot = torch.arange(1, Bk, device=dev, dtype=torch.float32).expand(b, K) / Bk
+    zmax, tgt_tok = z.max(-1)  # [b, K] (one pass gives the max for the log-sum-exp and the target's token)
+    e = (z - zmax[..., None]).exp()  # [b, K, V]
+    se = e.sum(-1)  # [b, K]
+    p_draft = e.gather(-1, draft_tokens[..., None])[..., 0] / se
+    entropy = zmax + se.log() - (e * z).sum(-1) / se  # H(p) = lse - E_p[z]
+    agree = (tgt_tok == draft_tokens).to(p_draft.dtype)
+    slot = torch.arange(1, Bk, device=z.device, dtype=z.dtype).div_(Bk).expand(b, K)
     scalars = torch.stack([agree, p_draft, entropy, slot], -1)  # [b, K, 4]
-    pad = lambda t: torch.cat([torch.zeros_like(t[:, :1]), t], dim=1)  # slot 0 (anchor) carries no signal
-    s = torch.arange(Bk, device=dev)
-    valid = (s[None, :] >= num_accepted[:, None] + 1) & (s[None, :] <= K)  # [b, Bk]
-    return Prior(hidden.detach(), pad(tgt_tok), target_context.detach().to(hidden.dtype), pad(scalars).to(hidden.dtype),
-                 valid, num_accepted + 1)
+    scalars = F.pad(scalars, (0, 0, 1, 0))  # slot 0 (the anchor) carries no signal
+    valid = torch.arange(Bk, device=z.device)[None, :] > num_accepted[:, None]  # [b, Bk] rejected: s >= n + 1
+    signals = torch.cat([embed(F.pad(tgt_tok, (1, 0))).to(hidden.dtype), target_context.to(hidden.dtype),
+                         scalars.to(hidden.dtype)], dim=-1)  # [b, Bk, 2D + 4]
+    return Prior(hidden.detach(), signals.detach(), valid, num_accepted + 1)
 
 
 def _gather_slots(prior: Prior, src: torch.Tensor) -> Prior:
     """The prior's per-slot fields at old slots ``src`` ``[b, n]`` (one row per new slot)."""
-    def take(t):
-        return t.gather(1, src) if t.dim() == 2 else t.gather(1, src[..., None].expand(-1, -1, t.shape[-1]))
-    return Prior(take(prior.hidden), take(prior.target_tokens), take(prior.target_context), take(prior.scalars),
-                 take(prior.valid), prior.shift)
+    def take(t):  # [b, Bk, C] -> [b, n, C]
+        return t.gather(1, src[..., None].expand(-1, -1, t.shape[-1]))
+    return Prior(take(prior.hidden), take(prior.signals), prior.valid, prior.shift)
 
 
 @register_drafter("retrace")
@@ -152,7 +152,7 @@ class ReTraceDrafter(DFlashDrafter):
         """``u`` per OLD slot ``[b, Bk, E]``."""
         h = prior.hidden
         if self.config.retrace.use_correction:
-            c = torch.cat([self.embed(prior.target_tokens).to(h.dtype), prior.target_context, prior.scalars], dim=-1)
+            c = prior.signals
         else:
             c = h.new_zeros(*h.shape[:2], 2 * h.shape[-1] + N_SCALARS)
         return self.retrace_refiner(torch.cat([h, self.retrace_norm_c(c)], dim=-1))
@@ -210,7 +210,7 @@ class ReTraceDrafter(DFlashDrafter):
     # ---- engine hooks -------------------------------------------------------------------------------------
     def next_round_state(self, state, hidden, draft_tokens, num_accepted, target_logits, target_context):
         """Carry the rejected suffix into the next round (reset on full acceptance: ``valid`` is then empty)."""
-        return build_prior(hidden, draft_tokens, num_accepted, target_logits, target_context)
+        return build_prior(hidden, draft_tokens, num_accepted, target_logits, target_context, self.embed)
 
 
 HF_ARCHITECTURES["ReTraceDraftModel"] = "retrace"
