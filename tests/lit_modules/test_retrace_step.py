@@ -39,3 +39,39 @@ def test_replayed_verify_blocks_equal_the_serving_verify_pass():
             out = target(blocks[b:b + 1, j], cache=serve, feature_layers=drafter.target_layer_ids)
             torch.testing.assert_close(logits[b, j], out.logits[0], atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(features[b, j], out.features[0], atol=1e-5, rtol=1e-4)
+
+
+def test_exact_mode_trains_on_the_prior_the_engine_builds(monkeypatch):
+    """Train/serve consistency of ReTrace: at an anchor of a target-greedy sequence, the training step's first round
+    (drafts, replayed verification, retained suffix and its correction signals) equals the engine's first round."""
+    import specdraft.lit_modules.blocks as blocks_mod
+    import specdraft.lit_modules.retrace_step as step_mod
+    from specdraft.lit_modules.drafter_module import DrafterModule, Objective
+    from specdraft.runtime.decode import GenerationConfig, generate
+    from tests.runtime.test_retrace import retrace_from
+
+    target = make_target(seed=3)
+    r = retrace_from(make_drafter(target, seed=4, block_size=6), active=True)
+    prompt = [5, 9, 2, 7]
+    ids = torch.tensor([prompt + generate(target, [prompt], GenerationConfig(max_new_tokens=24))[0].tokens])
+    a = len(prompt) + 3  # the engine, given ids[:a], emits ids[a] first (greedy), which anchors its first block
+
+    served = []
+    plain = r.next_round_state
+    r.next_round_state = lambda *args: served.append(plain(*args)) or served[-1]
+    generate(target, [ids[0, :a].tolist()], GenerationConfig(max_new_tokens=2 * r.block_size), drafter=r)
+
+    trained = []
+    monkeypatch.setattr(blocks_mod, "sample_anchors", lambda *args: (torch.tensor([[a]]), torch.tensor([[True]])))
+    real_build = step_mod.build_prior
+    monkeypatch.setattr(step_mod, "build_prior", lambda *args: trained.append(real_build(*args)) or trained[-1])
+    module = DrafterModule(r, target, lr=1e-3, warmup_ratio=0.0, total_steps=1, num_anchors=1,
+                           objective=Objective(stage="retrace", retrace_signals="exact"))
+    batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids), "lengths": torch.tensor([ids.shape[1]])}
+    step_mod.two_round_blocks(module, batch, "train", None, prior_dropout=0.0, signals="exact")
+
+    s, t = served[0], trained[0]
+    assert torch.equal(s.valid, t.valid) and torch.equal(s.shift, t.shift)
+    assert s.valid.any()  # the engine's first round did reject: there is a suffix to compare
+    torch.testing.assert_close(t.hidden, s.hidden, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(t.signals, s.signals, atol=1e-4, rtol=1e-4)
