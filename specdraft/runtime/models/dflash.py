@@ -134,6 +134,8 @@ class DFlashDrafter(nn.Module):
     """The DFlash drafter. Call :meth:`bind_target` before use (it borrows the target's embedding and LM head)."""
 
     config_class = DFlashConfig
+    wants_verify_context = False
+    """Whether :meth:`next_round_state` reads the fused context of the verify pass's rejected slots too."""
 
     def __init__(self, config: DFlashConfig):
         super().__init__()
@@ -241,14 +243,17 @@ class DFlashDrafter(nn.Module):
     def ingest(self, cache: KVCache, ctx_features: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Append the first ``counts[b]`` rows of ``ctx_features`` ``[B, T, F]`` to each row's context cache.
 
-        Returns the fused context ``[B, T, D]`` of ALL ``T`` rows (a verify pass's rejected slots included), so a
-        cross-round state can reuse it without a second ``fc``.
+        Only the first ``max(counts)`` rows are projected to K/V (after a verify pass that is the longest accepted
+        prefix, usually a few of the ``Bk`` rows). Returns the fused context ``[B, T', D]``: all ``T`` rows when the
+        drafter keeps cross-round state from the rejected slots (:attr:`wants_verify_context`), else ``T'``.
         """
         B, T, _ = ctx_features.shape
         cache.check_room(T)
-        slots = cache.lengths[:, None] + torch.arange(T, device=ctx_features.device)  # [B, T]
-        fused = self.fuse_context(ctx_features)  # [B, T, D]
-        for i, (k, v) in enumerate(self.context_kv(ctx_features, slots, fused)):
+        used = T if self.wants_verify_context else min(T, int(counts.max()))
+        fused = self.fuse_context(ctx_features[:, :used])  # [B, used, D]
+        T_kv = min(T, int(counts.max()))
+        slots = cache.lengths[:, None] + torch.arange(T_kv, device=ctx_features.device)  # [B, T_kv]
+        for i, (k, v) in enumerate(self.context_kv(ctx_features[:, :T_kv], slots, fused[:, :T_kv])):
             cache.write(i, k, v, slots)
         cache.lengths = cache.lengths + counts
         return fused

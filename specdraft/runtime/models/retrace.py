@@ -122,6 +122,7 @@ def _gather_slots(prior: Prior, src: torch.Tensor) -> Prior:
 @register_drafter("retrace")
 class ReTraceDrafter(DFlashDrafter):
     config_class = ReTraceConfig
+    wants_verify_context = True  # the refiner reads the target's features at the rejected slots
 
     def __init__(self, config: ReTraceConfig):
         super().__init__(config)
