@@ -22,11 +22,15 @@ from __future__ import annotations
 import torch
 
 from specdraft.lit_modules.features import online_features
-from specdraft.runtime.models.retrace import build_prior
+from specdraft.runtime.models.retrace import VerifyStats, build_prior, verify_stats
 from specdraft.runtime.models.target import TargetLM
 from specdraft.runtime.verify import accept_greedy
 
 SIGNAL_MODES = ("exact", "cheap")
+
+
+LOGITS_BUDGET = 1 << 27
+"""Most logits (elements) materialised at once when reducing replayed verify passes (512 MiB in fp32)."""
 
 
 @torch.no_grad()
@@ -41,8 +45,8 @@ def verify_blocks(target: TargetLM, cache, anchors: torch.Tensor, blocks: torch.
         blocks: ``[B, N, Bk]`` verify inputs ``[x_a, d_1..d_K]``.
         layer_ids: the drafter's feature layers.
     Returns:
-        ``(logits [B, N, Bk, V], features [B, N, Bk, F])``: index ``i`` of the logits scores slot ``i + 1``, index
-        ``s`` of the features is the target's state after slot ``s`` (as :func:`generate` sees them).
+        ``(hidden [B, N, Bk, D], features [B, N, Bk, F])``: final-normed hidden states (``lm_head`` of index ``i``
+        scores slot ``i + 1``) and the target's layer outputs after slot ``s`` (as :func:`generate` sees them).
     """
     B, N, Bk = blocks.shape
     dev = blocks.device
@@ -53,8 +57,22 @@ def verify_blocks(target: TargetLM, cache, anchors: torch.Tensor, blocks: torch.
     causal_in_block = (block_id[:, None] == block_id[None, :]) & (slot[:, None] >= slot[None, :])  # [Q, Q]
     visible = anchors.repeat_interleave(Bk, dim=1)  # [B, Q]: strictly before the anchor, as in serving
     out = target(blocks.flatten(1), cache=cache, positions=positions, new_mask=causal_in_block,
-                 feature_layers=layer_ids, visible_prefix=visible)
-    return out.logits.view(B, N, Bk, -1), out.features.view(B, N, Bk, -1)
+                 feature_layers=layer_ids, visible_prefix=visible, return_logits=False)
+    return out.hidden.view(B, N, Bk, -1), out.features.view(B, N, Bk, -1)
+
+
+@torch.no_grad()
+def verify_outcome(lm_head, hidden: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, VerifyStats]:
+    """Greedy acceptance and :class:`VerifyStats` of replayed verify passes, ``hidden [R, Bk, D]`` and ``drafts
+    [R, K]``, computed in row chunks so a 150k vocabulary never materialises ``[R, Bk, V]`` logits at once."""
+    R, Bk, _ = hidden.shape
+    chunk = max(1, LOGITS_BUDGET // (Bk * lm_head.weight.shape[0]))
+    n, stats = [], []
+    for i in range(0, R, chunk):
+        logits = lm_head(hidden[i:i + chunk])  # [c, Bk, V]
+        n.append(accept_greedy(drafts[i:i + chunk], logits)[0])
+        stats.append(verify_stats(logits, drafts[i:i + chunk]))
+    return torch.cat(n), VerifyStats(*(torch.cat(parts) for parts in zip(*stats)))
 
 
 def two_round_blocks(module, batch, split: str, generator: torch.Generator | None, prior_dropout: float,
@@ -87,17 +105,17 @@ def two_round_blocks(module, batch, split: str, generator: torch.Generator | Non
         S, F = feats.shape[1], feats.shape[2]
         if signals == "exact":
             blocks = torch.cat([ids.gather(1, anchors)[..., None], drafts], dim=-1)  # [B, N, Bk]
-            verify_logits, f_slots = verify_blocks(module.target, cache, anchors, blocks, d.target_layer_ids)
-            n, _ = accept_greedy(drafts.flatten(0, 1), verify_logits.flatten(0, 1))
+            v_hidden, f_slots = verify_blocks(module.target, cache, anchors, blocks, d.target_layer_ids)
+            n, stats = verify_outcome(module.target.lm_head, v_hidden.flatten(0, 1), drafts.flatten(0, 1))
         else:
             tokens1, slot_logits1 = module.target_view(anchors, greedy, target_hidden, K)
             V = logits1.shape[-1]
             n, _ = accept_greedy(drafts.flatten(0, 1), torch.nn.functional.one_hot(tokens1.flatten(0, 1), V).float())
             pos = (anchors[:, :, None] + torch.arange(bs, device=anchors.device)).clamp(max=S - 1)  # [B, N, Bk]
             f_slots = feats.gather(1, pos.flatten(1)[..., None].expand(-1, -1, F)).view(B, N, bs, F)
-            verify_logits = torch.cat([slot_logits1, slot_logits1[:, :, -1:]], dim=2)  # index i scores slot i + 1
+            stats = verify_stats(slot_logits1.flatten(0, 1), drafts.flatten(0, 1))
         n = n.view(B, N)
-        prior = build_prior(hidden1.flatten(0, 1), drafts.flatten(0, 1), n.flatten(), verify_logits.flatten(0, 1),
+        prior = build_prior(hidden1.flatten(0, 1), drafts.flatten(0, 1), n.flatten(), stats,
                             d.fuse_context(f_slots.to(feats.dtype)).flatten(0, 1), d.embed)
         if prior_dropout > 0:
             gen_dev = generator.device if generator is not None else anchors.device

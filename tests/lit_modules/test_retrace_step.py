@@ -4,7 +4,8 @@ exact-mode training step hands the drafter the same prior the engine would build
 import torch
 
 from specdraft.lit_modules.features import online_features
-from specdraft.lit_modules.retrace_step import verify_blocks
+from specdraft.lit_modules import retrace_step
+from specdraft.lit_modules.retrace_step import verify_blocks, verify_outcome
 from specdraft.runtime.kv_cache import cached_attention_mask
 from tests.conftest import make_drafter, make_target
 
@@ -30,7 +31,8 @@ def test_replayed_verify_blocks_equal_the_serving_verify_pass():
     feats, _, _ = online_features(target, ids, drafter.target_layer_ids, cache=cache)
     assert cache.lengths.tolist() == [24, 24]
     torch.testing.assert_close(feats, online_features(target, ids, drafter.target_layer_ids)[0])
-    logits, features = verify_blocks(target, cache, anchors, blocks, drafter.target_layer_ids)  # [2, 3, 5, V], [.., F]
+    hidden, features = verify_blocks(target, cache, anchors, blocks, drafter.target_layer_ids)  # [2, 3, 5, D], [.., F]
+    logits = target.lm_head(hidden)
     for b in range(2):
         for j, a in enumerate(anchors[b].tolist()):
             serve = target.new_cache(1, 40)  # serving: prefill the context before the anchor, then one verify pass
@@ -39,6 +41,18 @@ def test_replayed_verify_blocks_equal_the_serving_verify_pass():
             out = target(blocks[b:b + 1, j], cache=serve, feature_layers=drafter.target_layer_ids)
             torch.testing.assert_close(logits[b, j], out.logits[0], atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(features[b, j], out.features[0], atol=1e-5, rtol=1e-4)
+
+
+def test_verify_outcome_is_the_same_in_chunks(monkeypatch):
+    target = make_target(seed=2)
+    g = torch.Generator().manual_seed(1)
+    hidden, drafts = torch.randn(7, 5, 32, generator=g), torch.randint(0, 64, (7, 4), generator=g)
+    n_all, stats_all = verify_outcome(target.lm_head, hidden, drafts)
+    monkeypatch.setattr(retrace_step, "LOGITS_BUDGET", 2 * 5 * 64)  # two rows per chunk
+    n_chunked, stats_chunked = verify_outcome(target.lm_head, hidden, drafts)
+    assert torch.equal(n_all, n_chunked)
+    for a, b in zip(stats_all, stats_chunked):
+        torch.testing.assert_close(a, b)
 
 
 def test_exact_mode_trains_on_the_prior_the_engine_builds(monkeypatch):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specdraft.runtime.decode import GenerationConfig, generate
-from specdraft.runtime.models.retrace import ReTraceConfig, ReTraceDrafter, ReTraceOptions, build_prior
+from specdraft.runtime.models.retrace import ReTraceConfig, ReTraceDrafter, ReTraceOptions, build_prior, verify_stats
 from specdraft.runtime.sampling import SamplingParams
 from tests.conftest import make_drafter, make_target
 from tests.runtime.test_decode import PROMPTS, _chi2_pvalue, _exact_two_token_dist, ar
@@ -26,9 +26,10 @@ def _random_prior(drafter, b=3, n=(0, 2, 4)):
     K = Bk - 1
     g = torch.Generator().manual_seed(5)
     V = drafter.config.vocab_size
-    return build_prior(torch.randn(b, Bk, D, generator=g), torch.randint(0, V, (b, K), generator=g),
-                       torch.tensor(n), torch.randn(b, Bk, V, generator=g), torch.randn(b, Bk, D, generator=g),
-                       drafter.embed)
+    drafts = torch.randint(0, V, (b, K), generator=g)
+    stats = verify_stats(torch.randn(b, Bk, V, generator=g), drafts)
+    return build_prior(torch.randn(b, Bk, D, generator=g), drafts, torch.tensor(n), stats,
+                       torch.randn(b, Bk, D, generator=g), drafter.embed)
 
 
 @pytest.mark.parametrize("opts", [{}, {"alignment": "soft"}, {"use_correction": False}, {"gate_anchor": True}])
@@ -61,7 +62,7 @@ def test_carried_suffix_lands_on_the_right_slots():
     hidden = torch.zeros(1, Bk, D)
     for s in range(Bk):
         hidden[0, s, 0] = s  # tag each old slot's hidden state with its slot index
-    prior = build_prior(hidden, drafts, torch.tensor([2]), torch.randn(1, Bk, r.config.vocab_size),
+    prior = build_prior(hidden, drafts, torch.tensor([2]), verify_stats(torch.randn(1, Bk, r.config.vocab_size), drafts),
                         torch.randn(1, Bk, D), r.embed)
     assert prior.valid[0].tolist() == [False, False, False, True, True, True] and prior.shift.tolist() == [3]
     aligned, present = r._align(prior.hidden, prior)

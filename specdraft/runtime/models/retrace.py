@@ -81,33 +81,47 @@ class Prior(NamedTuple):
         return Prior(*(t.index_select(0, rows) for t in self))
 
 
-def build_prior(hidden: torch.Tensor, draft_tokens: torch.Tensor, num_accepted: torch.Tensor,
-                target_logits: torch.Tensor, target_context: torch.Tensor, embed) -> Prior:
+class VerifyStats(NamedTuple):
+    """What the target's verify logits say about each draft slot 1..K (reductions over the vocabulary only)."""
+
+    target_tokens: torch.Tensor  # [b, K] the target's own token at the slot (argmax given the prefix before it)
+    p_draft: torch.Tensor  # [b, K] the target's probability of the drafted token
+    entropy: torch.Tensor  # [b, K] entropy of the target's distribution
+
+
+def verify_stats(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> VerifyStats:
+    """Reduce verify logits ``[b, >=K, V]`` (index ``i`` scores slot ``i + 1``) for drafts ``[b, K]``."""
+    K = draft_tokens.shape[1]
+    z = target_logits[:, :K].float()  # [b, K, V]
+    zmax, tgt_tok = z.max(-1)  # [b, K] (one pass gives the max for the log-sum-exp and the target's token)
+    e = (z - zmax[..., None]).exp()  # [b, K, V]
+    se = e.sum(-1)  # [b, K]
+    p_draft = e.gather(-1, draft_tokens[..., None])[..., 0] / se
+    entropy = zmax + se.log() - (e * z).sum(-1) / se  # H(p) = lse - E_p[z]
+    return VerifyStats(tgt_tok, p_draft, entropy)
+
+
+def build_prior(hidden: torch.Tensor, draft_tokens: torch.Tensor, num_accepted: torch.Tensor, stats: VerifyStats,
+                target_context: torch.Tensor, embed) -> Prior:
     """Retain the rejected suffix of one round (no extra forward: every input comes from the draft/verify passes).
 
     Args:
         hidden: ``[b, Bk, D]`` drafter hidden states of the block (slot 0 = anchor).
         draft_tokens: ``[b, K]`` drafts for slots 1..K.
         num_accepted: ``[b]``.
-        target_logits: ``[b, Bk, V]`` verify logits; index ``i`` scores the token at slot ``i + 1``.
+        stats: :func:`verify_stats` of the verify logits.
         target_context: ``[b, Bk, D]`` the drafter's fused view of the verify features (``fuse_context``); index
             ``s`` is the target's state at slot ``s``.
         embed: the (target's) token embedding.
     """
     b, Bk, _ = hidden.shape
     K = Bk - 1
-    z = target_logits[:, :K].float()  # [b, K, V] target's view of slots 1..K
-    zmax, tgt_tok = z.max(-1)  # [b, K] (one pass gives the max for the log-sum-exp and the target's token)
-    e = (z - zmax[..., None]).exp()  # [b, K, V]
-    se = e.sum(-1)  # [b, K]
-    p_draft = e.gather(-1, draft_tokens[..., None])[..., 0] / se
-    entropy = zmax + se.log() - (e * z).sum(-1) / se  # H(p) = lse - E_p[z]
-    agree = (tgt_tok == draft_tokens).to(p_draft.dtype)
-    slot = torch.arange(1, Bk, device=z.device, dtype=z.dtype).div_(Bk).expand(b, K)
-    scalars = torch.stack([agree, p_draft, entropy, slot], -1)  # [b, K, 4]
+    agree = (stats.target_tokens == draft_tokens).to(stats.p_draft.dtype)
+    slot = torch.arange(1, Bk, device=hidden.device, dtype=stats.p_draft.dtype).div_(Bk).expand(b, K)
+    scalars = torch.stack([agree, stats.p_draft, stats.entropy, slot], -1)  # [b, K, 4]
     scalars = F.pad(scalars, (0, 0, 1, 0))  # slot 0 (the anchor) carries no signal
-    valid = torch.arange(Bk, device=z.device)[None, :] > num_accepted[:, None]  # [b, Bk] rejected: s >= n + 1
-    signals = torch.cat([embed(F.pad(tgt_tok, (1, 0))).to(hidden.dtype), target_context.to(hidden.dtype),
+    valid = torch.arange(Bk, device=hidden.device)[None, :] > num_accepted[:, None]  # [b, Bk] rejected: s >= n + 1
+    signals = torch.cat([embed(F.pad(stats.target_tokens, (1, 0))).to(hidden.dtype), target_context.to(hidden.dtype),
                          scalars.to(hidden.dtype)], dim=-1)  # [b, Bk, 2D + 4]
     return Prior(hidden.detach(), signals.detach(), valid, num_accepted + 1)
 
@@ -211,7 +225,8 @@ class ReTraceDrafter(DFlashDrafter):
     # ---- engine hooks -------------------------------------------------------------------------------------
     def next_round_state(self, state, hidden, draft_tokens, num_accepted, target_logits, target_context):
         """Carry the rejected suffix into the next round (reset on full acceptance: ``valid`` is then empty)."""
-        return build_prior(hidden, draft_tokens, num_accepted, target_logits, target_context, self.embed)
+        return build_prior(hidden, draft_tokens, num_accepted, verify_stats(target_logits, draft_tokens), target_context,
+                           self.embed)
 
 
 HF_ARCHITECTURES["ReTraceDraftModel"] = "retrace"
