@@ -92,6 +92,8 @@ class DrafterConfig:
     """ReTrace: refine the retained states with the verify pass's target signals (false: drafter states only)."""
     retrace_gate_anchor: bool = False
     """ReTrace: fuse into the anchor slot too (default: mask slots only)."""
+    retrace_gate_bias_init: float = 0.0
+    """ReTrace: fusion gate bias at init (W_o starts at zero, so any value starts exactly as the backbone)."""
 
 
 @dataclass

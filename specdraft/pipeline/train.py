@@ -77,7 +77,7 @@ def _retrace_from_backbone(cfg: RunConfig, backbone):
 
     dc = cfg.drafter
     opts = ReTraceOptions(alignment=dc.retrace_alignment, use_correction=dc.retrace_use_correction,
-                          gate_anchor=dc.retrace_gate_anchor)
+                          gate_anchor=dc.retrace_gate_anchor, gate_bias_init=dc.retrace_gate_bias_init)
     model = ReTraceDrafter(ReTraceConfig.from_dflash(backbone.config, opts))
     missing, unexpected = model.load_state_dict(backbone.state_dict(), strict=False)
     assert not unexpected and all(k.startswith("retrace_") for k in missing), (missing, unexpected)
