@@ -7,10 +7,11 @@ From one base drafter (the run's ``sft`` export), train each variant for the sam
     eal      expected accepted length, greedy            -> compare with sft at T=0
     eal-mix  EAL with the CE warm-up mix (lambda = exp(-3 mean q)) -> compare with sft at T=0
     wtv      window total variation at T                  -> compare with kl at T=1
-    grpo     from eal, reward = simulated acceptance      -> compare with eal
+    grpo     from eal-mix, reward = simulated acceptance  -> compare with eal-mix (its start)
     retrace-main  ReTrace on the DFlash backbone          -> compare with sft (plus the ablations below)
 
-Every ReTrace variant trains into the shared ``drafter/retrace`` export and is then copied to ``drafter/<name>``.
+A variant named apart from its stage (``eal-mix``, ``retrace-*``) trains into the stage's export dir, is moved to
+``drafter/<name>``, and the stage's own export (if any) is put back.
 
 then bench all of them (plus AR) on the held-out suites at T=0 and T=1 and print the ratios.
 
@@ -31,7 +32,7 @@ VARIANTS = {
     "eal": [],
     "eal-mix": ["train.ce_mix_eta=3.0"],  # EAL with the CE warm-up mix of methods.md §3.2
     "wtv": ["train.features=online"],
-    "grpo": ["train.features=online", "train.init_stage=eal"],
+    "grpo": ["train.features=online"],  # starts from the eal-mix export (see the loop)
     "retrace-main": ["train.features=online"],  # hard alignment, correction signals, mask slots only
 }
 ABLATIONS = {  # ReTrace ablations, each its own export dir
@@ -76,20 +77,27 @@ def main() -> None:
     timings = {}
     for name, extra in todo.items():
         stage = "retrace" if name.startswith("retrace") else name.split("-")[0]
-        init = [] if stage == "grpo" else [f"drafter.init_from={base}"]
+        init = [f"drafter.init_from={out / 'drafter' / 'eal-mix'}" if stage == "grpo" else f"drafter.init_from={base}"]
         cfg = load_config(args.config, [*common, f"train.stage={stage}", *init, *extra])
         if args.bench_only or ((out / "drafter" / name / "config.json").is_file() and not args.retrain):
             continue
+        shared = out / "drafter" / stage  # a variant named apart from its stage must not clobber that stage's export
+        parked = out / "drafter" / f".{stage}-parked"
+        if name != stage and (shared / "config.json").is_file():
+            shutil.rmtree(parked, ignore_errors=True)
+            shared.rename(parked)
         t0 = time.perf_counter()
         stages.train(cfg, world)
         timings[name] = time.perf_counter() - t0
         seconds_file = out / "train_seconds.json"
         seen = json.loads(seconds_file.read_text()) if seconds_file.is_file() else {}
         seconds_file.write_text(json.dumps({**seen, name: timings[name]}, indent=2))
-        if name != stage:  # keep each ablation's export under its own name
+        if name != stage:  # keep each ablation's export under its own name, and put the stage's own one back
             dst = out / "drafter" / name
             shutil.rmtree(dst, ignore_errors=True)
-            shutil.copytree(out / "drafter" / stage, dst)
+            shared.rename(dst)
+            if parked.is_dir():
+                parked.rename(shared)
         shutil.rmtree(out / "checkpoints" / stage, ignore_errors=True)  # each variant starts from the base
     if args.train_only:
         print(f"trained {', '.join(timings) or 'nothing new'}: {timings}")
@@ -107,7 +115,8 @@ def main() -> None:
         return None
 
     suites = sorted({r["suite"] for r in rows})
-    pairs = [("eal", "sft", 0.0), ("eal-mix", "sft", 0.0), ("wtv", "kl", 1.0), ("grpo", "eal", 0.0), ("grpo", "eal", 1.0),
+    pairs = [("eal", "sft", 0.0), ("eal-mix", "sft", 0.0), ("wtv", "kl", 1.0), ("grpo", "eal-mix", 0.0),
+             ("grpo", "eal-mix", 1.0),
              ("retrace-main", "sft", 0.0), ("retrace-main", "sft", 1.0)]
     pairs += [(a, "sft", t) for a in ABLATIONS for t in (0.0, 1.0)]
     if (out / "train_seconds.json").is_file():
