@@ -1,27 +1,31 @@
 """ReTrace: rejected-trajectory conditioning on a DFlash backbone (first seed abstract; design: methods.md §1).
 
 After a verification that accepted ``n`` of ``K`` drafts, the rejected suffix (slots ``n+1..K``) is not thrown away:
-the drafter's last-layer hidden states there (with the embeddings of the tokens it drafted) are RETAINED, ALIGNED to the next block (the next anchor sits at the old
-slot ``n+1``, so old slot ``s`` lands on new slot ``s - (n+1)``), REFINED with correction signals the same
-verification already produced (the target's own token at the slot, its features there, draft/target agreement, the
-target's probability of the draft token, its entropy, the slot index) and admitted into the next block's input
-embeddings by GATED RESIDUAL FUSION ``x = e(token) + m * g * W_o u`` with ``W_o`` zero-initialised, so a fresh ReTrace
-drafter computes exactly what its DFlash backbone computes.
+the drafter's last-layer hidden states there, with the embeddings of the tokens it drafted, are RETAINED; ALIGNED to
+the next block (the next anchor sits at the old slot ``n+1``, so old slot ``s`` lands on new slot ``s - (n+1)``);
+REFINED with correction signals the same verification already produced (the target's own token at the slot, its
+features there, draft/target agreement, the target's probability of the draft token, its entropy, the slot index);
+and admitted into the next block's input embeddings by GATED RESIDUAL FUSION ``x = e(token) + m * g * W_o u`` with
+``W_o`` zero-initialised, so a fresh ReTrace drafter computes exactly what its DFlash backbone computes. Only drafter
+inputs change: verification, and therefore losslessness, are untouched; rejected tokens are never committed; no extra
+forward pass of either model is needed.
 
-Choices made against methods.md §1 on measurements (tiny world, CPU): the retained state carries the drafted token's
-embedding next to ``h`` (the abstract's point is that rejected tokens may still match the target continuation at
-their positions; a linear refiner reads that more easily from ``e(d_s)`` than from ``h``); the gate starts half open
-(``W_o = 0`` alone keeps the backbone exact at init); the refiner is width ``E`` (not ``2E``) and the
-gate reads ``u`` alone (``W_g [e_MASK; u]`` has a constant ``e_MASK`` half, i.e. a bias); ``h`` enters without a
-LayerNorm (it is already the drafter's final RMS-normed state); the refiner, gate and output projection run only on
-the new slots that can receive a prior; the target features enter
-as the drafter's own fused context ``hidden_norm(fc(f))`` that :meth:`DFlashDrafter.ingest` already computed for the
-verify block, so the fusion adds no second ``fc``. Only drafter inputs change: verification, and therefore
-losslessness, are untouched; rejected tokens are never committed; no extra forward pass of either model is needed.
+Choices made against methods.md §1 on measurements (tiny world, CPU):
+
+- the retained state carries the drafted token's embedding next to ``h`` (the abstract's point is that rejected
+  tokens may still match the target continuation at their positions; ``e(d_s)`` states it directly);
+- the gate starts half open (``W_o = 0`` alone keeps the backbone exact at init; with bias -4 both factors of
+  ``g * W_o u`` start near zero and a short warm start barely moves the fusion);
+- the refiner is width ``E`` (not ``2E``), the gate reads ``u`` alone (``W_g [e_MASK; u]`` has a constant ``e_MASK``
+  half, i.e. a bias), ``h`` enters without a LayerNorm (it is already RMS-normed), and refine/gate/``W_o`` run only on
+  the new slots that can receive a prior;
+- the target features enter as the drafter's own fused context ``hidden_norm(fc(f))``, which
+  :meth:`DFlashDrafter.ingest` already computed for the verify block (no second ``fc``).
 
 Ablations (``retrace_config``): ``alignment`` hard (shift) or soft (Gaussian kernel over offsets, learnable width);
-``use_correction`` (refine with target signals or with the drafter's hidden states alone); ``gate_anchor`` (fuse into
-the anchor slot too, not only the mask slots).
+``use_correction`` (refine with target signals or with the drafter's retained state alone); ``gate_anchor`` (fuse
+into the anchor slot too, not only the mask slots). Training (``lit_modules/retrace_step.py``) takes its correction
+signals from an exact replay of the serving verify pass.
 """
 
 from __future__ import annotations
@@ -232,8 +236,8 @@ class ReTraceDrafter(DFlashDrafter):
     # ---- engine hooks -------------------------------------------------------------------------------------
     def next_round_state(self, state, hidden, draft_tokens, num_accepted, target_logits, target_context):
         """Carry the rejected suffix into the next round (reset on full acceptance: ``valid`` is then empty)."""
-        return build_prior(hidden, draft_tokens, num_accepted, verify_stats(target_logits, draft_tokens), target_context,
-                           self.embed)
+        stats = verify_stats(target_logits, draft_tokens)
+        return build_prior(hidden, draft_tokens, num_accepted, stats, target_context, self.embed)
 
 
 HF_ARCHITECTURES["ReTraceDraftModel"] = "retrace"
