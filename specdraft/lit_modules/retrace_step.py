@@ -127,6 +127,6 @@ def two_round_blocks(module, batch, split: str, generator: torch.Generator | Non
     logits2, _, blk2, ctx2 = module.run_blocks(batch, feats, anchors2, valid2, prior)
     tokens2, slot_logits2 = module.target_view(anchors2, greedy, target_hidden, K)
     with_prior = (prior.valid.any(-1).view(B, N) & valid2).float()
-    stats = {"round1_tau": float((n[valid].float() + 1).mean()) if valid.any() else float("nan"),
-             "prior_fraction": float(with_prior.sum() / valid2.float().sum().clamp_min(1))}
-    return DraftBatch(logits2, blk2, tokens2, slot_logits2, ctx2), stats
+    summary = {"round1_tau": float((n[valid].float() + 1).mean()) if valid.any() else float("nan"),
+               "prior_fraction": float(with_prior.sum() / valid2.float().sum().clamp_min(1))}
+    return DraftBatch(logits2, blk2, tokens2, slot_logits2, ctx2), summary
