@@ -107,12 +107,13 @@ class DrafterModule(L.LightningModule):
         return self
 
     # ---- shared forward -------------------------------------------------------------------------------
-    def _features(self, batch, split: str):
+    def _features(self, batch, split: str, cache=None):
+        """``(features, target hidden or None, greedy)``; a ``cache`` forces the online pass and keeps its K/V."""
         ids = batch["input_ids"]
-        if self.offline is not None:
+        if self.offline is not None and cache is None:
             feats, greedy = self.offline.batch(split, batch["index"].tolist(), ids.shape[1], ids.device)
             return feats.to(self.drafter.fc.weight.dtype), None, greedy
-        feats, hidden, greedy = online_features(self.target, ids, self.drafter.target_layer_ids)
+        feats, hidden, greedy = online_features(self.target, ids, self.drafter.target_layer_ids, cache=cache)
         return feats, (hidden if self.objective.needs_target_logits else None), greedy
 
     def run_blocks(self, batch, feats, anchors, valid, prior=None):
@@ -127,7 +128,7 @@ class DrafterModule(L.LightningModule):
         ctx_pos = torch.arange(S, device=ids.device).expand(B, S)
         embeds = d.embed(blk.tokens)  # [B, N*Bk, D]
         if prior is not None:
-            embeds = embeds + d.fusion_delta(prior, bs).view(B, N * bs, -1).to(embeds.dtype)
+            embeds = embeds + d.fusion_delta(prior).view(B, N * bs, -1).to(embeds.dtype)
         hidden = d(embeds, blk.positions, d.context_kv(feats, ctx_pos), blk.mask).view(B, N, bs, -1)
         logits = d.logits(hidden[:, :, 1:])  # [B, N, K, V] (slot 0 is never a target)
         return logits, hidden, blk, (embeds, blk.positions, feats, ctx_pos)

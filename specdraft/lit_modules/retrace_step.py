@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import torch
 
-from specdraft.lit_modules.features import online_features
 from specdraft.runtime.models.retrace import VerifyStats, build_prior, verify_stats
 from specdraft.runtime.models.target import TargetLM
 from specdraft.runtime.verify import accept_greedy
@@ -89,14 +88,8 @@ def two_round_blocks(module, batch, split: str, generator: torch.Generator | Non
     cache = None
     if signals == "exact":  # features from a cached target pass, so the verify replay can attend to the sequence
         B0, S0 = ids.shape
-        N0 = min(module.hparams.num_anchors, S0)
-        cache = module.target.new_cache(B0, S0 + N0 * bs)
-        feats, target_hidden, greedy = online_features(module.target, ids, d.target_layer_ids, cache=cache)
-        feats = feats.to(d.fc.weight.dtype)
-        if not module.objective.needs_target_logits:
-            target_hidden = None
-    else:
-        feats, target_hidden, greedy = module._features(batch, split)
+        cache = module.target.new_cache(B0, S0 + min(module.hparams.num_anchors, S0) * bs)
+    feats, target_hidden, greedy = module._features(batch, split, cache=cache)
     anchors, valid = sample_anchors(batch["loss_mask"], lengths, module.hparams.num_anchors, generator)
     B, N = anchors.shape
     with torch.no_grad():

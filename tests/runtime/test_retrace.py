@@ -73,7 +73,7 @@ def test_carried_suffix_lands_on_the_right_slots():
         if s_old >= 4:
             assert drafts[0, s_old - 1] == truth[3 + s_new]
     # gating touches mask slots only by default: new slot 0 (the anchor) is left alone
-    delta = r.fusion_delta(prior, Bk)
+    delta = r.fusion_delta(prior)
     assert delta[0, 0].abs().sum() == 0 and delta[0, 1:3].abs().sum() > 0 and delta[0, 3:].abs().sum() == 0
 
 
@@ -83,7 +83,7 @@ def test_full_acceptance_resets_the_prior():
     K = r.block_size - 1
     prior = _random_prior(r, b=2, n=(K, 1))
     assert not prior.valid[0].any() and prior.valid[1].any()
-    delta = r.fusion_delta(prior, r.block_size)
+    delta = r.fusion_delta(prior)
     assert delta[0].abs().sum() == 0 and delta[1].abs().sum() > 0
 
 

@@ -249,9 +249,8 @@ class DFlashDrafter(nn.Module):
         """
         B, T, _ = ctx_features.shape
         cache.check_room(T)
-        used = T if self.wants_verify_context else min(T, int(counts.max()))
-        fused = self.fuse_context(ctx_features[:, :used])  # [B, used, D]
         T_kv = min(T, int(counts.max()))
+        fused = self.fuse_context(ctx_features if self.wants_verify_context else ctx_features[:, :T_kv])  # [B, T', D]
         slots = cache.lengths[:, None] + torch.arange(T_kv, device=ctx_features.device)  # [B, T_kv]
         for i, (k, v) in enumerate(self.context_kv(ctx_features[:, :T_kv], slots, fused[:, :T_kv])):
             cache.write(i, k, v, slots)

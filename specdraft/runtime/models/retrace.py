@@ -183,15 +183,22 @@ class ReTraceDrafter(DFlashDrafter):
             c = h.new_zeros(*h.shape[:2], self.retrace_norm_c.normalized_shape[0])
         return self.retrace_refiner(torch.cat([h, self.retrace_norm_c(c)], dim=-1))
 
+    @staticmethod
+    def _landing(prior: Prior, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For new slots ``new`` ``[n]``: the old slot landing on each under the hard shift ``[b, n]`` (clamped into
+        the block) and whether a retained slot is there at all ``[b, n]``."""
+        Bk = prior.valid.shape[1]
+        src = new[None, :] + prior.shift[:, None]  # [b, n]
+        present = (src < Bk) & prior.valid.gather(1, src.clamp(max=Bk - 1))
+        return src.clamp(max=Bk - 1), present
+
     def _align(self, u: torch.Tensor, prior: Prior) -> tuple[torch.Tensor, torch.Tensor]:
         """Map old-slot refinements onto new slots: ``([b, Bk, E], present [b, Bk])``."""
         b, Bk, _ = u.shape
-        dev = u.device
-        new = torch.arange(Bk, device=dev)
-        src = new[None, :] + prior.shift[:, None]  # old slot that lands on each new slot (hard shift)
-        present = (src < Bk) & prior.valid.gather(1, src.clamp(max=Bk - 1))
+        new = torch.arange(Bk, device=u.device)
+        src, present = self._landing(prior, new)
         if self.config.retrace.alignment == "hard":
-            aligned = u.gather(1, src.clamp(max=Bk - 1)[..., None].expand(-1, -1, u.shape[-1]))
+            aligned = u.gather(1, src[..., None].expand(-1, -1, u.shape[-1]))
         else:
             # soft: every retained slot contributes to every new slot by a Gaussian in its aligned offset
             offset = (new[None, None, :] - (new[None, :, None] - prior.shift[:, None, None])).float()  # [b, old, new]
@@ -207,9 +214,9 @@ class ReTraceDrafter(DFlashDrafter):
         x = self.embed(block_tokens)  # [b, Bk, D]
         if state is None or not bool(state.valid.any()):
             return x
-        return x + self.fusion_delta(state, block_tokens.shape[1]).to(x.dtype)
+        return x + self.fusion_delta(state).to(x.dtype)
 
-    def fusion_delta(self, prior: Prior, block: int) -> torch.Tensor:
+    def fusion_delta(self, prior: Prior) -> torch.Tensor:
         """``m * g * W_o u`` per NEW slot ``[b, Bk, E]``, computed only on the new slots that can carry a prior.
 
         New slots past ``Bk - min(shift)`` hold no retained slot in any row, and slot 0 (the anchor) is fused only
@@ -222,10 +229,8 @@ class ReTraceDrafter(DFlashDrafter):
         if hi <= lo:
             return prior.hidden.new_zeros(*prior.hidden.shape[:2], self.retrace_out.out_features)
         if self.config.retrace.alignment == "hard":
-            new = torch.arange(lo, hi, device=prior.shift.device)
-            src = new[None, :] + prior.shift[:, None]  # [b, n] old slot landing on each new slot
-            present = (src < Bk) & prior.valid.gather(1, src.clamp(max=Bk - 1))  # [b, n]
-            u = self._refine(_gather_slots(prior, src.clamp(max=Bk - 1)))  # [b, n, E]
+            src, present = self._landing(prior, torch.arange(lo, hi, device=prior.shift.device))  # [b, n] each
+            u = self._refine(_gather_slots(prior, src))  # [b, n, E]
         else:
             u, present = self._align(self._refine(prior), prior)  # [b, Bk, E], [b, Bk]
             u, present = u[:, lo:hi], present[:, lo:hi]

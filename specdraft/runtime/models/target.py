@@ -143,6 +143,8 @@ class TargetLM(nn.Module):
                 computes logits only where it needs them: a 150k-vocabulary ``[B, T, V]`` would not fit).
             visible_prefix: ``[B, T]`` cached entries each new token may see (default all committed ones).
         """
+        if visible_prefix is not None and cache is None:
+            raise ValueError("visible_prefix limits what new tokens see of a KV cache: pass the cache too")
         B, T = tokens.shape
         dev = tokens.device
         offsets = cache.lengths if cache is not None else torch.zeros(B, dtype=torch.long, device=dev)
@@ -162,8 +164,6 @@ class TargetLM(nn.Module):
             mask = cached_attention_mask(offsets, used, new_mask, visible_prefix)
         elif new_mask is not None:
             mask = new_mask[:, None] if new_mask.dim() == 3 else new_mask
-        if visible_prefix is not None and cache is None:
-            raise ValueError("visible_prefix limits what new tokens see of a KV cache: pass the cache too")
         outputs: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, i, cache, slots, used, mask)
