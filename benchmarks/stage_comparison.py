@@ -77,10 +77,13 @@ def main() -> None:
     timings = {}
     for name, extra in todo.items():
         stage = "retrace" if name.startswith("retrace") else name.split("-")[0]
-        init = [f"drafter.init_from={out / 'drafter' / 'eal-mix'}" if stage == "grpo" else f"drafter.init_from={base}"]
+        start = out / "drafter" / "eal-mix" if stage == "grpo" else base
+        init = [f"drafter.init_from={start}"]
         cfg = load_config(args.config, [*common, f"train.stage={stage}", *init, *extra])
         if args.bench_only or ((out / "drafter" / name / "config.json").is_file() and not args.retrain):
             continue
+        if not (start / "config.json").is_file():
+            raise SystemExit(f"variant {name!r} starts from {start}, which does not exist: train eal-mix first")
         shared = out / "drafter" / stage  # a variant named apart from its stage must not clobber that stage's export
         parked = out / "drafter" / f".{stage}-parked"
         if name != stage and (shared / "config.json").is_file():
