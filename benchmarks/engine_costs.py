@@ -65,7 +65,7 @@ def main() -> None:
 
     retrace = ReTraceDrafter(ReTraceConfig.from_dflash(drafter.config, ReTraceOptions()))
     retrace.load_state_dict(drafter.state_dict(), strict=False)
-    torch.nn.init.normal_(retrace.retrace_out.weight, std=0.02)  # fusion active (a zero W_o would skip nothing)
+    torch.nn.init.normal_(retrace.retrace_gate_out.weight, std=0.02)  # fusion active (W_o = 0 would skip nothing)
     retrace = retrace.bind_target(target.model.embed_tokens, target.lm_head).eval()
     hf = AutoModelForCausalLM.from_pretrained(str(world.target_dir), dtype=torch.float32).eval()
     reqs = read_requests(world.bench_dir / "math.jsonl", lambda m: None)[:8]

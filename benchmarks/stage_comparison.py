@@ -8,6 +8,7 @@ From one base drafter (the run's ``sft`` export), train each variant for the sam
     eal-mix  EAL with the CE warm-up mix (lambda = exp(-3 mean q)) -> compare with sft at T=0
     wtv      window total variation at T                  -> compare with kl at T=1
     grpo     from eal-mix, reward = simulated acceptance  -> compare with eal-mix (its start)
+    grpo-cold  the same, groups sampled at drafter temperature 0.5
     retrace-main  ReTrace on the DFlash backbone          -> compare with sft (plus the ablations below)
 
 A variant named apart from its stage (``eal-mix``, ``retrace-*``) trains into the stage's export dir, is moved to
@@ -33,6 +34,8 @@ VARIANTS = {
     "eal-mix": ["train.ce_mix_eta=3.0"],  # EAL with the CE warm-up mix of methods.md §3.2
     "wtv": ["train.features=online"],
     "grpo": ["train.features=online"],  # starts from the eal-mix export (see the loop)
+    # GRPO samples its groups at a drafter temperature below 1, closer to the argmax drafts greedy serving uses
+    "grpo-cold": ["train.features=online", "train.grpo_draft_temperature=0.5"],
     "retrace-main": ["train.features=online"],  # hard alignment, correction signals, mask slots only
 }
 ABLATIONS = {  # ReTrace ablations, each its own export dir
@@ -47,12 +50,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("config")
     ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="any of the variants and ablations below")
     ap.add_argument("--ablations", action="store_true", help="also train the ReTrace ablations")
     ap.add_argument("--out", default="", help="work dir (default: <work_dir>-compare)")
     ap.add_argument("--bench-only", action="store_true")
     ap.add_argument("--train-only", action="store_true", help="train the variants, bench later with --bench-only")
     ap.add_argument("--retrain", action="store_true", help="retrain variants that already have an export")
+    ap.add_argument("--batch-size", type=int, default=1,
+                    help="bench batch size (tau does not depend on it; a larger one benches more prompts per minute)")
     args, overrides = ap.parse_known_args()
 
     from specdraft.pipeline import stages
@@ -71,7 +76,11 @@ def main() -> None:
     common = [f"target.path={world.target_dir}", f"work_dir={out}", f"train.max_steps={args.steps}",
               "train.max_minutes=0", f"train.eval_every={max(args.steps // 2, 1)}", "train.warmup_ratio=0.0",
               *overrides]
-    todo = {k: VARIANTS[k] for k in args.variants.split(",")}
+    known = {**VARIANTS, **ABLATIONS}
+    unknown = [k for k in args.variants.split(",") if k not in known]
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(known)}")
+    todo = {k: known[k] for k in args.variants.split(",")}
     if args.ablations:
         todo.update(ABLATIONS)
     timings = {}
@@ -107,24 +116,26 @@ def main() -> None:
         return
 
     names = [n for n in todo if (out / "drafter" / n / "config.json").is_file()]
-    cfg = load_config(args.config, [*common, f"bench.stages={json.dumps(names)}"])
+    cfg = load_config(args.config, [*common, f"bench.stages={json.dumps(names)}",
+                                    f"bench.batch_sizes=[{args.batch_size}]"])
     report = stages.bench(cfg, world)
     rows = report["results"]
 
     def tau(stage, suite, temp):
         for r in rows:
-            if r["stage"] == stage and r["suite"] == suite and r["temperature"] == temp and r["batch_size"] == 1:
+            if (r["stage"] == stage and r["suite"] == suite and r["temperature"] == temp
+                    and r["batch_size"] == args.batch_size):
                 return r["tau"]
         return None
 
     suites = sorted({r["suite"] for r in rows})
     pairs = [("eal", "sft", 0.0), ("eal-mix", "sft", 0.0), ("wtv", "kl", 1.0), ("grpo", "eal-mix", 0.0),
-             ("grpo", "eal-mix", 1.0),
+             ("grpo", "eal-mix", 1.0), ("grpo-cold", "eal-mix", 0.0), ("grpo-cold", "eal-mix", 1.0),
              ("retrace-main", "sft", 0.0), ("retrace-main", "sft", 1.0)]
     pairs += [(a, "sft", t) for a in ABLATIONS for t in (0.0, 1.0)]
     if (out / "train_seconds.json").is_file():
         timings = json.loads((out / "train_seconds.json").read_text())
-    summary = {"steps": args.steps, "train_seconds": timings, "ratios": {}}
+    summary = {"steps": args.steps, "bench_batch_size": args.batch_size, "train_seconds": timings, "ratios": {}}
     for a, b, t in pairs:
         if a in names and b in names:
             per = {s: (tau(a, s, t) / tau(b, s, t)) for s in suites if tau(a, s, t) and tau(b, s, t)}

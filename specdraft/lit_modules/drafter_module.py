@@ -50,6 +50,8 @@ class Objective:
     """retrace: share of second-round blocks trained without their prior (keeps the no-prior path calibrated)."""
     retrace_signals: str = "exact"
     """retrace: correction signals from a replayed verify pass (exact) or teacher-forced (cheap); see retrace_step."""
+    retrace_chain: float = 0.0
+    """retrace: probability that round 1 is drafted with a prior from a no-grad round 0 (see retrace_step)."""
     fusion_lr_scale: float = 10.0
     """retrace: learning-rate multiplier of the new fusion/refiner parameters over the warm-started backbone's."""
 
@@ -214,7 +216,7 @@ class DrafterModule(L.LightningModule):
             from specdraft.lit_modules.retrace_step import two_round_blocks
 
             db, stats = two_round_blocks(self, batch, "train", g, self.objective.prior_dropout,
-                                         self.objective.retrace_signals)
+                                         self.objective.retrace_signals, self.objective.retrace_chain)
             self.log_dict({f"train/retrace_{k}": v for k, v in stats.items()})
         else:
             db = self.draft(batch, "train", g)
@@ -234,11 +236,11 @@ class DrafterModule(L.LightningModule):
         if self.objective.stage == "retrace":  # second-round blocks (after a rejection), with and without prior
             from specdraft.lit_modules.retrace_step import two_round_blocks
 
-            sig = self.objective.retrace_signals
+            sig, chain = self.objective.retrace_signals, self.objective.retrace_chain  # same anchors in both calls
             db0, _ = two_round_blocks(self, batch, "val", torch.Generator().manual_seed(self.hparams.seed + batch_idx), 1.0,
-                                      sig)
+                                      sig, chain)
             self.log("eval/sim_tau_noprior", self.simulated_tau(db0.logits, db0.blocks, db0.target_tokens), batch_size=n)
-            db, _ = two_round_blocks(self, batch, "val", g, 0.0, sig)
+            db, _ = two_round_blocks(self, batch, "val", g, 0.0, sig, chain)
         else:
             db = self.draft(batch, "val", g)
         self.log("eval/loss", decayed_ce(db.logits, db.blocks.labels, db.blocks.label_mask, self.slot_weights),

@@ -14,7 +14,9 @@ Correction signals come in two modes (``train.retrace_signals``):
   learns to copy it and serves worse than its backbone (kept as an ablation).
 
 Prior dropout keeps the no-prior path calibrated; blocks whose first round was fully accepted carry an empty prior
-naturally.
+naturally. Chaining (``train.retrace_chain``): serving's retained states come from blocks that were drafted with a
+prior themselves, so with that probability the first round gets a prior from a no-grad round 0 (one more drafter
+pass and one more verify replay per step).
 """
 
 from __future__ import annotations
@@ -75,8 +77,13 @@ def verify_outcome(lm_head, hidden: torch.Tensor, drafts: torch.Tensor) -> tuple
 
 
 def two_round_blocks(module, batch, split: str, generator: torch.Generator | None, prior_dropout: float,
-                     signals: str = "exact"):
-    """Returns ``(DraftBatch of round 2, stats)``; ``module`` is a :class:`DrafterModule` over a ReTrace drafter."""
+                     signals: str = "exact", chain: float = 0.0):
+    """Returns ``(DraftBatch of round 2, stats)``; ``module`` is a :class:`DrafterModule` over a ReTrace drafter.
+
+    ``chain``: the probability that the first round is itself drafted with a prior, from a no-grad round 0 (verified
+    the same way). In serving, rounds chain: the retained hidden states come from a block that was drafted WITH the
+    previous suffix fused in, not from a prior-free one; without a round 0 the fusion trains only on the latter.
+    """
     from specdraft.lit_modules.blocks import sample_anchors
     from specdraft.lit_modules.drafter_module import DraftBatch
 
@@ -92,34 +99,52 @@ def two_round_blocks(module, batch, split: str, generator: torch.Generator | Non
     feats, target_hidden, greedy = module._features(batch, split, cache=cache)
     anchors, valid = sample_anchors(batch["loss_mask"], lengths, module.hparams.num_anchors, generator)
     B, N = anchors.shape
+    gen_dev = generator.device if generator is not None else anchors.device
+
+    def keep_mask(p_drop: float) -> torch.Tensor:  # [B * N] blocks whose prior survives
+        return torch.rand(B * N, generator=generator, device=gen_dev).to(anchors.device) >= p_drop
+
+    prior, first_n, first_valid = None, None, valid
     with torch.no_grad():
-        logits1, hidden1, _, _ = module.run_blocks(batch, feats, anchors, valid)
-        drafts = logits1.argmax(-1)  # [B, N, K]
-        S, F = feats.shape[1], feats.shape[2]
-        if signals == "exact":
-            blocks = torch.cat([ids.gather(1, anchors)[..., None], drafts], dim=-1)  # [B, N, Bk]
-            v_hidden, f_slots = verify_blocks(module.target, cache, anchors, blocks, d.target_layer_ids)
-            n, stats = verify_outcome(module.target.lm_head, v_hidden.flatten(0, 1), drafts.flatten(0, 1))
-        else:
-            tokens1, slot_logits1 = module.target_view(anchors, greedy, target_hidden, K)
-            V = logits1.shape[-1]
-            n, _ = accept_greedy(drafts.flatten(0, 1), torch.nn.functional.one_hot(tokens1.flatten(0, 1), V).float())
-            pos = (anchors[:, :, None] + torch.arange(bs, device=anchors.device)).clamp(max=S - 1)  # [B, N, Bk]
-            f_slots = feats.gather(1, pos.flatten(1)[..., None].expand(-1, -1, F)).view(B, N, bs, F)
-            stats = verify_stats(slot_logits1.flatten(0, 1), drafts.flatten(0, 1))
-        n = n.view(B, N)
-        prior = build_prior(hidden1.flatten(0, 1), drafts.flatten(0, 1), n.flatten(), stats,
-                            d.fuse_context(f_slots.to(feats.dtype)).flatten(0, 1), d.embed)
-        if prior_dropout > 0:
-            gen_dev = generator.device if generator is not None else anchors.device
-            keep = torch.rand(B * N, generator=generator, device=gen_dev).to(anchors.device) >= prior_dropout
-            prior = prior._replace(valid=prior.valid & keep[:, None])
-        anchors2 = anchors + n + 1
-        valid2 = valid & (anchors2 < lengths[:, None] - 1)
-        anchors2 = torch.where(valid2, anchors2, torch.zeros_like(anchors2))
-    logits2, _, blk2, ctx2 = module.run_blocks(batch, feats, anchors2, valid2, prior)
-    tokens2, slot_logits2 = module.target_view(anchors2, greedy, target_hidden, K)
-    with_prior = (prior.valid.any(-1).view(B, N) & valid2).float()
-    summary = {"round1_tau": float((n[valid].float() + 1).mean()) if valid.any() else float("nan"),
-               "prior_fraction": float(with_prior.sum() / valid2.float().sum().clamp_min(1))}
+        for r in range(2 if chain > 0 else 1):  # no-grad rounds: (round 0,) round 1
+            logits1, hidden1, _, _ = module.run_blocks(batch, feats, anchors, valid, prior)
+            drafts = logits1.argmax(-1)  # [B, N, K]
+            n, prior = _verify_round(module, batch, cache, feats, target_hidden, greedy, anchors, hidden1, drafts,
+                                     signals)
+            first_n = n if first_n is None else first_n
+            last = r == (1 if chain > 0 else 0)
+            p_drop = prior_dropout if last else 1.0 - chain
+            if p_drop > 0:
+                prior = prior._replace(valid=prior.valid & keep_mask(p_drop)[:, None])
+            anchors = anchors + n + 1
+            valid = valid & (anchors < lengths[:, None] - 1)
+            anchors = torch.where(valid, anchors, torch.zeros_like(anchors))
+    logits2, _, blk2, ctx2 = module.run_blocks(batch, feats, anchors, valid, prior)
+    tokens2, slot_logits2 = module.target_view(anchors, greedy, target_hidden, K)
+    with_prior = (prior.valid.any(-1).view(B, N) & valid).float()
+    summary = {"round1_tau": float((first_n[first_valid].float() + 1).mean()) if first_valid.any() else float("nan"),
+               "prior_fraction": float(with_prior.sum() / valid.float().sum().clamp_min(1))}
     return DraftBatch(logits2, blk2, tokens2, slot_logits2, ctx2), summary
+
+
+def _verify_round(module, batch, cache, feats, target_hidden, greedy, anchors, hidden, drafts, signals):
+    """Simulated verification of one no-grad round: ``(accepted [B, N], Prior of the rejected suffixes)``."""
+    d = module.drafter
+    bs, K = d.block_size, d.block_size - 1
+    ids = batch["input_ids"]
+    B, N = anchors.shape
+    S, F = feats.shape[1], feats.shape[2]
+    if signals == "exact":
+        blocks = torch.cat([ids.gather(1, anchors)[..., None], drafts], dim=-1)  # [B, N, Bk]
+        v_hidden, f_slots = verify_blocks(module.target, cache, anchors, blocks, d.target_layer_ids)
+        n, stats = verify_outcome(module.target.lm_head, v_hidden.flatten(0, 1), drafts.flatten(0, 1))
+    else:
+        tokens1, slot_logits1 = module.target_view(anchors, greedy, target_hidden, K)
+        V = slot_logits1.shape[-1]
+        n, _ = accept_greedy(drafts.flatten(0, 1), torch.nn.functional.one_hot(tokens1.flatten(0, 1), V).float())
+        pos = (anchors[:, :, None] + torch.arange(bs, device=anchors.device)).clamp(max=S - 1)  # [B, N, Bk]
+        f_slots = feats.gather(1, pos.flatten(1)[..., None].expand(-1, -1, F)).view(B, N, bs, F)
+        stats = verify_stats(slot_logits1.flatten(0, 1), drafts.flatten(0, 1))
+    prior = build_prior(hidden.flatten(0, 1), drafts.flatten(0, 1), n, stats,
+                        d.fuse_context(f_slots.to(feats.dtype)).flatten(0, 1), d.embed)
+    return n.view(B, N), prior

@@ -133,6 +133,9 @@ class TrainConfig:
     retrace_signals: str = "exact"
     """retrace: correction signals from a replayed verify pass of each first-round block (exact, one extra target
     pass per step, needs train.features=online) or the target's teacher-forced view (cheap, ablation)."""
+    retrace_chain: float = 0.5
+    """retrace: probability that the first (no-grad) round is itself drafted with a prior from a round 0, so the
+    fusion also trains on retained states of prior-conditioned blocks, as serving produces them (0 = two rounds)."""
     retrace_fusion_lr_scale: float = 10.0
     """retrace: learning-rate multiplier of the new fusion/refiner parameters (the backbone keeps train.lr)."""
     weight_decay: float = 0.0
@@ -338,6 +341,9 @@ def validate(cfg: RunConfig) -> RunConfig:
             _fail(key, f"must be positive, got {flat[key]}")
     if cfg.drafter.block_size < 2:
         _fail("drafter.block_size", "must be at least 2 (anchor + one draft slot)")
+    for key in ("train.prior_dropout", "train.retrace_chain"):
+        if not 0.0 <= flat[key] <= 1.0:
+            _fail(key, f"is a probability, got {flat[key]}")
     if not 0 < cfg.decode.top_p <= 1:
         _fail("decode.top_p", f"must be in (0, 1], got {cfg.decode.top_p}")
     for key in ("decode.temperature", "data.temperature"):

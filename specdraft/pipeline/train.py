@@ -68,7 +68,8 @@ def objective_from_config(cfg: RunConfig):
     return Objective(stage=t.stage, gamma=t.gamma, kl_weight=t.kl_weight, temperature=t.temperature,
                      acceptance_form=t.acceptance_form, wtv_variant=t.wtv_variant, ce_mix_eta=t.ce_mix_eta,
                      grpo=g if t.stage == "grpo" else None, prior_dropout=t.prior_dropout,
-                     retrace_signals=t.retrace_signals, fusion_lr_scale=t.retrace_fusion_lr_scale)
+                     retrace_signals=t.retrace_signals, retrace_chain=t.retrace_chain,
+                     fusion_lr_scale=t.retrace_fusion_lr_scale)
 
 
 def _retrace_from_backbone(cfg: RunConfig, backbone):

@@ -1,6 +1,7 @@
 """ReTrace training signals: the replayed verify pass equals the runtime's verify pass block for block, and the
 exact-mode training step hands the drafter the same prior the engine would build."""
 
+import pytest
 import torch
 
 from specdraft.lit_modules.features import online_features
@@ -55,9 +56,12 @@ def test_verify_outcome_is_the_same_in_chunks(monkeypatch):
         torch.testing.assert_close(a, b)
 
 
-def test_exact_mode_trains_on_the_prior_the_engine_builds(monkeypatch):
-    """Train/serve consistency of ReTrace: at an anchor of a target-greedy sequence, the training step's first round
-    (drafts, replayed verification, retained suffix and its correction signals) equals the engine's first round."""
+@pytest.mark.parametrize("chain", [0.0, 1.0])
+def test_exact_mode_trains_on_the_prior_the_engine_builds(monkeypatch, chain):
+    """Train/serve consistency of ReTrace: at an anchor of a target-greedy sequence, the training step's no-grad
+    rounds (drafts, replayed verification, retained suffix and its correction signals) equal the engine's rounds.
+    With ``chain=1`` the step's second no-grad round is drafted with the first one's prior fused in, as the engine's
+    second round is, and its retained suffix must match the engine's too."""
     import specdraft.lit_modules.blocks as blocks_mod
     import specdraft.lit_modules.retrace_step as step_mod
     from specdraft.lit_modules.drafter_module import DrafterModule, Objective
@@ -82,10 +86,11 @@ def test_exact_mode_trains_on_the_prior_the_engine_builds(monkeypatch):
     module = DrafterModule(r, target, lr=1e-3, warmup_ratio=0.0, total_steps=1, num_anchors=1,
                            objective=Objective(stage="retrace", retrace_signals="exact"))
     batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids), "lengths": torch.tensor([ids.shape[1]])}
-    step_mod.two_round_blocks(module, batch, "train", None, prior_dropout=0.0, signals="exact")
+    step_mod.two_round_blocks(module, batch, "train", None, prior_dropout=0.0, signals="exact", chain=chain)
 
-    s, t = served[0], trained[0]
-    assert torch.equal(s.valid, t.valid) and torch.equal(s.shift, t.shift)
-    assert s.valid.any()  # the engine's first round did reject: there is a suffix to compare
-    torch.testing.assert_close(t.hidden, s.hidden, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(t.signals, s.signals, atol=1e-4, rtol=1e-4)
+    assert len(trained) == (2 if chain else 1)
+    assert served[0].valid.any()  # the engine's first round did reject: there is a suffix to carry and compare
+    for s, t in zip(served, trained):
+        assert torch.equal(s.valid, t.valid) and torch.equal(s.shift, t.shift)
+        torch.testing.assert_close(t.hidden, s.hidden, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(t.signals, s.signals, atol=1e-4, rtol=1e-4)

@@ -39,6 +39,8 @@ def test_dotted_overrides_are_typed():
     (["drafter.block_size=1"], "drafter.block_size"),
     (["decode.method=beam"], "decode.method"),
     (["target.tiny.num_layers=2.5"], "target.tiny.num_layers"),
+    (["train.retrace_chain=1.5"], "train.retrace_chain"),
+    (["train.prior_dropout=-0.1"], "train.prior_dropout"),
 ])
 def test_bad_keys_and_values_name_the_key(override, key):
     with pytest.raises(SpecdraftError, match=f"'{key}'"):

@@ -16,8 +16,8 @@ def retrace_from(backbone, active: bool, seed: int = 0, **opts):
     r = ReTraceDrafter(ReTraceConfig.from_dflash(backbone.config, ReTraceOptions(**opts)))
     r.load_state_dict(backbone.state_dict(), strict=False)
     if active:  # a "trained" fusion: open gates, non-zero output projection
-        torch.nn.init.normal_(r.retrace_out.weight, std=0.5)
-        torch.nn.init.zeros_(r.retrace_gate.bias)
+        torch.nn.init.normal_(r.retrace_gate_out.weight, std=0.5)  # [W_g ; W_o], W_o no longer zero
+        torch.nn.init.zeros_(r.retrace_gate_out.bias)
     return r.bind_target(*backbone._borrowed).eval()
 
 
