@@ -171,8 +171,10 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
         max_time={"minutes": t.max_minutes} if t.max_minutes else None,
         accelerator="auto", devices=t.devices if t.devices == "auto" else int(t.devices),
         num_nodes=t.num_nodes, strategy=t.strategy, precision=precision, gradient_clip_val=t.grad_clip,
-        accumulate_grad_batches=t.accumulate_grad_batches, val_check_interval=min(t.eval_every, steps_per_epoch),
-        check_val_every_n_epoch=1, logger=False, enable_model_summary=False, num_sanity_val_steps=0,
+        # every eval_every optimizer steps counted across epochs (an epoch shorter than eval_every must not hide
+        # the evaluations, and so the best checkpoint, of the steps after its end)
+        accumulate_grad_batches=t.accumulate_grad_batches, val_check_interval=t.eval_every * t.accumulate_grad_batches,
+        check_val_every_n_epoch=None, logger=False, enable_model_summary=False, num_sanity_val_steps=0,
         callbacks=[best_cb, last_cb, DecodeEvalCallback(eval_prompts, stop_token_ids(tokenizer)),
                    TrackerCallback(tracker, every=t.log_every),
                    L.pytorch.callbacks.TQDMProgressBar(refresh_rate=10), *(callbacks or [])],
@@ -184,17 +186,14 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
     trainer.fit(module, datamodule=dm, ckpt_path=str(resume) if resume.is_file() else None, weights_only=True)
     trainer.save_checkpoint(str(resume), weights_only=False)  # full state, so a rerun resumes (and finds nothing left to do)
     train_s = time.perf_counter() - t0
-    trainer.validate(module, datamodule=dm, verbose=False, weights_only=True)  # final numbers (and a best checkpoint if none yet)
-    best = Path(best_cb.best_model_path) if best_cb.best_model_path else resume
-    if not best_cb.best_model_path:
-        best = ckpt_dir / "drafter-best.ckpt"
-        trainer.save_checkpoint(str(best))
+    trainer.validate(module, datamodule=dm, verbose=False, weights_only=True)  # final numbers
+    best, best_score = _best_including_final(trainer, best_cb, ckpt_dir)
 
     from specdraft.export.hf import export_checkpoint
 
     out = export_checkpoint(best, drafter, stage_dir(cfg, t.stage))
     (out / "specdraft.json").write_text(json.dumps({"stage": t.stage, "run_id": tracker.run_id,
-                                                    "sim_tau": float(best_cb.best_model_score or 0.0),
+                                                    "sim_tau": best_score,
                                                     "target": str(world.target_dir), "warm_start": str(init or "")}))
     export_checkpoint(resume, drafter, stage_dir(cfg, t.stage + "-last"))
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("eval/")}
@@ -204,8 +203,21 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
     tracker.log_artifact(out, "drafter")
     version = tracker.register_model("drafter", f"{cfg.name}-{cfg.drafter.arch}",
                                      tags={"target": str(world.target_dir), "stage": t.stage,
-                                           "sim_tau": round(float(best_cb.best_model_score or 0.0), 3)})
+                                           "sim_tau": round(best_score, 3)})
     log(f"train: {trainer.global_step} steps in {train_s:.0f}s ({tps:.0f} tokens/s); best eval/sim_tau "
-        f"{float(best_cb.best_model_score or float('nan')):.2f}; exported {out}"
+        f"{best_score:.2f}; exported {out}"
         + (f"; registered model version {version}" if version else ""))
     return out
+
+
+def _best_including_final(trainer, best_cb, ckpt_dir: Path) -> tuple[Path, float]:
+    """The checkpoint to export: the best evaluated one, or the final weights when they score at least as well
+    (the last steps may end between two evaluations). Returns ``(path, its eval/sim_tau)``."""
+    final = trainer.callback_metrics.get("eval/sim_tau")
+    final = float(final) if final is not None else float("nan")
+    score = float(best_cb.best_model_score) if best_cb.best_model_score is not None else float("nan")
+    if best_cb.best_model_path and not final >= score:  # (a NaN final never wins)
+        return Path(best_cb.best_model_path), score
+    best = ckpt_dir / "drafter-best.ckpt"
+    trainer.save_checkpoint(str(best))
+    return best, final

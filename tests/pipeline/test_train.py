@@ -154,3 +154,37 @@ def test_stages_chain_sft_eal_wtv_grpo_with_warm_starts(tiny_world, tmp_path):
     with pytest.raises(SpecdraftError, match="verify pass"):  # exact correction signals need the target in the loop
         train_drafter(_cfg(tiny_world, work, "train.stage=retrace", "train.features=offline"), tiny_world, data,
                       TagTracker(), lambda m: None)
+
+
+def test_evaluations_count_optimizer_steps_across_short_epochs(tiny_world, tmp_path):
+    """An epoch shorter than ``eval_every`` (here 2-3 steps) must not shift or hide evaluations: they land on every
+    ``eval_every``-th optimizer step, including the last, so the best checkpoint can be the final one."""
+    from specdraft.pipeline.train import train_drafter
+
+    class EvalSteps(L.Callback):
+        steps = []
+
+        def on_validation_end(self, trainer, pl_module):
+            if trainer.state.fn == "fit":
+                self.steps.append(trainer.global_step)
+
+    data = _prepare(tiny_world, tmp_path / "w")
+    train_drafter(_cfg(tiny_world, tmp_path / "w", "train.batch_size=40"), tiny_world, data, RecordingTracker(),
+                  log=lambda m: None, callbacks=[EvalSteps()])
+    assert EvalSteps.steps == [3, 6]
+
+
+def test_export_takes_the_final_weights_when_they_score_best(tmp_path):
+    from types import SimpleNamespace
+
+    from specdraft.pipeline.train import _best_including_final
+
+    saved = []
+    trainer = SimpleNamespace(callback_metrics={"eval/sim_tau": torch.tensor(6.0)}, save_checkpoint=saved.append)
+    better_before = SimpleNamespace(best_model_path="ckpt/step3.ckpt", best_model_score=torch.tensor(7.0))
+    assert _best_including_final(trainer, better_before, tmp_path) == (Path("ckpt/step3.ckpt"), 7.0) and not saved
+    worse_before = SimpleNamespace(best_model_path="ckpt/step3.ckpt", best_model_score=torch.tensor(5.0))
+    assert _best_including_final(trainer, worse_before, tmp_path) == (tmp_path / "drafter-best.ckpt", 6.0)
+    assert saved == [str(tmp_path / "drafter-best.ckpt")]
+    trainer.callback_metrics = {}  # no final number: keep the evaluated best
+    assert _best_including_final(trainer, worse_before, tmp_path)[0] == Path("ckpt/step3.ckpt")
