@@ -8,7 +8,7 @@ From one base drafter (the run's ``sft`` export), train each variant for the sam
     eal-mix  EAL with the CE warm-up mix (lambda = exp(-3 mean q)) -> compare with sft at T=0
     wtv      window total variation at T                  -> compare with kl at T=1
     grpo     from eal-mix, reward = simulated acceptance  -> compare with eal-mix (its start)
-    grpo-cold  the same, groups sampled at drafter temperature 0.5
+    grpo-t1  the same, groups sampled at drafter temperature 1 (the default samples at 0.5)
     retrace-main  ReTrace on the DFlash backbone          -> compare with sft (plus the ablations below)
 
 A variant named apart from its stage (``eal-mix``, ``retrace-*``) trains into the stage's export dir, is moved to
@@ -33,9 +33,8 @@ VARIANTS = {
     "eal": [],
     "eal-mix": ["train.ce_mix_eta=3.0"],  # EAL with the CE warm-up mix of methods.md §3.2
     "wtv": ["train.features=online"],
-    "grpo": ["train.features=online"],  # starts from the eal-mix export (see the loop)
-    # GRPO samples its groups at a drafter temperature below 1, closer to the argmax drafts greedy serving uses
-    "grpo-cold": ["train.features=online", "train.grpo_draft_temperature=0.5"],
+    "grpo": ["train.features=online"],  # starts from the eal-mix export (see the loop); groups sampled at T_d 0.5
+    "grpo-t1": ["train.features=online", "train.grpo_draft_temperature=1.0"],  # groups sampled at T_d 1
     "retrace-main": ["train.features=online"],  # hard alignment, correction signals, mask slots only
 }
 ABLATIONS = {  # ReTrace ablations, each its own export dir
@@ -130,7 +129,7 @@ def main() -> None:
 
     suites = sorted({r["suite"] for r in rows})
     pairs = [("eal", "sft", 0.0), ("eal-mix", "sft", 0.0), ("wtv", "kl", 1.0), ("grpo", "eal-mix", 0.0),
-             ("grpo", "eal-mix", 1.0), ("grpo-cold", "eal-mix", 0.0), ("grpo-cold", "eal-mix", 1.0),
+             ("grpo", "eal-mix", 1.0), ("grpo-t1", "eal-mix", 0.0), ("grpo-t1", "eal-mix", 1.0),
              ("retrace-main", "sft", 0.0), ("retrace-main", "sft", 1.0)]
     pairs += [(a, "sft", t) for a in ABLATIONS for t in (0.0, 1.0)]
     if (out / "train_seconds.json").is_file():

@@ -28,8 +28,11 @@ class GRPOConfig:
     """G sampled draft blocks per anchor."""
     mode: str = "greedy"
     """Reward under greedy or sampling verification."""
-    draft_temperature: float = 1.0
-    """Temperature of the policy when sampling the group."""
+    draft_temperature: float = 0.5
+    """Greedy mode: temperature at which the group is sampled. Below 1 the samples sit closer to the argmax drafts
+    greedy serving uses (tiny world, 150 steps from eal-mix: 0.5 gave +4.2% / +7.4% greedy tau over two seeds, 1.0
+    gave -0.1%). Sampling mode ignores it and samples at ``temperature``, as serving does, so the simulated
+    acceptance is the runtime's."""
     temperature: float = 1.0
     """Verification temperature in sampling mode (applied to target and drafter alike)."""
     clip: float = 0.2
@@ -81,7 +84,8 @@ def grpo_loss(logits: torch.Tensor, ref_logits: torch.Tensor, target_tokens: tor
         return logits.sum() * 0.0, {"reward_mean": 0.0, "reward_std": 0.0, "kl": 0.0}
     G = cfg.group_size
     gen = generator if generator is not None and generator.device == z.device else None
-    logq = F.log_softmax(z.float() / cfg.draft_temperature, -1)  # [M, K, V]
+    td = cfg.temperature if cfg.mode == "sampling" else cfg.draft_temperature  # the policy's sampling temperature
+    logq = F.log_softmax(z.float() / td, -1)  # [M, K, V]
     q = logq.detach().exp()
     drafts = sample_from_probs(q.expand(G, M, K, V), gen)  # [G, M, K]
     with torch.no_grad():
@@ -101,7 +105,7 @@ def grpo_loss(logits: torch.Tensor, ref_logits: torch.Tensor, target_tokens: tor
     surrogate = -torch.minimum(ratio * a, ratio.clamp(1 - cfg.clip, 1 + cfg.clip) * a)
     credit = torch.arange(K, device=z.device) < (n[..., None] + 1).clamp(max=K)  # accepted + first rejected
     policy = (surrogate * credit).sum() / credit.sum().clamp_min(1)
-    log_ref = F.log_softmax(zr.float() / cfg.draft_temperature, -1)
+    log_ref = F.log_softmax(zr.float() / td, -1)
     kl = (logq.exp() * (logq - log_ref)).sum(-1).mean()
     stats = {"reward_mean": float(r.mean() + 1), "reward_std": float(r.std(0).mean()), "kl": float(kl.detach())}
     return policy + cfg.kl_coef * kl, stats

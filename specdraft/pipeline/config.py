@@ -127,7 +127,9 @@ class TrainConfig:
     """Reward under greedy or sampling verification."""
     grpo_clip: float = 0.2
     grpo_kl_coef: float = 0.05
-    grpo_draft_temperature: float = 1.0
+    grpo_draft_temperature: float = 0.5
+    """grpo (greedy mode): temperature at which each group of draft blocks is sampled; sampling mode samples at
+    train.temperature (the serving rule)."""
     prior_dropout: float = 0.2
     """retrace: share of second-round blocks trained without their prior."""
     retrace_signals: str = "exact"

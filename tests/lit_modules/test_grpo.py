@@ -90,3 +90,22 @@ def test_uniform_rewards_give_zero_policy_gradient():
     loss, _ = grpo_loss(peaked.requires_grad_(True), peaked.detach(), y, None, _blocks(3, 2), GRPOConfig(kl_coef=0.0))
     loss.backward()
     assert loss.abs().item() < 1e-6
+
+
+def test_sampling_mode_samples_groups_at_the_verification_temperature():
+    """Speculative sampling's acceptance assumes drafts ~ q at the serving temperature: in sampling mode the group is
+    drawn at ``temperature`` whatever ``draft_temperature`` says; in greedy mode ``draft_temperature`` applies."""
+    torch.manual_seed(3)
+    M, K, V = 6, 3, 5
+    logits, ref = torch.randn(1, M, K, V), torch.randn(1, M, K, V)
+    y = torch.randint(0, V, (1, M, K + 1))
+    target = torch.randn(1, M, K, V)
+
+    def run(**kw):
+        return grpo_loss(logits, ref, y, target, _blocks(M, K), GRPOConfig(group_size=4, **kw),
+                         torch.Generator().manual_seed(0))
+
+    hot, cold = run(mode="sampling", draft_temperature=1.0), run(mode="sampling", draft_temperature=0.3)
+    assert torch.equal(hot[0], cold[0]) and hot[1] == cold[1]
+    hot, cold = run(mode="greedy", draft_temperature=1.0), run(mode="greedy", draft_temperature=0.3)
+    assert hot[1]["kl"] != cold[1]["kl"]  # the policy (and its KL to the reference) is taken at draft_temperature
