@@ -135,9 +135,11 @@ class TrainConfig:
     retrace_signals: str = "exact"
     """retrace: correction signals from a replayed verify pass of each first-round block (exact, one extra target
     pass per step, needs train.features=online) or the target's teacher-forced view (cheap, ablation)."""
-    retrace_chain: float = 0.5
+    retrace_chain: float = 1.0
     """retrace: probability that the first (no-grad) round is itself drafted with a prior from a round 0, so the
-    fusion also trains on retained states of prior-conditioned blocks, as serving produces them (0 = two rounds)."""
+    fusion also trains on retained states of prior-conditioned blocks, as serving produces them (0 = two rounds).
+    Measured (tiny world, T=0 tau, fusion on vs W_o zeroed in the same export): 0.5 gave -0.9 %, 1.0 gave +1.4 %;
+    any value > 0 costs the same (round 0 always runs)."""
     retrace_fusion_lr_scale: float = 10.0
     """retrace: learning-rate multiplier of the new fusion/refiner parameters (the backbone keeps train.lr)."""
     weight_decay: float = 0.0
