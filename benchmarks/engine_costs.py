@@ -123,8 +123,11 @@ def main() -> None:
             return run
 
         dflash_steps, retrace_steps = steps(drafter), steps(retrace)
-        diffs = [(_time(lambda: [retrace_steps() for _ in range(50)], 1)
-                  - _time(lambda: [dflash_steps() for _ in range(50)], 1)) / 50 for _ in range(2 * args.repeats)]
+        for _ in range(20):  # warm both paths (allocator, caches) before timing
+            retrace_steps(), dflash_steps()
+        n_steps, n_pairs = 100, max(15, 2 * args.repeats)
+        diffs = [(_time(lambda: [retrace_steps() for _ in range(n_steps)], 1)
+                  - _time(lambda: [dflash_steps() for _ in range(n_steps)], 1)) / n_steps for _ in range(n_pairs)]
         fusion = statistics.median(diffs)  # interleaved pairs, like the cycles above
         res = {k: statistics.median(c[k] for c in cycles) for k in cycles[0]}
         res["round_over_ar_step_range"] = [min(c["round_over_ar_step"] for c in cycles),
@@ -132,6 +135,7 @@ def main() -> None:
         res["ours_over_hf_range"] = [min(c["ours_over_hf"] for c in cycles), max(c["ours_over_hf"] for c in cycles)]
         res["spec_rounds"] = rounds
         res["retrace_fusion_ms"] = 1000 * fusion
+        res["retrace_fusion_ms_quartiles"] = [1000 * q for q in statistics.quantiles(diffs, n=4)[::2]]
         res["retrace_fusion_share_of_round"] = fusion / (res["spec_round_ms"] / 1000 + fusion)
         out[f"bs{bs}"] = res
     print(json.dumps(out, indent=2))
