@@ -50,7 +50,7 @@ class Objective:
     """retrace: share of second-round blocks trained without their prior (keeps the no-prior path calibrated)."""
     retrace_signals: str = "exact"
     """retrace: correction signals from a replayed verify pass (exact) or teacher-forced (cheap); see retrace_step."""
-    retrace_chain: float = 0.0
+    retrace_chain: float = 1.0
     """retrace: probability that round 1 is drafted with a prior from a no-grad round 0 (see retrace_step)."""
     fusion_lr_scale: float = 10.0
     """retrace: learning-rate multiplier of the new fusion/refiner parameters over the warm-started backbone's."""

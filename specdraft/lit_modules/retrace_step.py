@@ -104,16 +104,17 @@ def two_round_blocks(module, batch, split: str, generator: torch.Generator | Non
     def keep_mask(p_drop: float) -> torch.Tensor:  # [B * N] blocks whose prior survives
         return torch.rand(B * N, generator=generator, device=gen_dev).to(anchors.device) >= p_drop
 
-    prior, first_n, first_valid = None, None, valid
+    rounds = 2 if chain > 0 else 1  # no-grad rounds before the trained one: (round 0,) round 1
+    prior, first_valid = None, valid
     with torch.no_grad():
-        for r in range(2 if chain > 0 else 1):  # no-grad rounds: (round 0,) round 1
+        for r in range(rounds):
             logits1, hidden1, _, _ = module.run_blocks(batch, feats, anchors, valid, prior)
             drafts = logits1.argmax(-1)  # [B, N, K]
             n, prior = _verify_round(module, batch, cache, feats, target_hidden, greedy, anchors, hidden1, drafts,
                                      signals)
-            first_n = n if first_n is None else first_n
-            last = r == (1 if chain > 0 else 0)
-            p_drop = prior_dropout if last else 1.0 - chain
+            if r == 0:
+                first_n = n
+            p_drop = prior_dropout if r == rounds - 1 else 1.0 - chain
             if p_drop > 0:
                 prior = prior._replace(valid=prior.valid & keep_mask(p_drop)[:, None])
             anchors = anchors + n + 1
