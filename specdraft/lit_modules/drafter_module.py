@@ -40,7 +40,7 @@ class Objective:
     temperature: float = 1.0
     """kl/tv/wtv/grpo(sampling): temperature applied to both distributions."""
     acceptance_form: str = "log"
-    """eal/wtv: -log(1+E) (log) or -E/K (linear)."""
+    """eal/wtv: -log(1+E) (log), -E/K (linear) or -log E (log_len: slot 1 keeps CE-strength gradient)."""
     wtv_variant: str = "product"
     """wtv: product (-log(1+E_T)) or stopgrad (sum_k W_k (1 - alpha_k))."""
     ce_mix_eta: float = 0.0

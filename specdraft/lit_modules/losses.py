@@ -58,6 +58,14 @@ def expected_accept_length(log_accept: torch.Tensor, mask: torch.Tensor) -> torc
     return (log_c.exp() * m).sum(-1)  # [...]
 
 
+def log_expected_accept_length(log_accept: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``log E`` per block by logsumexp over the valid prefix: finite however small E is. An empty block gives a large
+    negative constant with zero gradient (a ``-inf`` fill would make its backward NaN)."""
+    m = _valid_prefix(mask)
+    log_c = torch.cumsum(log_accept * m, dim=-1)  # [..., K]
+    return torch.logsumexp(log_c.masked_fill(m == 0, -1e4), dim=-1)  # [...]
+
+
 def eal_loss(draft_logits: torch.Tensor, target_tokens: torch.Tensor, mask: torch.Tensor,
              block_mask: torch.Tensor | None = None, form: str = "log") -> tuple[torch.Tensor, torch.Tensor]:
     """Expected accepted length under greedy verification (EAL; the third seed abstract, methods.md §3.2).
@@ -70,14 +78,14 @@ def eal_loss(draft_logits: torch.Tensor, target_tokens: torch.Tensor, mask: torc
     Args:
         draft_logits: ``[..., K, V]``; target_tokens: ``[..., K]`` target greedy tokens; mask: ``[..., K]``.
         block_mask: ``[...]`` blocks that count (default: blocks with at least one valid slot).
-        form: ``"log"`` -> ``-log(1 + E)`` (default), ``"linear"`` -> ``-E / K``.
+        form: ``"log"`` -> ``-log(1 + E)`` (default), ``"linear"`` -> ``-E / K``, ``"log_len"`` -> ``-log E``.
     Returns:
         ``(loss, E per block)``.
     """
     logq = _rowwise(lambda z, y: F.log_softmax(z.float(), -1).gather(-1, y[:, None])[:, 0],
                     draft_logits.reshape(-1, draft_logits.shape[-1]), target_tokens.reshape(-1))
-    E = expected_accept_length(logq.view(target_tokens.shape), mask)
-    return _reduce_acceptance(E, mask, block_mask, form), E
+    logq = logq.view(target_tokens.shape)  # [..., K]
+    return _reduce_acceptance(logq, mask, block_mask, form)
 
 
 def acceptance_alpha(draft_logits: torch.Tensor, target_logits: torch.Tensor, temperature: float = 1.0,
@@ -111,9 +119,9 @@ def wtv_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torc
         ``(loss, E_T per block)``.
     """
     a = acceptance_alpha(draft_logits, target_logits, temperature, target_temperature).clamp_min(1e-8)
-    E = expected_accept_length(a.log(), mask)
     if variant == "product":
-        return _reduce_acceptance(E, mask, block_mask, form), E
+        return _reduce_acceptance(a.log(), mask, block_mask, form)
+    E = expected_accept_length(a.log(), mask)
     if variant != "stopgrad":
         raise ValueError(f"unknown WTV variant {variant!r} (product, stopgrad)")
     m = _valid_prefix(mask)
@@ -130,15 +138,31 @@ def _block_mask(mask: torch.Tensor, block_mask: torch.Tensor | None) -> torch.Te
     return (mask[..., 0] if block_mask is None else block_mask & mask[..., 0]).float()
 
 
-def _reduce_acceptance(E: torch.Tensor, mask: torch.Tensor, block_mask: torch.Tensor | None, form: str) -> torch.Tensor:
+ACCEPTANCE_FORMS = ("log", "linear", "log_len")
+
+
+def _reduce_acceptance(log_accept: torch.Tensor, mask: torch.Tensor, block_mask: torch.Tensor | None,
+                       form: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Loss over blocks from per-slot log acceptance ``[..., K]``; returns ``(loss, E per block)``.
+
+    ``log``: ``-log(1 + E)``. Its gradient ``grad E / (1 + E)`` vanishes with E: a block whose first slot is rarely
+    accepted (``E ~ a_1``) gets almost no gradient, so the loss trains the blocks that are already easy.
+    ``log_len``: ``-log E``. Its gradient ``grad E / E = sum_k (W_k / E) grad log a_k`` with
+    ``W_k = sum_{i>=k} prod_{j<=i} a_j`` gives slot 1 weight exactly 1 (``W_1 = E``) and slot k the share of E that
+    needs slot k accepted -- the CE gradient on the slot that decides the round, acceptance-weighted after it.
+    Same maximiser as ``-log(1 + E)``; a front-weighted variant in the spirit of D-PACE's EAL-gradient weights.
+    """
+    if form not in ACCEPTANCE_FORMS:
+        raise ValueError(f"unknown acceptance-loss form {form!r} ({', '.join(ACCEPTANCE_FORMS)})")
     bm = _block_mask(mask, block_mask)
+    E = expected_accept_length(log_accept, mask)
     if form == "log":
         per = -torch.log1p(E)
     elif form == "linear":
         per = -E / mask.shape[-1]
     else:
-        raise ValueError(f"unknown acceptance-loss form {form!r} (log, linear)")
-    return (per * bm).sum() / bm.sum().clamp_min(1)
+        per = -log_expected_accept_length(log_accept, mask).masked_fill(bm == 0, 0.0)
+    return (per * bm).sum() / bm.sum().clamp_min(1), E
 
 
 def tv_hybrid_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor,

@@ -76,7 +76,7 @@ def test_wtv_equals_product_of_alphas():
     assert E.item() == pytest.approx(float(a[0] + a[0] * a[1] + a[0] * a[1] * a[2]), rel=1e-5)
 
 
-@pytest.mark.parametrize("loss_name", ["eal", "wtv", "wtv_stopgrad", "eal_linear", "tv"])
+@pytest.mark.parametrize("loss_name", ["eal", "wtv", "wtv_stopgrad", "eal_linear", "eal_log_len", "wtv_log_len", "tv"])
 def test_two_token_toy_gradients_are_finite_and_point_toward_the_target(loss_name):
     """Vocabulary {0, 1}, two slots, target wants token 0 in both: descending the loss raises q(0) in both slots."""
     z = torch.tensor([[[0.3, 0.5], [-20.0, 20.0]]], requires_grad=True)  # slot 2 is (almost) surely wrong
@@ -87,8 +87,12 @@ def test_two_token_toy_gradients_are_finite_and_point_toward_the_target(loss_nam
         loss, _ = eal_loss(z, y, mask)
     elif loss_name == "eal_linear":
         loss, _ = eal_loss(z, y, mask, form="linear")
+    elif loss_name == "eal_log_len":
+        loss, _ = eal_loss(z, y, mask, form="log_len")
     elif loss_name == "wtv":
         loss, _ = wtv_loss(z, t_logits, mask)
+    elif loss_name == "wtv_log_len":
+        loss, _ = wtv_loss(z, t_logits, mask, form="log_len")
     elif loss_name == "wtv_stopgrad":
         loss, _ = wtv_loss(z, t_logits, mask, variant="stopgrad")
     else:
@@ -113,3 +117,42 @@ def test_stopgrad_variant_has_the_gradient_of_linear_E():
     _, E = wtv_loss(d, t, mask)
     (-E.mean()).backward()
     torch.testing.assert_close(g1, d.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_log_len_form_is_minus_log_E_with_full_strength_gradient_on_slot_one():
+    """-log E: slot 1's gradient is exactly the CE gradient (weight 1) however small E is, while -log(1+E)'s
+    gradient there shrinks with E; later slots get the share of E that needs them accepted (W_k / E)."""
+    torch.manual_seed(8)
+    K, V = 5, 7
+    z = (torch.randn(1, K, V) * 3).requires_grad_()
+    y = torch.randint(0, V, (1, K))
+    y[0, 0] = z[0, 0].argmin()  # a hard first slot: E is small
+    mask = torch.ones(1, K, dtype=torch.bool)
+    loss, E = eal_loss(z, y, mask, form="log_len")
+    assert loss.item() == pytest.approx(-float(E.detach().log()), rel=1e-5)
+    loss.backward()
+    z1 = z[0, 0].detach().requires_grad_()
+    torch.nn.functional.cross_entropy(z1[None], y[0, :1]).backward()
+    torch.testing.assert_close(z.grad[0, 0], z1.grad, rtol=1e-5, atol=1e-7)
+    q = z.detach().softmax(-1)[0, torch.arange(K), y[0]]
+    C = torch.cumprod(q, 0)
+    W = torch.flip(torch.cumsum(torch.flip(C, [0]), 0), [0])  # W_k = sum_{i>=k} C_i
+    for k in range(1, K):
+        zk = z[0, k].detach().requires_grad_()
+        (W[k] / E.detach()[0] * torch.nn.functional.cross_entropy(zk[None], y[0, k:k + 1])).backward()
+        torch.testing.assert_close(z.grad[0, k], zk.grad, rtol=1e-4, atol=1e-7)
+    z.grad = None
+    eal_loss(z, y, mask)[0].backward()  # the default -log(1+E): slot 1's gradient is E/(1+E) times as strong
+    assert z.grad[0, 0].norm() < 0.5 * z1.grad.norm()
+
+
+def test_log_len_form_ignores_empty_blocks_without_nan():
+    z = torch.randn(2, 3, 4, requires_grad=True)
+    y = torch.randint(0, 4, (2, 3))
+    mask = torch.tensor([[True, True, False], [False, False, False]])
+    loss, _ = eal_loss(z, y, mask, form="log_len")
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(z.grad).all()
+    assert z.grad[1].abs().sum() == 0 and z.grad[0, 2].abs().sum() == 0
+    only, _ = eal_loss(z[:1], y[:1], mask[:1], form="log_len")
+    assert loss.item() == pytest.approx(only.item(), rel=1e-6)
