@@ -17,6 +17,7 @@ import statistics
 import time
 
 import torch
+from fusion_overhead import fusion_overhead_ms  # benchmarks/ is on sys.path when this runs as a script
 
 
 def _time(fn, repeats: int) -> float:
@@ -104,30 +105,8 @@ def main() -> None:
         # ReTrace's extra work per round, on tensors of a real round's shapes (n = 2 accepted): its ingest fuses
         # the rejected rows' target features too, it retains the suffix (next_round_state) and fuses it into the next
         # block's inputs (block_embeds). Measured as the difference to the same DFlash steps (ingest + block embeds).
-        Bk, V = retrace.block_size, target.args.vocab_size
-        hid = torch.randn(bs, Bk, target.args.hidden_size)
-        drafts = torch.randint(0, V, (bs, Bk - 1))
-        n_acc = torch.full((bs,), 2)
-        t_logits, t_feats = torch.randn(bs, Bk, V), torch.randn(bs, Bk, retrace.fc.in_features)
-        blk = torch.full((bs, Bk), tok.mask_token_id)
-        caches = {id(m): m.new_cache(bs, 64) for m in (drafter, retrace)}
-        zero = torch.zeros(bs, dtype=torch.long)
-
-        def steps(model):
-            def run():
-                with torch.inference_mode():
-                    cache = caches[id(model)]
-                    fused = model.ingest(cache, t_feats, n_acc + 1)
-                    cache.crop(zero)
-                    model.block_embeds(blk, model.next_round_state(None, hid, drafts, n_acc, t_logits, fused))
-            return run
-
-        dflash_steps, retrace_steps = steps(drafter), steps(retrace)
-        for _ in range(20):  # warm both paths (allocator, caches) before timing
-            retrace_steps(), dflash_steps()
-        n_steps, n_pairs = 100, max(15, 2 * args.repeats)
-        diffs = [(_time(lambda: [retrace_steps() for _ in range(n_steps)], 1)
-                  - _time(lambda: [dflash_steps() for _ in range(n_steps)], 1)) / n_steps for _ in range(n_pairs)]
+        diffs = [d / 1000 for d in fusion_overhead_ms(drafter, retrace, target, bs, tok.mask_token_id,
+                                                        n_pairs=max(15, 2 * args.repeats))]
         fusion = statistics.median(diffs)  # interleaved pairs, like the cycles above
         res = {k: statistics.median(c[k] for c in cycles) for k in cycles[0]}
         res["round_over_ar_step_range"] = [min(c["round_over_ar_step"] for c in cycles),

@@ -147,5 +147,6 @@ def _verify_round(module, batch, cache, feats, target_hidden, greedy, anchors, h
         f_slots = feats.gather(1, pos.flatten(1)[..., None].expand(-1, -1, F)).view(B, N, bs, F)
         stats = verify_stats(slot_logits1.flatten(0, 1), drafts.flatten(0, 1))
     prior = build_prior(hidden.flatten(0, 1), drafts.flatten(0, 1), n, stats,
-                        d.fuse_context(f_slots.to(feats.dtype)).flatten(0, 1), d.embed)
+                        d.fuse_context(f_slots.to(feats.dtype)).flatten(0, 1), d.embed,
+                        d.config.retrace.embed_drafted)
     return n.view(B, N), prior

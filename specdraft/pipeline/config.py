@@ -94,6 +94,10 @@ class DrafterConfig:
     """ReTrace: fuse into the anchor slot too (default: mask slots only)."""
     retrace_gate_bias_init: float = 0.0
     """ReTrace: fusion gate bias at init (W_o starts at zero, so any value starts exactly as the backbone)."""
+    retrace_refiner_width: int = 0
+    """ReTrace: width of the refined state u (0 = the hidden size)."""
+    retrace_embed_drafted: bool = True
+    """ReTrace: feed the drafted token's embedding to the refiner next to its hidden state."""
 
 
 @dataclass
@@ -117,7 +121,7 @@ class TrainConfig:
     temperature: float = 1.0
     """kl/tv/wtv and sampling GRPO: temperature applied to draft and target distributions alike."""
     acceptance_form: str = "log"
-    """eal/wtv: -log(1+E) (log) or -E/K (linear)."""
+    """eal/wtv: -log(1+E) (log), -E/K (linear) or -log E (log_len: slot 1 keeps CE-strength gradient)."""
     wtv_variant: str = "product"
     """wtv: product or stopgrad weighting."""
     ce_mix_eta: float = 0.0
@@ -226,7 +230,7 @@ CHOICES = {
     "drafter.arch": ("dflash", "retrace"),
     "drafter.retrace_alignment": ("hard", "soft"),
     "train.retrace_signals": ("exact", "cheap"),
-    "train.acceptance_form": ("log", "linear"),
+    "train.acceptance_form": ("log", "linear", "log_len"),
     "train.wtv_variant": ("product", "stopgrad"),
     "train.grpo_mode": ("greedy", "sampling"),
     "train.features": ("online", "offline"),

@@ -78,7 +78,8 @@ def _retrace_from_backbone(cfg: RunConfig, backbone):
 
     dc = cfg.drafter
     opts = ReTraceOptions(alignment=dc.retrace_alignment, use_correction=dc.retrace_use_correction,
-                          gate_anchor=dc.retrace_gate_anchor, gate_bias_init=dc.retrace_gate_bias_init)
+                          gate_anchor=dc.retrace_gate_anchor, gate_bias_init=dc.retrace_gate_bias_init,
+                          refiner_width=dc.retrace_refiner_width, embed_drafted=dc.retrace_embed_drafted)
     model = ReTraceDrafter(ReTraceConfig.from_dflash(backbone.config, opts))
     missing, unexpected = model.load_state_dict(backbone.state_dict(), strict=False)
     assert not unexpected and all(k.startswith("retrace_") for k in missing), (missing, unexpected)

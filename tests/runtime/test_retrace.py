@@ -21,6 +21,35 @@ def retrace_from(backbone, active: bool, seed: int = 0, **opts):
     return r.bind_target(*backbone._borrowed).eval()
 
 
+def test_fusion_layout_sizes_and_exports_written_before_it_was_configurable(tmp_path):
+    """Default: refiner of width D fed [h; e(d); LN(c)]; the slim option halves it and drops e(d). An export whose
+    retrace_config predates ``refiner_width`` is the default layout, and loads as exactly that."""
+    import json
+
+    from specdraft.runtime.drafter_io import load_drafter, save_drafter
+
+    target = make_target()
+    backbone = make_drafter(target)
+    D = backbone.config.hidden_size
+    slim, wide = retrace_from(backbone, active=True, **SLIM), retrace_from(backbone, active=True)
+    assert SLIM["refiner_width"] == D // 2
+    c_dim = 2 * D + 4
+    assert slim.retrace_refiner.weight.shape == (D // 2, D + c_dim)
+    assert wide.retrace_refiner.weight.shape == (D, 2 * D + c_dim)
+    assert slim.retrace_gate_out.weight.shape == (2 * D, D // 2)
+    assert _random_prior(slim).hidden.shape[-1] == D and _random_prior(wide).hidden.shape[-1] == 2 * D
+    save_drafter(wide, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["retrace_config"]["refiner_width"] == D and cfg["retrace_config"]["embed_drafted"] is True
+    for k in ("refiner_width", "embed_drafted"):  # as an export written before these keys existed
+        del cfg["retrace_config"][k]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    old = load_drafter(tmp_path, target)
+    assert old.config.retrace.embed_drafted and old.config.refiner_width == D
+    blk = torch.full((3, backbone.block_size), backbone.config.mask_token_id)
+    assert torch.equal(old.block_embeds(blk, _random_prior(old)), wide.block_embeds(blk, _random_prior(wide)))
+
+
 def _random_prior(drafter, b=3, n=(0, 2, 4)):
     Bk, D = drafter.block_size, drafter.config.hidden_size
     K = Bk - 1
@@ -29,10 +58,13 @@ def _random_prior(drafter, b=3, n=(0, 2, 4)):
     drafts = torch.randint(0, V, (b, K), generator=g)
     stats = verify_stats(torch.randn(b, Bk, V, generator=g), drafts)
     return build_prior(torch.randn(b, Bk, D, generator=g), drafts, torch.tensor(n), stats,
-                       torch.randn(b, Bk, D, generator=g), drafter.embed)
+                       torch.randn(b, Bk, D, generator=g), drafter.embed, drafter.config.retrace.embed_drafted)
 
 
-@pytest.mark.parametrize("opts", [{}, {"alignment": "soft"}, {"use_correction": False}, {"gate_anchor": True}])
+SLIM = {"refiner_width": 16, "embed_drafted": False}  # half-width refiner fed [h; LN(c)]
+
+
+@pytest.mark.parametrize("opts", [{}, {"alignment": "soft"}, {"use_correction": False}, {"gate_anchor": True}, SLIM])
 def test_fresh_fusion_is_bit_identical_to_the_backbone(opts):
     target = make_target()
     backbone = make_drafter(target)
@@ -87,7 +119,7 @@ def test_full_acceptance_resets_the_prior():
     assert delta[0].abs().sum() == 0 and delta[1].abs().sum() > 0
 
 
-@pytest.mark.parametrize("opts", [{}, {"alignment": "soft", "gate_anchor": True}])
+@pytest.mark.parametrize("opts", [{}, {"alignment": "soft", "gate_anchor": True}, SLIM])
 def test_greedy_retrace_equals_ar_in_ragged_batches(opts):
     target = make_target(seed=3, vocab=12)
     r = retrace_from(make_drafter(target, seed=4), active=True, **opts)

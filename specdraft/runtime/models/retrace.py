@@ -21,6 +21,11 @@ Choices made against methods.md §1 on measurements (tiny world, CPU):
   ``[W_g u ; W_o u]`` is one matmul. The gate reads ``u`` alone (``W_g [e_MASK; u]`` has a constant ``e_MASK``
   half, i.e. a bias), ``h`` enters without a LayerNorm (it is already RMS-normed), and refine/gate/``W_o`` run only
   on the new slots that can receive a prior. Together these cut the fusion's per-round cost (goal: <= 5% of a round);
+- the refiner stays full width with ``e(d)`` in its input: a slim option (``refiner_width`` D/2, ``embed_drafted``
+  false; 0.42x the parameters) trained the same way served 5% lower tau than SFT on average (0.95 vs 1.00) and its
+  fusion lowered math tau by 2.4% on vs off, where the full-width fusion raised it 1.9%. At a real Qwen3 shape the
+  full-width fusion is ~1% of a CPU round (``benchmarks/fusion_overhead.py``), so the parameters are not worth
+  saving there;
 - the target features enter as the drafter's own fused context ``hidden_norm(fc(f))``, which
   :meth:`DFlashDrafter.ingest` already computed for the verify block (no second ``fc``).
 
@@ -54,6 +59,12 @@ class ReTraceOptions:
     """Gate bias at init. ``W_o = 0`` alone makes a fresh ReTrace drafter exactly its backbone, so the gate may start
     half open (0): with methods.md's -4 both factors of ``g * W_o u`` start near zero and 150 warm-start steps
     barely move the fusion (measured: sim_tau with prior 6.92 vs 6.88 without)."""
+    refiner_width: int = 0
+    """Width ``W`` of ``u`` (0 = the hidden size). The fusion's per-round cost is its weight bytes at small batch and
+    its FLOPs at large batch, both proportional to its ``(h_in + 2D + 4) * W + W * 2D`` parameters."""
+    embed_drafted: bool = True
+    """Feed ``e(d)`` (the drafted token's embedding) to the refiner next to ``h``. Under greedy drafting ``d`` is the
+    argmax of ``lm_head(h)``, so ``e(d)`` restates part of ``h``; it costs ``D * W`` parameters and a lookup."""
 
 
 @dataclass
@@ -65,8 +76,13 @@ class ReTraceConfig(DFlashConfig):
         cfg["architectures"] = ["ReTraceDraftModel"]
         cfg["retrace_config"] = {"alignment": self.retrace.alignment, "use_correction": self.retrace.use_correction,
                                  "gate_anchor": self.retrace.gate_anchor,
-                                 "gate_bias_init": self.retrace.gate_bias_init}
+                                 "gate_bias_init": self.retrace.gate_bias_init,
+                                 "refiner_width": self.refiner_width, "embed_drafted": self.retrace.embed_drafted}
         return cfg
+
+    @property
+    def refiner_width(self) -> int:
+        return self.retrace.refiner_width or self.hidden_size
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ReTraceConfig":
@@ -82,7 +98,7 @@ class ReTraceConfig(DFlashConfig):
 class Prior(NamedTuple):
     """The previous block as the next round sees it, indexed by OLD slot (0..Bk-1), per row."""
 
-    hidden: torch.Tensor  # [b, Bk, 2D] retained drafter state: last-layer hidden ; embedding of the drafted token
+    hidden: torch.Tensor  # [b, Bk, D] retained drafter state: last-layer hidden (; e(drafted token) [D] if embedded)
     signals: torch.Tensor  # [b, Bk, 2D + 4] correction signals per slot, concatenated:
     #   e(target's own token at the slot) [D] ; hidden_norm(fc(target features)) at the slot [D] ;
     #   agreement, p_target(draft), target entropy, slot / Bk [4]
@@ -114,7 +130,7 @@ def verify_stats(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> Ver
 
 
 def build_prior(hidden: torch.Tensor, draft_tokens: torch.Tensor, num_accepted: torch.Tensor, stats: VerifyStats,
-                target_context: torch.Tensor, embed) -> Prior:
+                target_context: torch.Tensor, embed, embed_drafted: bool = True) -> Prior:
     """Retain the rejected suffix of one round (no extra forward: every input comes from the draft/verify passes).
 
     Args:
@@ -125,6 +141,7 @@ def build_prior(hidden: torch.Tensor, draft_tokens: torch.Tensor, num_accepted: 
         target_context: ``[b, Bk, D]`` the drafter's fused view of the verify features (``fuse_context``); index
             ``s`` is the target's state at slot ``s``.
         embed: the (target's) token embedding.
+        embed_drafted: retain ``e(drafted token)`` next to ``hidden`` (:attr:`ReTraceOptions.embed_drafted`).
     """
     b, Bk, _ = hidden.shape
     K = Bk - 1
@@ -135,8 +152,10 @@ def build_prior(hidden: torch.Tensor, draft_tokens: torch.Tensor, num_accepted: 
     valid = torch.arange(Bk, device=hidden.device)[None, :] > num_accepted[:, None]  # [b, Bk] rejected: s >= n + 1
     signals = torch.cat([embed(F.pad(stats.target_tokens, (1, 0))).to(hidden.dtype), target_context.to(hidden.dtype),
                          scalars.to(hidden.dtype)], dim=-1)  # [b, Bk, 2D + 4]
-    drafted = embed(F.pad(draft_tokens, (1, 0))).to(hidden.dtype)  # [b, Bk, D] (slot 0: a placeholder, never valid)
-    return Prior(torch.cat([hidden, drafted], dim=-1).detach(), signals.detach(), valid, num_accepted + 1)
+    if embed_drafted:
+        drafted = embed(F.pad(draft_tokens, (1, 0))).to(hidden.dtype)  # [b, Bk, D] (slot 0: placeholder, never valid)
+        hidden = torch.cat([hidden, drafted], dim=-1)  # [b, Bk, 2D]
+    return Prior(hidden.detach(), signals.detach(), valid, num_accepted + 1)
 
 
 def _gather_slots(prior: Prior, src: torch.Tensor) -> Prior:
@@ -158,17 +177,21 @@ class ReTraceDrafter(DFlashDrafter):
         opts = config.retrace
         if opts.alignment not in ("hard", "soft"):
             raise ValueError(f"retrace alignment must be hard or soft, got {opts.alignment!r}")
+        W = config.refiner_width
+        if W <= 0:
+            raise ValueError(f"retrace refiner_width must be positive or 0 (the hidden size), got {opts.refiner_width}")
         c_dim = 2 * D + N_SCALARS
+        h_dim = 2 * D if opts.embed_drafted else D
         self.retrace_norm_c = nn.LayerNorm(c_dim)  # h needs none: it is the drafter's final-normed state
-        self.retrace_refiner = nn.Linear(2 * D + c_dim, E)  # u = SiLU(W_in [h; e(d); LN(c)])
+        self.retrace_refiner = nn.Linear(h_dim + c_dim, W)  # u = SiLU(W_in [h; e(d); LN(c)])  [..., W]
         # [W_g u + b_g ; W_o u] in one matmul: the refiner's second layer would compose into both (a linear map
         # after the SiLU), so it is folded in here rather than paid for per round
-        self.retrace_gate_out = nn.Linear(E, 2 * E)
+        self.retrace_gate_out = nn.Linear(W, 2 * E)
         self.retrace_log_width = nn.Parameter(torch.zeros(()))  # soft alignment bandwidth (log sigma)
         self._init_fusion()
 
     def _init_fusion(self) -> None:
-        E = self.retrace_refiner.out_features
+        E = self.config.hidden_size
         with torch.no_grad():
             self.retrace_gate_out.weight[E:].zero_()  # W_o = 0: fresh ReTrace == DFlash, bit for bit
             self.retrace_gate_out.bias[E:].zero_()
@@ -181,7 +204,7 @@ class ReTraceDrafter(DFlashDrafter):
 
     # ---- fusion -----------------------------------------------------------------------------------------
     def _refine(self, prior: Prior) -> torch.Tensor:
-        """``u`` per OLD slot ``[b, Bk, E]``."""
+        """``u`` per OLD slot ``[b, Bk, W]``."""
         h = prior.hidden
         if self.config.retrace.use_correction:
             c = prior.signals
@@ -199,7 +222,7 @@ class ReTraceDrafter(DFlashDrafter):
         return src.clamp(max=Bk - 1), present
 
     def _align(self, u: torch.Tensor, prior: Prior) -> tuple[torch.Tensor, torch.Tensor]:
-        """Map old-slot refinements onto new slots: ``([b, Bk, E], present [b, Bk])``."""
+        """Map old-slot refinements onto new slots: ``([b, Bk, W], present [b, Bk])``."""
         b, Bk, _ = u.shape
         new = torch.arange(Bk, device=u.device)
         src, present = self._landing(prior, new)
@@ -233,12 +256,12 @@ class ReTraceDrafter(DFlashDrafter):
         lo = 0 if self.config.retrace.gate_anchor else 1
         hi = Bk - int(prior.shift.min())  # [lo, hi): new slots that some row can fill
         if hi <= lo:
-            return prior.hidden.new_zeros(*prior.hidden.shape[:2], self.retrace_refiner.out_features)
+            return prior.hidden.new_zeros(*prior.hidden.shape[:2], self.config.hidden_size)
         if self.config.retrace.alignment == "hard":
             src, present = self._landing(prior, torch.arange(lo, hi, device=prior.shift.device))  # [b, n] each
-            u = self._refine(_gather_slots(prior, src))  # [b, n, E]
+            u = self._refine(_gather_slots(prior, src))  # [b, n, W]
         else:
-            u, present = self._align(self._refine(prior), prior)  # [b, Bk, E], [b, Bk]
+            u, present = self._align(self._refine(prior), prior)  # [b, Bk, W], [b, Bk]
             u, present = u[:, lo:hi], present[:, lo:hi]
         gate, out = self.retrace_gate_out(u).chunk(2, dim=-1)  # [b, n, E] each
         delta = present[..., None].to(u.dtype) * torch.sigmoid(gate) * out  # [b, n, E]
@@ -248,7 +271,8 @@ class ReTraceDrafter(DFlashDrafter):
     def next_round_state(self, state, hidden, draft_tokens, num_accepted, target_logits, target_context):
         """Carry the rejected suffix into the next round (reset on full acceptance: ``valid`` is then empty)."""
         stats = verify_stats(target_logits, draft_tokens)
-        return build_prior(hidden, draft_tokens, num_accepted, stats, target_context, self.embed)
+        return build_prior(hidden, draft_tokens, num_accepted, stats, target_context, self.embed,
+                           self.config.retrace.embed_drafted)
 
 
 HF_ARCHITECTURES["ReTraceDraftModel"] = "retrace"
