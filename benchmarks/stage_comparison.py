@@ -7,8 +7,10 @@ From one base drafter (the run's ``sft`` export), train each variant for the sam
     eal      expected accepted length, greedy            -> compare with sft at T=0
     eal-mix  EAL with the CE warm-up mix (lambda = exp(-3 mean q)) -> compare with sft at T=0
     eal-len  EAL as -log E (slot 1 keeps the full CE gradient) -> compare with sft at T=0
+    eal-greedy  EAL's gradient at the hard greedy outcomes (train.eal_variant=greedy) -> compare with sft at T=0
     wtv      window total variation at T                  -> compare with kl at T=1
     wtv-len  WTV as -log E_T                               -> compare with kl at T=1
+    wtv-sg   WTV's stop-gradient weighting sum_k W_k (1 - alpha_k) -> compare with kl at T=1
     grpo     from eal-mix, reward = simulated acceptance  -> compare with eal-mix (its start)
     grpo-t1  the same, groups sampled at drafter temperature 1 (the default samples at 0.5)
     retrace-main  ReTrace on the DFlash backbone          -> compare with sft (plus the ablations below)
@@ -35,8 +37,14 @@ VARIANTS = {
     "eal": [],
     "eal-mix": ["train.ce_mix_eta=3.0"],  # EAL with the CE warm-up mix of methods.md §3.2
     "eal-len": ["train.acceptance_form=log_len"],
+    "eal-greedy": ["train.eal_variant=greedy"],
+    # trained at verified anchors (a + n + 1 after a no-grad greedy round), where serving anchors its blocks
+    "sft-v": ["train.anchors=verified"],
+    "eal-len-v": ["train.anchors=verified", "train.acceptance_form=log_len"],
+    "eal-greedy-v": ["train.anchors=verified", "train.eal_variant=greedy"],
     "wtv": ["train.features=online"],
     "wtv-len": ["train.features=online", "train.acceptance_form=log_len"],
+    "wtv-sg": ["train.features=online", "train.wtv_variant=stopgrad"],
     "grpo": ["train.features=online"],  # starts from the eal-mix export (see the loop); groups sampled at T_d 0.5
     "grpo-t1": ["train.features=online", "train.grpo_draft_temperature=1.0"],  # groups sampled at T_d 1
     "retrace-main": ["train.features=online"],  # hard alignment, correction signals, mask slots only
@@ -134,8 +142,10 @@ def main() -> None:
         return None
 
     suites = sorted({r["suite"] for r in rows})
-    pairs = [("eal", "sft", 0.0), ("eal-mix", "sft", 0.0), ("eal-len", "sft", 0.0), ("wtv", "kl", 1.0),
-             ("wtv-len", "kl", 1.0), ("grpo", "eal-mix", 0.0),
+    pairs = [("eal", "sft", 0.0), ("eal-mix", "sft", 0.0), ("eal-len", "sft", 0.0), ("eal-greedy", "sft", 0.0),
+             ("sft-v", "sft", 0.0), ("sft-v", "sft", 1.0), ("eal-len-v", "sft-v", 0.0), ("eal-greedy-v", "sft-v", 0.0),
+             ("wtv", "kl", 1.0),
+             ("wtv-len", "kl", 1.0), ("wtv-sg", "kl", 1.0), ("grpo", "eal-mix", 0.0),
              ("grpo", "eal-mix", 1.0), ("grpo-t1", "eal-mix", 0.0), ("grpo-t1", "eal-mix", 1.0),
              ("retrace-main", "sft", 0.0), ("retrace-main", "sft", 1.0)]
     pairs += [(a, "sft", t) for a in ABLATIONS for t in (0.0, 1.0)]

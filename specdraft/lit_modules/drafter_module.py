@@ -43,6 +43,11 @@ class Objective:
     """eal/wtv: -log(1+E) (log), -E/K (linear) or -log E (log_len: slot 1 keeps CE-strength gradient)."""
     wtv_variant: str = "product"
     """wtv: product (-log(1+E_T)) or stopgrad (sum_k W_k (1 - alpha_k))."""
+    eal_variant: str = "product"
+    """eal: product (the acceptance_form loss of E) or greedy (E's gradient at the hard greedy outcomes)."""
+    anchors: str = "random"
+    """Training anchors: random (uniform over supervised positions) or verified (where serving puts them: one
+    no-grad greedy round at random anchors, then ``a + n + 1``); validation always uses random anchors."""
     ce_mix_eta: float = 0.0
     """eal: warm-up mix lambda*CE + (1-lambda)*EAL with lambda = exp(-eta * sg(mean q)); 0 = pure EAL."""
     grpo: grpo.GRPOConfig | None = None
@@ -152,9 +157,27 @@ class DrafterModule(L.LightningModule):
     def draft(self, batch, split: str, generator: torch.Generator | None = None) -> DraftBatch:
         feats, target_hidden, greedy = self._features(batch, split)
         anchors, valid = sample_anchors(batch["loss_mask"], batch["lengths"], self.hparams.num_anchors, generator)
+        if split == "train" and self.objective.anchors == "verified":
+            anchors, valid = self.verified_anchors(batch, feats, greedy, anchors, valid)
         logits, _, blk, ctx = self.run_blocks(batch, feats, anchors, valid)
         tokens, slot_logits = self.target_view(anchors, greedy, target_hidden, self.drafter.block_size - 1)
         return DraftBatch(logits, blk, tokens, slot_logits, ctx)
+
+    @torch.no_grad()
+    def verified_anchors(self, batch, feats, greedy, anchors, valid) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where serving anchors the next block: draft at ``anchors`` ``[B, N]`` (no grad), accept the leading drafts
+        that equal the target's teacher-forced greedy tokens (the runtime's greedy rule; exact on target-greedy
+        data), and return ``(a + n + 1, valid)``. Those positions follow a rejection, where the drafter has just
+        failed; uniform anchors under-sample them (the Draft-OPD observation, fourth seed abstract)."""
+        K = self.drafter.block_size - 1
+        logits, _, blk, _ = self.run_blocks(batch, feats, anchors, valid)
+        tokens, _ = self.target_view(anchors, greedy, None, K)
+        hit = (logits.argmax(-1) == tokens[..., :K]) & blk.label_mask  # [B, N, K]
+        nxt = anchors + hit.long().cumprod(-1).sum(-1) + 1  # [B, N]
+        S = batch["input_ids"].shape[1]
+        ok = valid & (nxt < batch["lengths"][:, None] - 1)
+        ok = ok & batch["loss_mask"].bool().gather(1, nxt.clamp(max=S - 1))
+        return torch.where(ok, nxt, torch.zeros_like(nxt)), ok
 
     def objective_loss(self, db: DraftBatch, generator: torch.Generator | None = None) -> torch.Tensor:
         o, blk = self.objective, db.blocks
@@ -170,7 +193,8 @@ class DrafterModule(L.LightningModule):
         if o.stage == "tv":
             return tv_hybrid_loss(db.logits, db.target_logits, blk.label_mask, self.slot_weights, o.temperature)
         if o.stage == "eal":
-            loss, E = eal_loss(db.logits, db.target_tokens[..., :K], blk.label_mask, blk.valid, o.acceptance_form)
+            loss, E = eal_loss(db.logits, db.target_tokens[..., :K], blk.label_mask, blk.valid, o.acceptance_form,
+                               o.eal_variant)
             if o.ce_mix_eta > 0:
                 q = db.logits.float().log_softmax(-1).gather(-1, db.target_tokens[..., :K, None])[..., 0].exp()
                 m = blk.label_mask.float()

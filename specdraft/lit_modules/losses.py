@@ -66,8 +66,26 @@ def log_expected_accept_length(log_accept: torch.Tensor, mask: torch.Tensor) -> 
     return torch.logsumexp(log_c.masked_fill(m == 0, -1e4), dim=-1)  # [...]
 
 
+def greedy_slot_gains(hit: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``W_k = n(slot k accepted) - n(slot k rejected)`` per slot ``[..., K]``, every other slot held at its outcome.
+
+    ``n = sum_i prod_{j<=i} g_j`` is the greedy accepted length for hard outcomes ``g`` (``hit``: the draft's argmax
+    equals the target's token). ``W_k = sum_{i>=k} prod_{j<=i, j!=k} g_j`` is ``dn/dg_k`` of that multilinear form:
+    0 after the first rejection, ``1 + (the run of hits right after k)`` up to and including it. At the first
+    rejected slot that is the length the block would gain if that one slot were fixed.
+    """
+    g = (hit & _valid_prefix(mask).bool()).float()  # [..., K]
+    K = g.shape[-1]
+    before = torch.cumprod(F.pad(g, (1, 0), value=1.0)[..., :K], dim=-1)  # prod_{j<k} g_j
+    run = torch.zeros_like(g)  # run[k] = number of consecutive hits at k+1, k+2, ...
+    for k in range(K - 2, -1, -1):
+        run[..., k] = g[..., k + 1] * (1 + run[..., k + 1])
+    return before * (1 + run) * _valid_prefix(mask)
+
+
 def eal_loss(draft_logits: torch.Tensor, target_tokens: torch.Tensor, mask: torch.Tensor,
-             block_mask: torch.Tensor | None = None, form: str = "log") -> tuple[torch.Tensor, torch.Tensor]:
+             block_mask: torch.Tensor | None = None, form: str = "log",
+             variant: str = "product") -> tuple[torch.Tensor, torch.Tensor]:
     """Expected accepted length under greedy verification (EAL; the third seed abstract, methods.md §3.2).
 
     With ``q_k = softmax(z_k)[y*_k]`` (draft probability of the target's greedy token), ``E = sum_k prod_{j<=k} q_j``
@@ -79,13 +97,25 @@ def eal_loss(draft_logits: torch.Tensor, target_tokens: torch.Tensor, mask: torc
         draft_logits: ``[..., K, V]``; target_tokens: ``[..., K]`` target greedy tokens; mask: ``[..., K]``.
         block_mask: ``[...]`` blocks that count (default: blocks with at least one valid slot).
         form: ``"log"`` -> ``-log(1 + E)`` (default), ``"linear"`` -> ``-E / K``, ``"log_len"`` -> ``-log E``.
+        variant: ``"product"`` (the loss of ``form``) or ``"greedy"``: ``E``'s gradient with the other slots held at
+            their hard greedy outcome, ``-sum_k sg(W_k) log q_k / sum sg(W_k)`` with ``W_k`` from
+            :func:`greedy_slot_gains`. For an argmax drafter the product's soft reach ``prod_{j<k} q_j`` starves the
+            deep slots of a block whose earlier slots are accepted with moderate ``q``; the greedy weights do not,
+            and they put no weight on slots past the first rejection, which greedy verification never reaches.
     Returns:
         ``(loss, E per block)``.
     """
     logq = _rowwise(lambda z, y: F.log_softmax(z.float(), -1).gather(-1, y[:, None])[:, 0],
                     draft_logits.reshape(-1, draft_logits.shape[-1]), target_tokens.reshape(-1))
     logq = logq.view(target_tokens.shape)  # [..., K]
-    return _reduce_acceptance(logq, mask, block_mask, form)
+    if variant == "product":
+        return _reduce_acceptance(logq, mask, block_mask, form)
+    if variant != "greedy":
+        raise ValueError(f"unknown EAL variant {variant!r} (product, greedy)")
+    hit = draft_logits.argmax(-1) == target_tokens  # [..., K]
+    W = greedy_slot_gains(hit, mask) * _block_mask(mask, block_mask)[..., None]  # [..., K]
+    loss = -(W * logq).sum() / W.sum().clamp_min(1)
+    return loss, expected_accept_length(logq, mask)
 
 
 def acceptance_alpha(draft_logits: torch.Tensor, target_logits: torch.Tensor, temperature: float = 1.0,

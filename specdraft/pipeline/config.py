@@ -124,6 +124,12 @@ class TrainConfig:
     """eal/wtv: -log(1+E) (log), -E/K (linear) or -log E (log_len: slot 1 keeps CE-strength gradient)."""
     wtv_variant: str = "product"
     """wtv: product or stopgrad weighting."""
+    anchors: str = "random"
+    """Training anchors: random, or verified (one no-grad greedy round at random anchors, then train at a + n + 1,
+    where serving puts its anchors). The retrace stage always trains its second round at verified anchors."""
+    eal_variant: str = "product"
+    """eal: product (the acceptance_form loss of E) or greedy (E's gradient with the other slots at their greedy
+    outcome: the first rejected slot weighted by the accepted run it would unlock, nothing past it)."""
     ce_mix_eta: float = 0.0
     """eal: lambda*CE + (1-lambda)*EAL with lambda = exp(-eta * mean q) (0 = pure EAL)."""
     grpo_group_size: int = 8
@@ -232,6 +238,8 @@ CHOICES = {
     "train.retrace_signals": ("exact", "cheap"),
     "train.acceptance_form": ("log", "linear", "log_len"),
     "train.wtv_variant": ("product", "stopgrad"),
+    "train.eal_variant": ("product", "greedy"),
+    "train.anchors": ("random", "verified"),
     "train.grpo_mode": ("greedy", "sampling"),
     "train.features": ("online", "offline"),
     "decode.method": ("ar", "dflash", "retrace"),

@@ -66,7 +66,8 @@ def objective_from_config(cfg: RunConfig):
     g = GRPOConfig(group_size=t.grpo_group_size, mode=t.grpo_mode, draft_temperature=t.grpo_draft_temperature,
                    temperature=t.temperature, clip=t.grpo_clip, kl_coef=t.grpo_kl_coef)
     return Objective(stage=t.stage, gamma=t.gamma, kl_weight=t.kl_weight, temperature=t.temperature,
-                     acceptance_form=t.acceptance_form, wtv_variant=t.wtv_variant, ce_mix_eta=t.ce_mix_eta,
+                     acceptance_form=t.acceptance_form, wtv_variant=t.wtv_variant, eal_variant=t.eal_variant,
+                     anchors=t.anchors, ce_mix_eta=t.ce_mix_eta,
                      grpo=g if t.stage == "grpo" else None, prior_dropout=t.prior_dropout,
                      retrace_signals=t.retrace_signals, retrace_chain=t.retrace_chain,
                      fusion_lr_scale=t.retrace_fusion_lr_scale)

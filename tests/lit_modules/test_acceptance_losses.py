@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from specdraft.lit_modules.losses import acceptance_alpha, eal_loss, tv_hybrid_loss, wtv_loss
+from specdraft.lit_modules.losses import acceptance_alpha, eal_loss, greedy_slot_gains, tv_hybrid_loss, wtv_loss
 
 
 def _brute_force_expected_accepted(q: torch.Tensor, y: list[int]) -> float:
@@ -156,3 +156,43 @@ def test_log_len_form_ignores_empty_blocks_without_nan():
     assert z.grad[1].abs().sum() == 0 and z.grad[0, 2].abs().sum() == 0
     only, _ = eal_loss(z[:1], y[:1], mask[:1], form="log_len")
     assert loss.item() == pytest.approx(only.item(), rel=1e-6)
+
+
+def _greedy_len(g: list[int]) -> int:
+    n = 0
+    while n < len(g) and g[n]:
+        n += 1
+    return n
+
+
+def test_greedy_slot_gains_are_the_counterfactual_change_in_accepted_length():
+    """W_k = n(slot k hit) - n(slot k missed), the other slots at their outcome, for every outcome of 5 slots."""
+    K = 5
+    outcomes = torch.tensor(list(itertools.product([0, 1], repeat=K)), dtype=torch.bool)  # [32, K]
+    W = greedy_slot_gains(outcomes, torch.ones_like(outcomes))
+    for o, w in zip(outcomes.tolist(), W.tolist()):
+        for k in range(K):
+            hit, miss = list(o), list(o)
+            hit[k], miss[k] = 1, 0
+            assert w[k] == _greedy_len(hit) - _greedy_len(miss), (o, k)
+    cut = greedy_slot_gains(torch.ones(1, K, dtype=torch.bool), torch.tensor([[True, True, False, True, True]]))
+    assert cut[0].tolist() == [2, 1, 0, 0, 0]  # the window ends at the invalid slot
+
+
+def test_greedy_eal_is_weighted_ce_on_slots_up_to_the_first_rejection():
+    torch.manual_seed(9)
+    K, V = 6, 5
+    y = torch.randint(0, V, (1, K))
+    z = torch.randn(1, K, V)
+    z[0, torch.arange(K), y[0]] += 10  # every slot right ...
+    z[0, 2, y[0, 2]] -= 20  # ... except slot 3: n = 2, and slots 4-6 would be accepted if slot 3 were fixed
+    z.requires_grad_()
+    loss, _ = eal_loss(z, y, torch.ones(1, K, dtype=torch.bool), variant="greedy")
+    loss.backward()
+    logq = z.detach().log_softmax(-1)[0, torch.arange(K), y[0]]
+    W = torch.tensor([2.0, 1.0, 4.0, 0.0, 0.0, 0.0])  # slot 3 unlocks itself and the 3 hits after it
+    assert loss.item() == pytest.approx(float(-(W * logq).sum() / W.sum()), rel=1e-5)
+    assert z.grad[0, 3:].abs().sum() == 0  # past the first rejection greedy verification never looks
+    assert z.grad[0, 2, y[0, 2]] < 0 and z.grad[0, 2].norm() > z.grad[0, 0].norm()  # the rejected slot, hardest
+    with pytest.raises(ValueError, match="unknown EAL variant"):
+        eal_loss(z, y, torch.ones(1, K, dtype=torch.bool), variant="nope")

@@ -131,3 +131,46 @@ def test_offline_cache_refuses_other_layer_set(tiny_world, tmp_path):
     build_offline_cache(m.target, tiny_world.target_dir, {"train": dm.train_items[:2]}, (0, 1), tmp_path / "f")
     with pytest.raises(SpecdraftError, match="layer_ids"):
         build_offline_cache(m.target, tiny_world.target_dir, {"train": dm.train_items[:2]}, (1, 2), tmp_path / "f")
+
+
+def test_verified_anchors_sit_where_greedy_serving_anchors_the_next_block(tiny_world):
+    """a' = a + n + 1 with n = the leading drafts equal to the target's greedy tokens. Drafts are planted to first
+    differ at slot ``i % K + 1`` of block i (n = i % K), and n is cross-checked with the runtime's ``accept_greedy``;
+    ``train.anchors=verified`` then trains at exactly those anchors."""
+    from specdraft.lit_modules.blocks import sample_anchors
+    from specdraft.runtime.verify import accept_greedy
+
+    m = _module(tiny_world)
+    m.objective.anchors = "verified"
+    _, batch = _batch(tiny_world)
+    feats, _, greedy = m._features(batch, "train")
+    anchors, valid = sample_anchors(batch["loss_mask"], batch["lengths"], 8, torch.Generator().manual_seed(3))
+    B, N = anchors.shape
+    K, V = m.drafter.block_size - 1, m.drafter.config.vocab_size
+    S = greedy.shape[1]
+    pos = (anchors[:, :, None] + torch.arange(K)).clamp(max=S - 1)  # [B, N, K]: greedy[p] predicts token p + 1
+    drafts = greedy.gather(1, pos.flatten(1)).view(B, N, K).clone()
+    miss = torch.arange(N).remainder(K).expand(B, N)  # block i first differs at slot i % K + 1
+    drafts.scatter_(2, miss[..., None], (drafts.gather(2, miss[..., None]) + 1) % V)
+    real = m.run_blocks
+    m.run_blocks = lambda *a, **k: (torch.nn.functional.one_hot(drafts, V).float() * 10, *real(*a, **k)[1:])
+    new, ok = m.verified_anchors(batch, feats, greedy, anchors, valid)
+    checked = 0
+    for b in range(B):
+        L = int(batch["lengths"][b])
+        for i in range(N):
+            a = int(anchors[b, i])
+            if not valid[b, i] or a + K + 1 >= L:  # a window past the sequence end is cut earlier: skip the edge
+                continue
+            tgt = torch.nn.functional.one_hot(greedy[b, a:a + K + 1], V).float()[None]  # the target's view as logits
+            n = int(accept_greedy(drafts[b, i][None], tgt)[0])
+            assert n == i % K
+            expect = a + n + 1
+            if expect < L - 1 and batch["loss_mask"][b, expect]:
+                assert ok[b, i] and int(new[b, i]) == expect
+                checked += 1
+            else:
+                assert not ok[b, i]
+    assert checked >= 8 and len({int(x) for x in (new - anchors)[ok]}) > 2  # several different n exercised
+    db = m.draft(batch, "train", torch.Generator().manual_seed(3))  # training drafts its blocks there
+    assert torch.equal(db.blocks.tokens.view(B, N, -1)[..., 0][ok], batch["input_ids"].gather(1, new)[ok])
