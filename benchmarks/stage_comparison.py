@@ -54,6 +54,8 @@ ABLATIONS = {  # ReTrace ablations, each its own export dir
     "retrace-nocorr": ["train.features=online", "drafter.retrace_use_correction=false"],
     "retrace-anchor": ["train.features=online", "drafter.retrace_gate_anchor=true"],
     "retrace-cheap": ["train.features=online", "train.retrace_signals=cheap"],  # teacher-forced correction signals
+    # the first round's random-anchor blocks trained with CE too (the backbone keeps SFT's anchors)
+    "retrace-mix": ["train.features=online", "train.retrace_first_round_ce=1.0"],
     # a slim fusion: refiner of width D/2 fed [h; LN(c)] (0.42x the parameters; measured: -5% tau vs the default)
     "retrace-slim": ["train.features=online", "drafter.retrace_refiner_width=128", "drafter.retrace_embed_drafted=false"],
 }

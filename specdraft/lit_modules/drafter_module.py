@@ -57,6 +57,9 @@ class Objective:
     """retrace: correction signals from a replayed verify pass (exact) or teacher-forced (cheap); see retrace_step."""
     retrace_chain: float = 1.0
     """retrace: probability that round 1 is drafted with a prior from a no-grad round 0 (see retrace_step)."""
+    retrace_first_round_ce: float = 0.0
+    """retrace: weight of the decayed CE on the first round's blocks (random anchors, no prior), trained alongside the
+    second round so the backbone keeps SFT's anchor distribution (0 = second round only)."""
     fusion_lr_scale: float = 10.0
     """retrace: learning-rate multiplier of the new fusion/refiner parameters over the warm-started backbone's."""
 
@@ -239,12 +242,14 @@ class DrafterModule(L.LightningModule):
         if self.objective.stage == "retrace":
             from specdraft.lit_modules.retrace_step import two_round_blocks
 
-            db, stats = two_round_blocks(self, batch, "train", g, self.objective.prior_dropout,
-                                         self.objective.retrace_signals, self.objective.retrace_chain)
+            o = self.objective
+            db, stats = two_round_blocks(self, batch, "train", g, o.prior_dropout, o.retrace_signals, o.retrace_chain,
+                                         self.slot_weights if o.retrace_first_round_ce > 0 else None)
+            extra = o.retrace_first_round_ce * stats.pop("first_round_ce") if "first_round_ce" in stats else 0.0
             self.log_dict({f"train/retrace_{k}": v for k, v in stats.items()})
         else:
-            db = self.draft(batch, "train", g)
-        loss = self.objective_loss(db, g)
+            db, extra = self.draft(batch, "train", g), 0.0
+        loss = self.objective_loss(db, g) + extra
         self._tokens_seen += int(batch["lengths"].sum())
         acc = self.slot_accuracy(db.logits.detach(), db.blocks)
         self.log("train/loss", loss, prog_bar=True)

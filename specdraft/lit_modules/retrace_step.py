@@ -77,13 +77,18 @@ def verify_outcome(lm_head, hidden: torch.Tensor, drafts: torch.Tensor) -> tuple
 
 
 def two_round_blocks(module, batch, split: str, generator: torch.Generator | None, prior_dropout: float,
-                     signals: str = "exact", chain: float = 0.0):
+                     signals: str = "exact", chain: float = 0.0, first_round_ce: torch.Tensor | None = None):
     """Returns ``(DraftBatch of round 2, stats)``; ``module`` is a :class:`DrafterModule` over a ReTrace drafter.
 
     ``chain``: the probability that the first round is itself drafted with a prior, from a no-grad round 0 (verified
     the same way). In serving, rounds chain: the retained hidden states come from a block that was drafted WITH the
     previous suffix fused in, not from a prior-free one; without a round 0 the fusion trains only on the latter.
+
+    ``first_round_ce``: per-slot CE weights ``[K]``. When given, the first round (random anchors, no prior: the
+    blocks SFT trains on) runs with gradients and its decayed CE is returned as ``stats["first_round_ce"]`` (a
+    tensor with grad), so the backbone keeps training where SFT trains it and not only after rejections.
     """
+    from specdraft.lit_modules.losses import decayed_ce
     from specdraft.lit_modules.blocks import sample_anchors
     from specdraft.lit_modules.drafter_module import DraftBatch
 
@@ -108,7 +113,12 @@ def two_round_blocks(module, batch, split: str, generator: torch.Generator | Non
     prior, first_valid = None, valid
     with torch.no_grad():
         for r in range(rounds):
-            logits1, hidden1, _, _ = module.run_blocks(batch, feats, anchors, valid, prior)
+            with_grad = r == 0 and first_round_ce is not None
+            with torch.set_grad_enabled(with_grad):
+                logits1, hidden1, blk1, _ = module.run_blocks(batch, feats, anchors, valid, prior)
+                if with_grad:
+                    ce0 = decayed_ce(logits1, blk1.labels, blk1.label_mask, first_round_ce)
+            logits1, hidden1 = logits1.detach(), hidden1.detach()
             drafts = logits1.argmax(-1)  # [B, N, K]
             n, prior = _verify_round(module, batch, cache, feats, target_hidden, greedy, anchors, hidden1, drafts,
                                      signals)
@@ -125,6 +135,8 @@ def two_round_blocks(module, batch, split: str, generator: torch.Generator | Non
     with_prior = (prior.valid.any(-1).view(B, N) & valid).float()
     summary = {"round1_tau": float((first_n[first_valid].float() + 1).mean()) if first_valid.any() else float("nan"),
                "prior_fraction": float(with_prior.sum() / valid.float().sum().clamp_min(1))}
+    if first_round_ce is not None:
+        summary["first_round_ce"] = ce0
     return DraftBatch(logits2, blk2, tokens2, slot_logits2, ctx2), summary
 
 

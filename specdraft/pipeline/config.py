@@ -150,6 +150,9 @@ class TrainConfig:
     fusion also trains on retained states of prior-conditioned blocks, as serving produces them (0 = two rounds).
     Measured (tiny world, T=0 tau, fusion on vs W_o zeroed in the same export): 0.5 gave -0.9 %, 1.0 gave +1.4 %;
     any value > 0 costs the same (round 0 always runs)."""
+    retrace_first_round_ce: float = 0.0
+    """retrace: weight of the decayed CE on the first round's random-anchor blocks, trained alongside the second round
+    (0 = the second round only; its anchors follow rejections, and a backbone trained only there drifts)."""
     retrace_fusion_lr_scale: float = 10.0
     """retrace: learning-rate multiplier of the new fusion/refiner parameters (the backbone keeps train.lr)."""
     weight_decay: float = 0.0
@@ -362,7 +365,7 @@ def validate(cfg: RunConfig) -> RunConfig:
             _fail(key, f"is a probability, got {flat[key]}")
     if not 0 < cfg.decode.top_p <= 1:
         _fail("decode.top_p", f"must be in (0, 1], got {cfg.decode.top_p}")
-    for key in ("decode.temperature", "data.temperature"):
+    for key in ("decode.temperature", "data.temperature", "train.retrace_first_round_ce"):
         if flat[key] < 0:
             _fail(key, f"must be >= 0, got {flat[key]}")
     return cfg

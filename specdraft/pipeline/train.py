@@ -70,6 +70,7 @@ def objective_from_config(cfg: RunConfig):
                      anchors=t.anchors, ce_mix_eta=t.ce_mix_eta,
                      grpo=g if t.stage == "grpo" else None, prior_dropout=t.prior_dropout,
                      retrace_signals=t.retrace_signals, retrace_chain=t.retrace_chain,
+                     retrace_first_round_ce=t.retrace_first_round_ce,
                      fusion_lr_scale=t.retrace_fusion_lr_scale)
 
 

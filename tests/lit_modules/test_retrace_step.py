@@ -94,3 +94,33 @@ def test_exact_mode_trains_on_the_prior_the_engine_builds(monkeypatch, chain):
         assert torch.equal(s.valid, t.valid) and torch.equal(s.shift, t.shift)
         torch.testing.assert_close(t.hidden, s.hidden, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(t.signals, s.signals, atol=1e-4, rtol=1e-4)
+
+
+def test_first_round_ce_trains_the_backbone_at_the_random_anchors(monkeypatch):
+    """``first_round_ce``: the first round's blocks (random anchors, no prior) get the SFT loss with gradients, and
+    the second round is the same as without it."""
+    import specdraft.lit_modules.blocks as blocks_mod
+    import specdraft.lit_modules.retrace_step as step_mod
+    from specdraft.lit_modules.drafter_module import DrafterModule, Objective
+    from specdraft.lit_modules.losses import decayed_ce
+    from tests.runtime.test_retrace import retrace_from
+
+    target = make_target(seed=3)
+    r = retrace_from(make_drafter(target, seed=4, block_size=6), active=True)
+    ids = torch.randint(0, 60, (2, 30), generator=torch.Generator().manual_seed(2))
+    anchors, valid = torch.tensor([[2, 9, 17], [4, 11, 20]]), torch.ones(2, 3, dtype=torch.bool)
+    monkeypatch.setattr(blocks_mod, "sample_anchors", lambda *args: (anchors, valid))
+    module = DrafterModule(r, target, lr=1e-3, warmup_ratio=0.0, total_steps=1, num_anchors=3,
+                           objective=Objective(stage="retrace"))
+    batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids), "lengths": torch.tensor([30, 30])}
+    w = module.slot_weights
+    db, stats = step_mod.two_round_blocks(module, batch, "train", None, 0.0, "exact", 1.0, first_round_ce=w)
+    plain, plain_stats = step_mod.two_round_blocks(module, batch, "train", None, 0.0, "exact", 1.0)
+    assert "first_round_ce" not in plain_stats
+    torch.testing.assert_close(db.logits, plain.logits)  # the trained second round does not change
+    feats, _, _ = module._features(batch, "train")
+    logits0, _, blk0, _ = module.run_blocks(batch, feats, anchors, valid)
+    expect = decayed_ce(logits0, blk0.labels, blk0.label_mask, w)
+    torch.testing.assert_close(stats["first_round_ce"], expect)
+    stats["first_round_ce"].backward()
+    assert r.layers[0].mlp.down_proj.weight.grad.abs().sum() > 0
