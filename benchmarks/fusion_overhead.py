@@ -126,7 +126,7 @@ def main() -> None:
         prompts = [torch.randint(0, 150000, (args.prompt_len,), generator=g).tolist() for _ in range(bs)]
         gen = GenerationConfig(max_new_tokens=args.rounds)
 
-        def per_round(model) -> float:
+        def per_round(model) -> tuple[float, int]:  # (seconds for the generate call, rounds)
             _sync(dev)
             t0 = time.perf_counter()
             res = generate(target, prompts, gen, drafter=model)

@@ -51,18 +51,22 @@ def _valid_prefix(mask: torch.Tensor) -> torch.Tensor:
     return mask.float().cumprod(dim=-1)
 
 
+def _log_reach(log_accept: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log prod_{j<=k} a_j, valid prefix)``, both ``[..., K]``."""
+    m = _valid_prefix(mask)
+    return torch.cumsum(log_accept * m, dim=-1), m
+
+
 def expected_accept_length(log_accept: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``E = sum_k prod_{j<=k} a_j`` per block from per-slot log acceptance probabilities ``[..., K]`` (log space)."""
-    m = _valid_prefix(mask)
-    log_c = torch.cumsum(log_accept * m, dim=-1)  # log prod_{j<=k} a_j
+    log_c, m = _log_reach(log_accept, mask)
     return (log_c.exp() * m).sum(-1)  # [...]
 
 
 def log_expected_accept_length(log_accept: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``log E`` per block by logsumexp over the valid prefix: finite however small E is. An empty block gives a large
     negative constant with zero gradient (a ``-inf`` fill would make its backward NaN)."""
-    m = _valid_prefix(mask)
-    log_c = torch.cumsum(log_accept * m, dim=-1)  # [..., K]
+    log_c, m = _log_reach(log_accept, mask)
     return torch.logsumexp(log_c.masked_fill(m == 0, -1e4), dim=-1)  # [...]
 
 
@@ -191,7 +195,7 @@ def _reduce_acceptance(log_accept: torch.Tensor, mask: torch.Tensor, block_mask:
     elif form == "linear":
         per = -E / mask.shape[-1]
     else:
-        per = -log_expected_accept_length(log_accept, mask).masked_fill(bm == 0, 0.0)
+        per = -log_expected_accept_length(log_accept, mask)  # empty blocks: finite, zeroed by bm below
     return (per * bm).sum() / bm.sum().clamp_min(1), E
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from specdraft.lit_modules.losses import decayed_ce
 from specdraft.runtime.models.retrace import VerifyStats, build_prior, verify_stats
 from specdraft.runtime.models.target import TargetLM
 from specdraft.runtime.verify import accept_greedy
@@ -88,7 +89,6 @@ def two_round_blocks(module, batch, split: str, generator: torch.Generator | Non
     blocks SFT trains on) runs with gradients and its decayed CE is returned as ``stats["first_round_ce"]`` (a
     tensor with grad), so the backbone keeps training where SFT trains it and not only after rejections.
     """
-    from specdraft.lit_modules.losses import decayed_ce
     from specdraft.lit_modules.blocks import sample_anchors
     from specdraft.lit_modules.drafter_module import DraftBatch
 
