@@ -131,6 +131,9 @@ def aggregate(decoded: list[tuple[list[Round], list[int]]]) -> dict:
     first_fail = [0] * (len(P_BINS) + 1)
     rescued_copy = [0] * (len(P_BINS) + 1)
     rescued_target = [0] * (len(P_BINS) + 1)
+    # ... and does the prior's own top 3 there hold the true token when the fresh top 3 does not (what the retained
+    # hidden state could know beyond its argmax)
+    beyond_fresh_top3 = 0
     for rounds, committed in decoded:
         rounds_all += len(rounds)
         committed_all += len(committed)
@@ -152,9 +155,12 @@ def aggregate(decoded: list[tuple[list[Round], list[int]]]) -> dict:
                     first_fail[b] += 1
                     rescued_copy[b] += truth[j - 1] == prev.drafts[s - 1]
                     rescued_target[b] += truth[j - 1] == prev.target_argmax[s - 1]
+                    y = truth[j - 1]
+                    beyond_fresh_top3 += y in prev.draft_top3[s - 1] and y not in cur.draft_top3[j - 1]
             pos += cur.accepted + 1
     out = {"prompts": len(decoded), "rounds": rounds_all, "post_rejection_rounds": post_rounds,
-           "tau": committed_all / max(rounds_all, 1)}
+           "tau": committed_all / max(rounds_all, 1),
+           "first_fail_true_token_in_prior_top3_not_fresh_top3": beyond_fresh_top3 / max(sum(first_fail), 1)}
     edges = (0.0, *P_BINS, 1.0)
     out["first_fail_by_p_target_rejected"] = [
         {"p_range": [edges[b], edges[b + 1]], "slots": first_fail[b],

@@ -11,7 +11,9 @@ From one base drafter (the run's ``sft`` export), train each variant for the sam
     wtv      window total variation at T                  -> compare with kl at T=1
     wtv-len  WTV as -log E_T                               -> compare with kl at T=1
     wtv-sg   WTV's stop-gradient weighting sum_k W_k (1 - alpha_k) -> compare with kl at T=1
+    eal-len-mix  -log E with the same CE warm-up mix       -> compare with sft at T=0
     grpo     from eal-mix, reward = simulated acceptance  -> compare with eal-mix (its start)
+    grpo-len the same GRPO from eal-len                    -> compare with eal-len (its start) and with sft
     grpo-t1  the same, groups sampled at drafter temperature 1 (the default samples at 0.5)
     retrace-main  ReTrace on the DFlash backbone          -> compare with sft (plus the ablations below)
 
@@ -38,6 +40,7 @@ VARIANTS = {
     "eal-mix": ["train.ce_mix_eta=3.0"],  # EAL with the CE warm-up mix of methods.md §3.2
     "eal-len": ["train.acceptance_form=log_len"],
     "eal-greedy": ["train.eal_variant=greedy"],
+    "eal-len-mix": ["train.acceptance_form=log_len", "train.ce_mix_eta=3.0"],
     # trained at verified anchors (a + n + 1 after a no-grad greedy round), where serving anchors its blocks
     "sft-v": ["train.anchors=verified"],
     "eal-len-v": ["train.anchors=verified", "train.acceptance_form=log_len"],
@@ -47,8 +50,10 @@ VARIANTS = {
     "wtv-sg": ["train.features=online", "train.wtv_variant=stopgrad"],
     "grpo": ["train.features=online"],  # starts from the eal-mix export (see the loop); groups sampled at T_d 0.5
     "grpo-t1": ["train.features=online", "train.grpo_draft_temperature=1.0"],  # groups sampled at T_d 1
+    "grpo-len": ["train.features=online"],  # starts from the eal-len export
     "retrace-main": ["train.features=online"],  # hard alignment, correction signals, mask slots only
 }
+GRPO_START = {"grpo": "eal-mix", "grpo-t1": "eal-mix", "grpo-len": "eal-len"}  # each GRPO variant's start export
 ABLATIONS = {  # ReTrace ablations, each its own export dir
     "retrace-soft": ["train.features=online", "drafter.retrace_alignment=soft"],
     "retrace-nocorr": ["train.features=online", "drafter.retrace_use_correction=false"],
@@ -101,13 +106,13 @@ def main() -> None:
     timings = {}
     for name, extra in todo.items():
         stage = "retrace" if name.startswith("retrace") else name.split("-")[0]
-        start = out / "drafter" / "eal-mix" if stage == "grpo" else base
+        start = out / "drafter" / GRPO_START[name] if stage == "grpo" else base
         init = [f"drafter.init_from={start}"]
         cfg = load_config(args.config, [*common, f"train.stage={stage}", *init, *extra])
         if args.bench_only or ((out / "drafter" / name / "config.json").is_file() and not args.retrain):
             continue
         if not (start / "config.json").is_file():
-            raise SystemExit(f"variant {name!r} starts from {start}, which does not exist: train eal-mix first")
+            raise SystemExit(f"variant {name!r} starts from {start}, which does not exist: train {start.name} first")
         shared = out / "drafter" / stage  # a variant named apart from its stage must not clobber that stage's export
         parked = out / "drafter" / f".{stage}-parked"
         if name != stage and (shared / "config.json").is_file():
@@ -145,7 +150,7 @@ def main() -> None:
 
     suites = sorted({r["suite"] for r in rows})
     pairs = [("eal", "sft", 0.0), ("eal-mix", "sft", 0.0), ("eal-len", "sft", 0.0), ("eal-greedy", "sft", 0.0),
-             ("sft-v", "sft", 0.0), ("sft-v", "sft", 1.0), ("eal-len-v", "sft-v", 0.0), ("eal-greedy-v", "sft-v", 0.0),
+             ("eal-len-mix", "sft", 0.0), ("grpo-len", "eal-len", 0.0), ("grpo-len", "sft", 0.0), ("sft-v", "sft", 0.0), ("sft-v", "sft", 1.0), ("eal-len-v", "sft-v", 0.0), ("eal-greedy-v", "sft-v", 0.0),
              ("wtv", "kl", 1.0),
              ("wtv-len", "kl", 1.0), ("wtv-sg", "kl", 1.0), ("grpo", "eal-mix", 0.0),
              ("grpo", "eal-mix", 1.0), ("grpo-t1", "eal-mix", 0.0), ("grpo-t1", "eal-mix", 1.0),

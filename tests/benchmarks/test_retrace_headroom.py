@@ -63,3 +63,18 @@ def test_recorder_replays_the_engine_and_oracles_never_lose():
     res = aggregate(decoded)  # raises if the replayed fresh acceptance differs from the engine's
     assert res["post_rejection_rounds"] > 0 and res["tau_ratio_fresh"] == 1.0
     assert all(res[f"tau_ratio_{r}"] >= 1.0 for r in RULES if r.startswith("oracle"))
+
+
+def test_aggregate_reads_each_rounds_truth_from_the_committed_text():
+    # round 0 accepts 10, rejects 99 and commits the target's 11; round 1 (anchor 11) drafts nothing right and
+    # commits the target's 12, which round 0 had drafted at the aligned slot 3
+    r0 = _round([10, 99, 12, 13, 14], 1, [10, 11, 50, 51, 52, 53], p_draft=[0.9, 0.3, 0.1, 0.1, 0.1])
+    r1 = _round([0, 0, 0, 0, 0], 0, [12, 1, 1, 1, 1, 1])
+    res = aggregate([([r0, r1], [10, 11, 12])])
+    assert res["post_rejection_rounds"] == 1 and res["tau"] == 1.5
+    assert res["mean_accepted_fresh"] == 0 and res["mean_accepted_oracle_copy"] == 1
+    bins = res["first_fail_by_p_target_rejected"]
+    assert [b["slots"] for b in bins] == [0, 0, 1, 0]  # the rejected 99 had target probability 0.3
+    assert bins[2]["copy_right"] == 1.0 and bins[2]["target_right"] == 0.0
+    assert res["first_fail_true_token_in_prior_top3_not_fresh_top3"] == 1.0
+    assert res["tau_ratio_oracle_copy"] == 4 / 3  # one more accepted draft over the 3 committed tokens
