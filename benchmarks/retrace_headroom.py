@@ -36,8 +36,9 @@ from dataclasses import dataclass
 
 import torch
 
+SWITCH_THRESHOLDS = (0.1, 0.2, 0.3, 0.5)  # drafter top-1 probabilities under which switch_target@t trusts the target
 RULES = ("fresh", "copy", "target", "oracle_copy", "oracle_all", "oracle_fresh_top2", "oracle_fresh_top3",
-         "rerank_target", "rerank_any", *(f"switch_target@{t:g}" for t in (0.1, 0.2, 0.3, 0.5)))
+         "rerank_target", "rerank_any", *(f"switch_target@{t:g}" for t in SWITCH_THRESHOLDS))
 
 
 @dataclass
@@ -110,7 +111,7 @@ def round_headroom(prev: Round, cur: Round, truth: list[int]) -> dict[str, int]:
             prev.drafts[s - 1] if has_prior and prev.drafts[s - 1] in top else top[0])
         ok["rerank_target"].append(pick_t == y)
         ok["rerank_any"].append(pick_a == y)
-        for t in (0.1, 0.2, 0.3, 0.5):  # trust the target's aligned argmax where the drafter is unsure of itself
+        for t in SWITCH_THRESHOLDS:  # trust the target's aligned argmax where the drafter is unsure of itself
             unsure = has_prior and cur.draft_p_top1 is not None and cur.draft_p_top1[j - 1] < t
             ok[f"switch_target@{t:g}"].append(tgt if unsure else fresh)
         ok["oracle_fresh_top2"].append(y in cur.draft_top3[j - 1][:2])
