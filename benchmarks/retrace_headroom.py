@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import dataclass
+from itertools import takewhile
 
 import torch
 
@@ -77,12 +78,7 @@ def record_rounds(target, drafter, prompt: list[int], gen) -> tuple[list[Round],
 
 
 def leading_run(ok: list[bool]) -> int:
-    n = 0
-    for o in ok:
-        if not o:
-            break
-        n += 1
-    return n
+    return sum(1 for _ in takewhile(bool, ok))
 
 
 def round_headroom(prev: Round, cur: Round, truth: list[int]) -> dict[str, int]:
@@ -96,10 +92,10 @@ def round_headroom(prev: Round, cur: Round, truth: list[int]) -> dict[str, int]:
     for j in range(1, min(K, len(truth)) + 1):
         y = truth[j - 1]
         s = j + n + 1
-        fresh = cur.drafts[j - 1] == y
-        copy = s <= K and prev.drafts[s - 1] == y
-        tgt = s <= K and prev.target_argmax[s - 1] == y
         has_prior = s <= K
+        fresh = cur.drafts[j - 1] == y
+        copy = has_prior and prev.drafts[s - 1] == y
+        tgt = has_prior and prev.target_argmax[s - 1] == y
         ok["fresh"].append(fresh)
         ok["copy"].append(copy if has_prior else fresh)
         ok["target"].append(tgt if has_prior else fresh)
@@ -154,9 +150,9 @@ def aggregate(decoded: list[tuple[list[Round], list[int]]]) -> dict:
                 if j <= min(len(cur.drafts), len(truth)) and s <= len(cur.drafts):
                     b = sum(prev.target_p_draft[prev.accepted] >= edge for edge in P_BINS)
                     first_fail[b] += 1
-                    rescued_copy[b] += truth[j - 1] == prev.drafts[s - 1]
-                    rescued_target[b] += truth[j - 1] == prev.target_argmax[s - 1]
                     y = truth[j - 1]
+                    rescued_copy[b] += y == prev.drafts[s - 1]
+                    rescued_target[b] += y == prev.target_argmax[s - 1]
                     beyond_fresh_top3 += y in prev.draft_top3[s - 1] and y not in cur.draft_top3[j - 1]
             pos += cur.accepted + 1
     out = {"prompts": len(decoded), "rounds": rounds_all, "post_rejection_rounds": post_rounds,
@@ -185,7 +181,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from specdraft.pipeline.bench import _suite_prompts
+    from specdraft.pipeline.bench import suite_prompts, with_bench_prompts
     from specdraft.pipeline.config import load_config
     from specdraft.pipeline.stages import existing_world
     from specdraft.pipeline.tokenizer import stop_token_ids
@@ -194,9 +190,7 @@ def main() -> None:
     from specdraft.runtime.load import load_target
 
     cfg = load_config(args.config, overrides)
-    world = existing_world(cfg)
-    if world.bench_dir is None and (cfg.work_path / "bench_prompts").is_dir():  # as `specdraft bench` does
-        world.bench_dir = cfg.work_path / "bench_prompts"
+    world = with_bench_prompts(cfg, existing_world(cfg))
     target = load_target(world.target_dir, dtype="float32", device="cpu")
     tok = AutoTokenizer.from_pretrained(str(world.target_dir))
     drafter = load_drafter(args.drafter, target)
@@ -206,7 +200,7 @@ def main() -> None:
     out = {"drafter": args.drafter, "block_size": drafter.block_size}
     with torch.inference_mode():
         for suite in suites:
-            prompts = _suite_prompts(world, suite, args.prompts, tok)
+            prompts = suite_prompts(world, suite, args.prompts, tok)
             out[suite] = aggregate([record_rounds(target, drafter, p, gen) for p in prompts])
             print(suite, json.dumps(out[suite]), flush=True)
     print(json.dumps(out, indent=2))

@@ -149,12 +149,12 @@ def main() -> None:
         return None
 
     suites = sorted({r["suite"] for r in rows})
-    pairs = [("eal", "sft", 0.0), ("eal-mix", "sft", 0.0), ("eal-len", "sft", 0.0), ("eal-greedy", "sft", 0.0),
-             ("eal-len-mix", "sft", 0.0), ("grpo-len", "eal-len", 0.0), ("grpo-len", "sft", 0.0), ("sft-v", "sft", 0.0), ("sft-v", "sft", 1.0), ("eal-len-v", "sft-v", 0.0), ("eal-greedy-v", "sft-v", 0.0),
-             ("wtv", "kl", 1.0),
-             ("wtv-len", "kl", 1.0), ("wtv-sg", "kl", 1.0), ("grpo", "eal-mix", 0.0),
-             ("grpo", "eal-mix", 1.0), ("grpo-t1", "eal-mix", 0.0), ("grpo-t1", "eal-mix", 1.0),
-             ("retrace-main", "sft", 0.0), ("retrace-main", "sft", 1.0)]
+    pairs = [(a, "sft", 0.0) for a in ("eal", "eal-mix", "eal-len", "eal-greedy", "eal-len-mix")]
+    pairs += [("grpo-len", "eal-len", 0.0), ("grpo-len", "sft", 0.0)]
+    pairs += [("sft-v", "sft", 0.0), ("sft-v", "sft", 1.0), ("eal-len-v", "sft-v", 0.0), ("eal-greedy-v", "sft-v", 0.0)]
+    pairs += [(a, "kl", 1.0) for a in ("wtv", "wtv-len", "wtv-sg")]
+    pairs += [(a, "eal-mix", t) for a in ("grpo", "grpo-t1") for t in (0.0, 1.0)]
+    pairs += [("retrace-main", "sft", 0.0), ("retrace-main", "sft", 1.0)]
     pairs += [(a, "sft", t) for a in ABLATIONS for t in (0.0, 1.0)]
     if (out / "train_seconds.json").is_file():
         timings = json.loads((out / "train_seconds.json").read_text())

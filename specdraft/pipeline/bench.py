@@ -40,7 +40,14 @@ def summarize(results, block_size: int) -> dict:
     return out
 
 
-def _suite_prompts(world, suite: str, n: int, tokenizer) -> list[list[int]]:
+def with_bench_prompts(cfg: RunConfig, world):
+    """``world`` with its held-out suites: the tiny world's own, else ``<work_dir>/bench_prompts/`` if present."""
+    if world.bench_dir is None and (cfg.work_path / "bench_prompts").is_dir():
+        world.bench_dir = cfg.work_path / "bench_prompts"
+    return world
+
+
+def suite_prompts(world, suite: str, n: int, tokenizer) -> list[list[int]]:
     from specdraft.runtime.batch_job import encode, read_requests
 
     if world.bench_dir is None:
@@ -64,8 +71,7 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
     from specdraft.runtime.sampling import SamplingParams
 
     b = cfg.bench
-    if world.bench_dir is None and (cfg.work_path / "bench_prompts").is_dir():
-        world.bench_dir = cfg.work_path / "bench_prompts"
+    world = with_bench_prompts(cfg, world)
     tgt = load_target(world.target_dir, dtype=cfg.target.dtype, device=cfg.target.device)
     tok = AutoTokenizer.from_pretrained(str(world.target_dir), trust_remote_code=False)
     stops = stop_token_ids(tok)
@@ -79,7 +85,7 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
 
     rows = []
     for suite in b.suites:
-        prompts = _suite_prompts(world, suite, b.num_prompts, tok)
+        prompts = suite_prompts(world, suite, b.num_prompts, tok)
         if not prompts:
             log(f"bench: no held-out prompts for suite {suite!r}; skipped")
             continue
