@@ -61,7 +61,7 @@ def test_recorder_replays_the_engine_and_oracles_never_lose():
         assert [r.accepted + 1 for r in rounds] == generate(target, [p], gen, drafter=drafter)[0].accept_lengths
     assert "next_round_state" not in vars(drafter)  # the spy is removed
     res = aggregate(decoded)  # raises if the replayed fresh acceptance differs from the engine's
-    assert res["post_rejection_rounds"] > 0 and res["tau_ratio_fresh"] == 1.0
+    assert res["post_rejection_rounds"] > 0  # the random drafter is rejected: the recorded rounds carry priors
     assert all(res[f"tau_ratio_{r}"] >= 1.0 for r in RULES if r.startswith("oracle"))
 
 
