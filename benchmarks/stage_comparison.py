@@ -23,6 +23,9 @@ A variant named apart from its stage (``eal-mix``, ``retrace-*``) trains into th
 then bench all of them (plus AR) on the held-out suites at T=0 and T=1 and print the ratios.
 
     python benchmarks/stage_comparison.py configs/tiny.yaml --steps 150 [--variants sft,eal,...] [--ablations]
+
+``work_dir=<run>`` among the overrides picks another base run (its ``data/train.jsonl`` and ``drafter/sft``), e.g. one
+whose data was regenerated at T=1 for the sampling losses; the variants still go to ``--out``.
 """
 
 from __future__ import annotations
@@ -93,9 +96,9 @@ def main() -> None:
     shutil.copy(base_cfg.work_path / "data" / "train.jsonl", out / "data" / "train.jsonl")
     if world.bench_dir is not None and not (out / "bench_prompts").is_dir():
         shutil.copytree(world.bench_dir, out / "bench_prompts")
-    common = [f"target.path={world.target_dir}", f"work_dir={out}", f"train.max_steps={args.steps}",
-              "train.max_minutes=0", f"train.eval_every={max(args.steps // 2, 1)}", "train.warmup_ratio=0.0",
-              *overrides]
+    # the overrides' work_dir (if any) names the base run; the variants always train and bench under --out
+    common = [f"target.path={world.target_dir}", f"train.max_steps={args.steps}", "train.max_minutes=0",
+              f"train.eval_every={max(args.steps // 2, 1)}", "train.warmup_ratio=0.0", *overrides, f"work_dir={out}"]
     known = {**VARIANTS, **ABLATIONS}
     unknown = [k for k in args.variants.split(",") if k not in known]
     if unknown:

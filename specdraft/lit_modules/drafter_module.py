@@ -5,7 +5,9 @@ the temperature-scaled target), ``eal`` / ``wtv`` (acceptance-aware losses, meth
 relative policy optimisation rewarded by simulated acceptance length, see :mod:`specdraft.lit_modules.grpo`).
 The target is frozen and only supplies features, its embedding and LM head. Metrics: ``train/loss``,
 ``train/acc_k``, ``eval/loss``, ``eval/sim_tau`` (teacher-forced greedy acceptance with the runtime's
-:func:`accept_greedy`, bonus included) and, from the pipeline's callback, ``eval/tau`` from real decoding.
+:func:`accept_greedy`, bonus included), ``eval/sim_tau_sampled`` where the target's distributions are at hand
+(expected acceptance under speculative sampling; the sampling stages' checkpoints are picked by it) and, from the
+pipeline's callback, ``eval/tau`` from real decoding.
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ from specdraft.lit_modules import grpo
 from specdraft.lit_modules.blocks import Blocks, build_blocks, decay_weights, default_gamma, sample_anchors
 from specdraft.lit_modules.features import OfflineFeatures, online_features
 from specdraft.lit_modules.lm import cosine_with_warmup
-from specdraft.lit_modules.losses import decayed_ce, eal_loss, forward_kl, tv_hybrid_loss, wtv_loss
+from specdraft.lit_modules.losses import (acceptance_alpha, decayed_ce, eal_loss, expected_accept_length, forward_kl,
+                                         tv_hybrid_loss, wtv_loss)
 from specdraft.runtime.models.target import TargetLM
 from specdraft.runtime.verify import accept_greedy
 
 STAGES = ("sft", "kl", "tv", "eal", "wtv", "grpo", "retrace")
 NEEDS_TARGET_LOGITS = ("kl", "tv", "wtv")
+SAMPLING_STAGES = ("kl", "tv", "wtv")  # trained for speculative sampling at train.temperature
 _FROZEN = ("target.", "reference.")
 
 
@@ -68,6 +72,19 @@ class Objective:
         sampling_grpo = self.stage == "grpo" and self.grpo is not None and self.grpo.mode == "sampling"
         cheap_retrace = self.stage == "retrace" and self.retrace_signals == "cheap"
         return self.stage in NEEDS_TARGET_LOGITS or self.kl_weight > 0 or sampling_grpo or cheap_retrace
+
+    @property
+    def sampling_temperature(self) -> float:
+        """The verification temperature this stage trains for under speculative sampling."""
+        sampling_grpo = self.stage == "grpo" and self.grpo is not None and self.grpo.mode == "sampling"
+        return self.grpo.temperature if sampling_grpo else self.temperature
+
+    @property
+    def selection_metric(self) -> str:
+        """The validation metric the exported checkpoint maximises: the sampling stages are trained for speculative
+        sampling, so they are picked by the expected acceptance there, not by greedy acceptance."""
+        sampling_grpo = self.stage == "grpo" and self.grpo is not None and self.grpo.mode == "sampling"
+        return "eval/sim_tau_sampled" if self.stage in SAMPLING_STAGES or sampling_grpo else "eval/sim_tau"
 
 
 class DraftBatch(NamedTuple):
@@ -224,6 +241,17 @@ class DrafterModule(L.LightningModule):
         return hit.flatten(0, 1).sum(0).float() / blk.label_mask.flatten(0, 1).sum(0).clamp_min(1)
 
     @staticmethod
+    def simulated_tau_sampled(logits, blk, target_logits, temperature: float) -> torch.Tensor:
+        """Expected accepted length (bonus included) under speculative sampling at ``temperature``:
+        ``1 + E_T``, ``E_T = sum_k prod_{j<=k} alpha_j``, ``alpha = sum_v min(p, q)`` against the target's
+        teacher-forced distributions (the quantity WTV maximises, methods.md §3.3); only fully supervised windows."""
+        full = blk.valid & blk.label_mask.all(-1)  # [B, N]
+        if not full.any():
+            return torch.tensor(float("nan"), device=logits.device)
+        a = acceptance_alpha(logits[full], target_logits[full], temperature).clamp_min(1e-8)  # [M, K]
+        return (expected_accept_length(a.log(), torch.ones_like(a, dtype=torch.bool)) + 1).mean()
+
+    @staticmethod
     def simulated_tau(logits, blk, target_tokens) -> torch.Tensor:
         """Mean accepted length (bonus included) under greedy verification against the target's teacher-forced
         greedy tokens, computed by the runtime's ``accept_greedy``; only blocks whose window is fully supervised."""
@@ -276,6 +304,10 @@ class DrafterModule(L.LightningModule):
                  prog_bar=True, batch_size=n)
         self.log("eval/sim_tau", self.simulated_tau(db.logits, db.blocks, db.target_tokens), prog_bar=True,
                  batch_size=n)
+        if db.target_logits is not None:
+            self.log("eval/sim_tau_sampled", self.simulated_tau_sampled(db.logits, db.blocks, db.target_logits,
+                                                                        self.objective.sampling_temperature),
+                     batch_size=n)
 
     def configure_optimizers(self):
         hp = self.hparams

@@ -1,5 +1,6 @@
-"""``specdraft train``: Lightning SFT of a DFlash drafter; checkpoints (-last / -best by eval/sim_tau) with full
-resume; export of the best to the HF-format directory the runtime loads; MLflow logging and model registration."""
+"""``specdraft train``: Lightning SFT of a DFlash drafter; checkpoints (-last / -best by eval/sim_tau, or by
+eval/sim_tau_sampled for the sampling stages) with full resume; export of the best to the HF-format directory the
+runtime loads; MLflow logging and model registration."""
 
 from __future__ import annotations
 
@@ -119,6 +120,7 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
     from specdraft.lit_modules.data import ShareGPTDataModule
     from specdraft.lit_modules.drafter_module import DrafterModule
     from specdraft.lit_modules.features import OfflineFeatures, build_offline_cache
+    from specdraft.pipeline.data import regenerated_temperature
     from specdraft.pipeline.tokenizer import stop_token_ids
     from specdraft.runtime.batch_job import encode, read_requests
     from specdraft.runtime.load import load_target
@@ -131,12 +133,18 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
     if t.features == "offline" and t.stage == "retrace" and t.retrace_signals == "exact":
         raise SpecdraftError("config key 'train.features': stage 'retrace' replays the target's verify pass for its "
                              "correction signals (train.retrace_signals=exact); use train.features=online")
+    data_temperature = regenerated_temperature(data_file)
+    note = data_temperature_note(objective, data_temperature)
+    if note:
+        log(f"train: warning: {note}")
     L.seed_everything(t.seed, workers=True, verbose=False)
     target = load_target(world.target_dir, dtype="float32", device=cfg.target.device)
     tokenizer = AutoTokenizer.from_pretrained(str(world.target_dir), trust_remote_code=False)
     drafter = _build_drafter(cfg, target, tokenizer)
     init = warm_start_dir(cfg)
     tags = {"stage": t.stage, "warm_start": str(init or "")}
+    if data_temperature is not None:
+        tags["data_temperature"] = f"{data_temperature:g}"
     if init is not None and (init / "specdraft.json").is_file():
         tags["warm_start_run_id"] = json.loads((init / "specdraft.json").read_text()).get("run_id", "")
     tracker.set_tags(tags)
@@ -161,7 +169,7 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
         reqs = read_requests(world.bench_dir / "math.jsonl", lambda m: None)[: t.eval_prompts]
         eval_prompts = [encode(tokenizer, r.messages) for r in reqs]
     ckpt_dir = cfg.work_path / "checkpoints" / t.stage
-    best_cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, filename="drafter-best", monitor="eval/sim_tau",
+    best_cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, filename="drafter-best", monitor=objective.selection_metric,
                                                   mode="max", save_last=False, save_top_k=1,
                                                   enable_version_counter=False)
     last_cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, filename="drafter-last", every_n_train_steps=
@@ -190,13 +198,13 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
     trainer.save_checkpoint(str(resume), weights_only=False)  # full state, so a rerun resumes (and finds nothing left to do)
     train_s = time.perf_counter() - t0
     trainer.validate(module, datamodule=dm, verbose=False, weights_only=True)  # final numbers
-    best, best_score = _best_including_final(trainer, best_cb, ckpt_dir)
+    best, best_score = _best_including_final(trainer, best_cb, ckpt_dir, objective.selection_metric)
 
     from specdraft.export.hf import export_checkpoint
 
     out = export_checkpoint(best, drafter, stage_dir(cfg, t.stage))
     (out / "specdraft.json").write_text(json.dumps({"stage": t.stage, "run_id": tracker.run_id,
-                                                    "sim_tau": best_score,
+                                                    "sim_tau": best_score, "selected_by": objective.selection_metric,
                                                     "target": str(world.target_dir), "warm_start": str(init or "")}))
     export_checkpoint(resume, drafter, stage_dir(cfg, t.stage + "-last"))
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("eval/")}
@@ -206,17 +214,34 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
     tracker.log_artifact(out, "drafter")
     version = tracker.register_model("drafter", f"{cfg.name}-{cfg.drafter.arch}",
                                      tags={"target": str(world.target_dir), "stage": t.stage,
-                                           "sim_tau": round(best_score, 3)})
-    log(f"train: {trainer.global_step} steps in {train_s:.0f}s ({tps:.0f} tokens/s); best eval/sim_tau "
-        f"{best_score:.2f}; exported {out}"
+                                           "sim_tau": round(best_score, 3),
+                                           "selected_by": objective.selection_metric})
+    log(f"train: {trainer.global_step} steps in {train_s:.0f}s ({tps:.0f} tokens/s); best "
+        f"{objective.selection_metric} {best_score:.2f}; exported {out}"
         + (f"; registered model version {version}" if version else ""))
     return out
 
 
-def _best_including_final(trainer, best_cb, ckpt_dir: Path) -> tuple[Path, float]:
+def data_temperature_note(objective, data_temperature: float | None) -> str | None:
+    """A warning when a sampling stage trains on responses regenerated at another temperature than it serves at.
+
+    The drafter learns on the contexts the data holds, while sampled serving continues sampled text. On the tiny
+    world at 600 steps, WTV as -log E_T beat forward KL by +0.4 % T=1 tau on greedy data and by +24 % on data
+    regenerated at T=1, where both accepted more (README, "Sampling losses need sampled data")."""
+    if data_temperature is None or objective.selection_metric != "eval/sim_tau_sampled":
+        return None
+    T = objective.sampling_temperature
+    if data_temperature == T:
+        return None
+    return (f"stage {objective.stage!r} trains for speculative sampling at T={T:g}, but its responses were "
+            f"regenerated at data.temperature={data_temperature:g}; regenerate them at T={T:g} in another work_dir "
+            f"(specdraft data CONFIG data.temperature={T:g} work_dir=...) so training sees the text serving will")
+
+
+def _best_including_final(trainer, best_cb, ckpt_dir: Path, metric: str = "eval/sim_tau") -> tuple[Path, float]:
     """The checkpoint to export: the best evaluated one, or the final weights when they score at least as well
-    (the last steps may end between two evaluations). Returns ``(path, its eval/sim_tau)``."""
-    final = trainer.callback_metrics.get("eval/sim_tau")
+    (the last steps may end between two evaluations). Returns ``(path, its score on metric)``."""
+    final = trainer.callback_metrics.get(metric)
     final = float(final) if final is not None else float("nan")
     score = float(best_cb.best_model_score) if best_cb.best_model_score is not None else float("nan")
     if best_cb.best_model_path and not final >= score:  # (a NaN final never wins)

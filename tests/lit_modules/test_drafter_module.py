@@ -108,6 +108,34 @@ def test_simulated_tau_counts_leading_matches_plus_bonus():
     assert tau.item() == ((2 + 1) + (0 + 1)) / 2
 
 
+def test_simulated_sampled_tau_is_the_runtime_expected_acceptance():
+    """1 + E_T equals the mean accepted length (bonus included) of the runtime's speculative sampling on drafts ~ q at
+    temperature T, when the target's slot distributions are the teacher-forced ones; windows that are not fully
+    supervised are left out, and a drafter equal to the target accepts every slot."""
+    from specdraft.runtime.verify import accept_speculative_sampling
+
+    torch.manual_seed(21)
+    K, V, T, G = 3, 5, 0.7, 40_000
+    anchors = torch.tensor([[0, 4, 6]])
+    ids = torch.zeros(1, 9, dtype=torch.long)  # the window at anchor 6 runs past the end: not fully supervised
+    blk = build_blocks(ids, torch.ones_like(ids), torch.tensor([9]), anchors, torch.ones(1, 3, dtype=torch.bool), K + 1, 4)
+    assert blk.label_mask.all(-1).tolist() == [[True, True, False]]
+    draft_logits, target_logits = torch.randn(1, 3, K, V), torch.randn(1, 3, K, V)
+    tau = DrafterModule.simulated_tau_sampled(draft_logits, blk, target_logits, T)
+    g = torch.Generator().manual_seed(2)
+    runs = []
+    for j in range(2):
+        q = torch.softmax(draft_logits[0, j] / T, -1)  # [K, V]
+        p = torch.softmax(target_logits[0, j] / T, -1)
+        drafts = torch.multinomial(q, G, replacement=True, generator=g).T  # [G, K]
+        p_full = torch.cat([p, p[-1:]]).expand(G, K + 1, V)  # the bonus row does not change the count
+        n, _ = accept_speculative_sampling(drafts, q.expand(G, K, V), p_full, g)
+        runs.append(n.float().mean() + 1)
+    assert abs(tau.item() - torch.stack(runs).mean().item()) < 0.02
+    same = DrafterModule.simulated_tau_sampled(target_logits, blk, target_logits, T)
+    torch.testing.assert_close(same, torch.tensor(K + 1.0))
+
+
 def test_offline_features_give_the_same_loss_as_online(tiny_world, tmp_path):
     dm, batch = _batch(tiny_world)
     online = _module(tiny_world)

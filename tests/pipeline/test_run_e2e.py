@@ -55,3 +55,24 @@ def test_empty_prompt_file_for_data_is_one_clean_line(tmp_path, capsys, tiny_wor
                  "tracking.enabled=false", f"work_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and "no valid requests" in err[0]
+
+
+def test_data_resume_with_another_temperature_is_refused_and_keeps_the_responses(tmp_path, capsys, tiny_world):
+    """The regeneration records its sampling settings; resuming it at another temperature would mix two response
+    distributions, so it stops with one line naming the key, and the responses already written stay as they were."""
+    from specdraft.pipeline.data import regenerated_temperature
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"hello {i}"}) + "\n" for i in range(3)))
+    args = ["data", TINY, f"target.path={tiny_world.target_dir}", f"data.prompts_file={prompts}",
+            "data.max_new_tokens=6", "tracking.enabled=false", f"work_dir={tmp_path / 'w'}"]
+    assert main(args) == 0
+    data = tmp_path / "w" / "data"
+    assert regenerated_temperature(data / "train.jsonl") == 0.0
+    raw = (data / "regenerated.jsonl").read_text()
+    capsys.readouterr()
+    assert main([*args, "data.temperature=1.0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'data.temperature'" in err[0] and "mix" in err[0]
+    assert (data / "regenerated.jsonl").read_text() == raw and regenerated_temperature(data / "train.jsonl") == 0.0
+    assert main(args) == 0  # the same settings resume

@@ -119,22 +119,29 @@ def test_stages_chain_sft_eal_wtv_grpo_with_warm_starts(tiny_world, tmp_path):
 
     work = tmp_path / "w"
     data = _prepare(tiny_world, work)
+    (data.parent / "sampling.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 48}))  # greedy data
     base = ["train.max_steps=3", "train.eval_every=3", "train.features=online"]
     with pytest.raises(SpecdraftError, match="train.init_stage"):  # eal needs an sft drafter first
         train_drafter(_cfg(tiny_world, work, "train.stage=eal", *base), tiny_world, data, TagTracker(), lambda m: None)
-    trackers = {}
+    trackers, logs = {}, {}
     for stage in ("sft", "eal", "wtv", "grpo"):
-        trackers[stage] = TagTracker()
+        trackers[stage], logs[stage] = TagTracker(), []
         out = train_drafter(_cfg(tiny_world, work, f"train.stage={stage}", "train.grpo_group_size=4", *base),
-                            tiny_world, data, trackers[stage], lambda m: None)
+                            tiny_world, data, trackers[stage], logs[stage].append)
         assert out == work / "drafter" / stage
         meta = json.loads((out / "specdraft.json").read_text())
         assert meta["stage"] == stage and meta["run_id"] == "run-x"
+        # a sampling stage's export is picked by its expected acceptance under speculative sampling
+        assert meta["selected_by"] == ("eval/sim_tau_sampled" if stage == "wtv" else "eval/sim_tau")
     assert trackers["sft"].tags["warm_start"] == ""
     assert trackers["eal"].tags["warm_start"] == str(work / "drafter" / "sft")
     assert trackers["grpo"].tags["warm_start"] == str(work / "drafter" / "eal")
     assert trackers["eal"].tags["warm_start_run_id"] == "run-x"
     assert "train/grpo_reward_mean" in trackers["grpo"].metrics
+    assert "eval/sim_tau_sampled" in trackers["wtv"].metrics and "eval/sim_tau_sampled" not in trackers["eal"].metrics
+    # only the sampling stage warns that its data was regenerated greedily; every run is tagged with the data's T
+    warned = {s for s, lines in logs.items() if any("warning" in m and "data.temperature=0" in m for m in lines)}
+    assert warned == {"wtv"} and trackers["eal"].tags["data_temperature"] == "0"
     target = load_target(tiny_world.target_dir, dtype="float32", device="cpu")
     sft, eal = load_drafter(work / "drafter" / "sft", target), load_drafter(work / "drafter" / "eal", target)
     assert not torch.equal(sft.fc.weight, eal.fc.weight)  # the stage trained
@@ -188,3 +195,14 @@ def test_export_takes_the_final_weights_when_they_score_best(tmp_path):
     assert saved == [str(tmp_path / "drafter-best.ckpt")]
     trainer.callback_metrics = {}  # no final number: keep the evaluated best
     assert _best_including_final(trainer, worse_before, tmp_path)[0] == Path("ckpt/step3.ckpt")
+
+
+def test_sampling_stages_warn_only_when_the_data_temperature_differs():
+    from specdraft.lit_modules.drafter_module import Objective
+    from specdraft.pipeline.train import data_temperature_note
+
+    wtv = Objective(stage="wtv", temperature=0.7)
+    assert "data.temperature=0" in data_temperature_note(wtv, 0.0) and "T=0.7" in data_temperature_note(wtv, 0.0)
+    assert data_temperature_note(wtv, 0.7) is None and data_temperature_note(wtv, None) is None
+    assert data_temperature_note(Objective(stage="kl"), 0.0) is not None
+    assert data_temperature_note(Objective(stage="eal"), 1.0) is None  # greedy stages: no sampling temperature
