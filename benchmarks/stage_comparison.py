@@ -94,6 +94,8 @@ def main() -> None:
     out = Path(args.out or f"{base_cfg.work_dir}-compare")
     (out / "data").mkdir(parents=True, exist_ok=True)
     shutil.copy(base_cfg.work_path / "data" / "train.jsonl", out / "data" / "train.jsonl")
+    if (base_cfg.work_path / "data" / "sampling.json").is_file():  # the temperature the responses were sampled at
+        shutil.copy(base_cfg.work_path / "data" / "sampling.json", out / "data" / "sampling.json")
     if world.bench_dir is not None and not (out / "bench_prompts").is_dir():
         shutil.copytree(world.bench_dir, out / "bench_prompts")
     # the overrides' work_dir (if any) names the base run; the variants always train and bench under --out

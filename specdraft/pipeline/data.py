@@ -48,9 +48,12 @@ def regenerated_temperature(data_file: Path) -> float | None:
 
 
 def _record_sampling(data_dir: Path, cfg: RunConfig) -> None:
-    """Write the sampling settings of this regeneration; refuse to resume one made with other settings."""
+    """Write the sampling settings of this regeneration; refuse to resume one made with other settings. Responses
+    written before settings were recorded stay unrecorded: their temperature is unknown."""
     record = {"temperature": float(cfg.data.temperature), "max_new_tokens": int(cfg.data.max_new_tokens)}
     path, raw = data_dir / SAMPLING_RECORD, data_dir / "regenerated.jsonl"
+    if raw.is_file() and raw.stat().st_size and not path.is_file():
+        return
     if path.is_file() and raw.is_file():
         old = json.loads(path.read_text())
         for key, value in record.items():
