@@ -206,3 +206,23 @@ def test_sampling_stages_warn_only_when_the_data_temperature_differs():
     assert data_temperature_note(wtv, 0.7) is None and data_temperature_note(wtv, None) is None
     assert data_temperature_note(Objective(stage="kl"), 0.0) is not None
     assert data_temperature_note(Objective(stage="eal"), 1.0) is None  # greedy stages: no sampling temperature
+
+
+def test_tracker_logs_each_evaluation_once_at_its_step():
+    """Training metrics go out every ``every`` steps, evaluation metrics only when an evaluation ends: an eval
+    point is not repeated at the training steps that follow it."""
+    from types import SimpleNamespace
+
+    from specdraft.pipeline.lightning_utils import TrackerCallback
+
+    tracker = RecordingTracker()
+    cb = TrackerCallback(tracker, every=10)
+    trainer = SimpleNamespace(global_step=300, callback_metrics={"train/loss": torch.tensor(1.5),
+                                                                 "eval/sim_tau": torch.tensor(4.25),
+                                                                 "val/loss": torch.tensor(2.0)})
+    cb.on_validation_end(trainer, None)
+    for step in (300, 310, 320):
+        trainer.global_step = step
+        cb.on_train_batch_end(trainer, None, None, None, 0)
+    assert tracker.metrics["eval/sim_tau"] == {300: 4.25} and tracker.metrics["val/loss"] == {300: 2.0}
+    assert set(tracker.metrics["train/loss"]) == {300, 310, 320}
