@@ -15,6 +15,7 @@ From one base drafter (the run's ``sft`` export), train each variant for the sam
     grpo     from eal-mix, reward = simulated acceptance  -> compare with eal-mix (its start)
     grpo-len the same GRPO from eal-len                    -> compare with eal-len (its start) and with sft
     grpo-t1  the same, groups sampled at drafter temperature 1 (the default samples at 0.5)
+    grpo-wtv sampling GRPO (reward: speculative sampling's acceptance at T) from wtv-len -> compare with wtv-len at T=1
     retrace-main  ReTrace on the DFlash backbone          -> compare with sft (plus the ablations below)
 
 A variant named apart from its stage (``eal-mix``, ``retrace-*``) trains into the stage's export dir, is moved to
@@ -54,9 +55,11 @@ VARIANTS = {
     "grpo": ["train.features=online"],  # starts from the eal-mix export (see the loop); groups sampled at T_d 0.5
     "grpo-t1": ["train.features=online", "train.grpo_draft_temperature=1.0"],  # groups sampled at T_d 1
     "grpo-len": ["train.features=online"],  # starts from the eal-len export
+    # sampling GRPO (reward: the min(1, p/q) test at T) from the wtv-len export; train it on data sampled at T
+    "grpo-wtv": ["train.features=online", "train.grpo_mode=sampling"],
     "retrace-main": ["train.features=online"],  # hard alignment, correction signals, mask slots only
 }
-GRPO_START = {"grpo": "eal-mix", "grpo-t1": "eal-mix", "grpo-len": "eal-len"}  # each GRPO variant's start export
+GRPO_START = {"grpo": "eal-mix", "grpo-t1": "eal-mix", "grpo-len": "eal-len", "grpo-wtv": "wtv-len"}  # each GRPO variant's start export
 ABLATIONS = {  # ReTrace ablations, each its own export dir
     "retrace-soft": ["train.features=online", "drafter.retrace_alignment=soft"],
     "retrace-nocorr": ["train.features=online", "drafter.retrace_use_correction=false"],
@@ -158,6 +161,7 @@ def main() -> None:
     pairs += [("grpo-len", "eal-len", 0.0), ("grpo-len", "sft", 0.0)]
     pairs += [("sft-v", "sft", 0.0), ("sft-v", "sft", 1.0), ("eal-len-v", "sft-v", 0.0), ("eal-greedy-v", "sft-v", 0.0)]
     pairs += [(a, "kl", 1.0) for a in ("wtv", "wtv-len", "wtv-sg")]
+    pairs += [("grpo-wtv", "wtv-len", 1.0)]
     pairs += [(a, "eal-mix", t) for a in ("grpo", "grpo-t1") for t in (0.0, 1.0)]
     pairs += [("retrace-main", "sft", 0.0), ("retrace-main", "sft", 1.0)]
     pairs += [(a, "sft", t) for a in ABLATIONS for t in (0.0, 1.0)]
