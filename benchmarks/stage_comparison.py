@@ -59,7 +59,8 @@ VARIANTS = {
     "grpo-wtv": ["train.features=online", "train.grpo_mode=sampling"],
     "retrace-main": ["train.features=online"],  # hard alignment, correction signals, mask slots only
 }
-GRPO_START = {"grpo": "eal-mix", "grpo-t1": "eal-mix", "grpo-len": "eal-len", "grpo-wtv": "wtv-len"}  # each GRPO variant's start export
+# each GRPO variant's start export
+GRPO_START = {"grpo": "eal-mix", "grpo-t1": "eal-mix", "grpo-len": "eal-len", "grpo-wtv": "wtv-len"}
 ABLATIONS = {  # ReTrace ablations, each its own export dir
     "retrace-soft": ["train.features=online", "drafter.retrace_alignment=soft"],
     "retrace-nocorr": ["train.features=online", "drafter.retrace_use_correction=false"],

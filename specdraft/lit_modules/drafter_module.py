@@ -68,23 +68,24 @@ class Objective:
     """retrace: learning-rate multiplier of the new fusion/refiner parameters over the warm-started backbone's."""
 
     @property
+    def sampling_grpo(self) -> bool:
+        return self.stage == "grpo" and self.grpo is not None and self.grpo.mode == "sampling"
+
+    @property
     def needs_target_logits(self) -> bool:
-        sampling_grpo = self.stage == "grpo" and self.grpo is not None and self.grpo.mode == "sampling"
         cheap_retrace = self.stage == "retrace" and self.retrace_signals == "cheap"
-        return self.stage in NEEDS_TARGET_LOGITS or self.kl_weight > 0 or sampling_grpo or cheap_retrace
+        return self.stage in NEEDS_TARGET_LOGITS or self.kl_weight > 0 or self.sampling_grpo or cheap_retrace
 
     @property
     def sampling_temperature(self) -> float:
         """The verification temperature this stage trains for under speculative sampling."""
-        sampling_grpo = self.stage == "grpo" and self.grpo is not None and self.grpo.mode == "sampling"
-        return self.grpo.temperature if sampling_grpo else self.temperature
+        return self.grpo.temperature if self.sampling_grpo else self.temperature
 
     @property
     def selection_metric(self) -> str:
         """The validation metric the exported checkpoint maximises: the sampling stages are trained for speculative
         sampling, so they are picked by the expected acceptance there, not by greedy acceptance."""
-        sampling_grpo = self.stage == "grpo" and self.grpo is not None and self.grpo.mode == "sampling"
-        return "eval/sim_tau_sampled" if self.stage in SAMPLING_STAGES or sampling_grpo else "eval/sim_tau"
+        return "eval/sim_tau_sampled" if self.stage in SAMPLING_STAGES or self.sampling_grpo else "eval/sim_tau"
 
 
 class DraftBatch(NamedTuple):

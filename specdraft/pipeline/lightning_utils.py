@@ -12,8 +12,8 @@ EVAL_PREFIXES = ("eval/", "val/")
 
 class TrackerCallback(L.Callback):
     """Log Lightning's scalar ``callback_metrics`` to the tracker: training metrics every ``every`` steps and at the
-    end, evaluation metrics (``eval/...``, ``val/...``) when an evaluation ends, so each eval point is logged at the step it was
-    measured (not repeated at every later training step until the next evaluation)."""
+    end, evaluation metrics (``eval/...``, ``val/...``) when an evaluation ends, so each eval point is logged at the
+    step it was measured (not repeated at every later training step until the next evaluation)."""
 
     def __init__(self, tracker: Tracker, prefix: str = "", every: int = 10):
         self.tracker, self.prefix, self.every = tracker, prefix, every

@@ -169,8 +169,8 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
         reqs = read_requests(world.bench_dir / "math.jsonl", lambda m: None)[: t.eval_prompts]
         eval_prompts = [encode(tokenizer, r.messages) for r in reqs]
     ckpt_dir = cfg.work_path / "checkpoints" / t.stage
-    best_cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, filename="drafter-best", monitor=objective.selection_metric,
-                                                  mode="max", save_last=False, save_top_k=1,
+    best_cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, filename="drafter-best",
+                                                  monitor=objective.selection_metric, mode="max", save_last=False, save_top_k=1,
                                                   enable_version_counter=False)
     last_cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, filename="drafter-last", every_n_train_steps=
                                                   max(1, min(t.eval_every, 50)), save_top_k=1,

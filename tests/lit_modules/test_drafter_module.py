@@ -118,7 +118,8 @@ def test_simulated_sampled_tau_is_the_runtime_expected_acceptance():
     K, V, T, G = 3, 5, 0.7, 40_000
     anchors = torch.tensor([[0, 4, 6]])
     ids = torch.zeros(1, 9, dtype=torch.long)  # the window at anchor 6 runs past the end: not fully supervised
-    blk = build_blocks(ids, torch.ones_like(ids), torch.tensor([9]), anchors, torch.ones(1, 3, dtype=torch.bool), K + 1, 4)
+    blk = build_blocks(ids, torch.ones_like(ids), torch.tensor([9]), anchors, torch.ones(1, 3, dtype=torch.bool),
+                       K + 1, 4)
     assert blk.label_mask.all(-1).tolist() == [[True, True, False]]
     draft_logits, target_logits = torch.randn(1, 3, K, V), torch.randn(1, 3, K, V)
     tau = DrafterModule.simulated_tau_sampled(draft_logits, blk, target_logits, T)
