@@ -97,9 +97,9 @@ def main() -> None:
         raise SystemExit(f"no base drafter at {base}: run `specdraft run {args.config}` first")
     out = Path(args.out or f"{base_cfg.work_dir}-compare")
     (out / "data").mkdir(parents=True, exist_ok=True)
-    shutil.copy(base_cfg.work_path / "data" / "train.jsonl", out / "data" / "train.jsonl")
-    if (base_cfg.work_path / "data" / "sampling.json").is_file():  # the temperature the responses were sampled at
-        shutil.copy(base_cfg.work_path / "data" / "sampling.json", out / "data" / "sampling.json")
+    for name in ("train.jsonl", "sampling.json"):  # the data and, if recorded, the temperature it was sampled at
+        if name == "train.jsonl" or (base_cfg.work_path / "data" / name).is_file():
+            shutil.copy(base_cfg.work_path / "data" / name, out / "data" / name)
     if world.bench_dir is not None and not (out / "bench_prompts").is_dir():
         shutil.copytree(world.bench_dir, out / "bench_prompts")
     # the overrides' work_dir (if any) names the base run; the variants always train and bench under --out

@@ -25,6 +25,11 @@ class Blocks(NamedTuple):
     mask: torch.Tensor  # [B, 1, N * Bk, S + N * Bk] bool attention visibility
 
 
+def full_windows(blk) -> torch.Tensor:
+    """Blocks ``[B, N]`` whose whole window is supervised (the simulated acceptance metrics and GRPO use only these)."""
+    return blk.valid & blk.label_mask.all(-1)
+
+
 def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, num_anchors: int,
                    generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Uniform anchors without replacement among supervised positions that have at least one label after them.

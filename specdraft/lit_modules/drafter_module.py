@@ -20,7 +20,8 @@ import lightning as L
 import torch
 
 from specdraft.lit_modules import grpo
-from specdraft.lit_modules.blocks import Blocks, build_blocks, decay_weights, default_gamma, sample_anchors
+from specdraft.lit_modules.blocks import (Blocks, build_blocks, decay_weights, default_gamma, full_windows,
+                                         sample_anchors)
 from specdraft.lit_modules.features import OfflineFeatures, online_features
 from specdraft.lit_modules.lm import cosine_with_warmup
 from specdraft.lit_modules.losses import (acceptance_alpha, decayed_ce, eal_loss, expected_accept_length, forward_kl,
@@ -246,7 +247,7 @@ class DrafterModule(L.LightningModule):
         """Expected accepted length (bonus included) under speculative sampling at ``temperature``:
         ``1 + E_T``, ``E_T = sum_k prod_{j<=k} alpha_j``, ``alpha = sum_v min(p, q)`` against the target's
         teacher-forced distributions (the quantity WTV maximises, methods.md §3.3); only fully supervised windows."""
-        full = blk.valid & blk.label_mask.all(-1)  # [B, N]
+        full = full_windows(blk)  # [B, N]
         if not full.any():
             return torch.tensor(float("nan"), device=logits.device)
         a = acceptance_alpha(logits[full], target_logits[full], temperature).clamp_min(1e-8)  # [M, K]
@@ -257,7 +258,7 @@ class DrafterModule(L.LightningModule):
         """Mean accepted length (bonus included) under greedy verification against the target's teacher-forced
         greedy tokens, computed by the runtime's ``accept_greedy``; only blocks whose window is fully supervised."""
         V = logits.shape[-1]
-        full = blk.valid & blk.label_mask.all(-1)
+        full = full_windows(blk)
         onehot = torch.nn.functional.one_hot(target_tokens[full], V).float()  # as logits: argmax == target token
         n_acc, _ = accept_greedy(logits.argmax(-1)[full], onehot)
         return (n_acc.float() + 1).mean() if n_acc.numel() else torch.tensor(float("nan"), device=logits.device)

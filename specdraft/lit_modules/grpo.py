@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specdraft.lit_modules.blocks import full_windows
 from specdraft.runtime.sampling import sample_from_probs
 from specdraft.runtime.verify import accept_greedy, accept_speculative_sampling
 
@@ -71,7 +72,7 @@ def grpo_loss(logits: torch.Tensor, ref_logits: torch.Tensor, target_tokens: tor
               generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict]:
     """Args: ``logits``/``ref_logits`` ``[B, N, K, V]``, ``target_tokens`` ``[B, N, K + 1]``,
     ``target_slot_logits`` ``[B, N, K, V]`` (sampling mode). Returns ``(loss, stats)``."""
-    full = blocks.valid & blocks.label_mask.all(-1)  # [B, N] windows fully in the data
+    full = full_windows(blocks)  # [B, N] windows fully in the data
     z, zr, y = logits[full], ref_logits[full], target_tokens[full]  # [M, K, V], [M, K, V], [M, K+1]
     if z.shape[0] > cfg.max_blocks:
         z, zr, y = z[: cfg.max_blocks], zr[: cfg.max_blocks], y[: cfg.max_blocks]
