@@ -18,6 +18,16 @@ import time
 
 import torch
 from fusion_overhead import fusion_overhead_ms  # benchmarks/ is on sys.path when this runs as a script
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specdraft.pipeline.config import load_config
+from specdraft.pipeline.stages import default_drafter_dir, existing_world
+from specdraft.runtime.batch_job import read_requests
+from specdraft.runtime.chat import encode_chat
+from specdraft.runtime.decode import GenerationConfig, generate
+from specdraft.runtime.drafter_io import build_drafter, drafter_config_for_target, load_drafter
+from specdraft.runtime.load import load_target
+from specdraft.runtime.models.retrace import ReTraceConfig, ReTraceDrafter, ReTraceOptions
 
 
 def _time(fn, repeats: int) -> float:
@@ -40,14 +50,6 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from specdraft.pipeline.config import load_config
-    from specdraft.pipeline.stages import default_drafter_dir, existing_world
-    from specdraft.runtime.batch_job import encode, read_requests
-    from specdraft.runtime.decode import GenerationConfig, generate
-    from specdraft.runtime.drafter_io import (build_drafter, drafter_config_for_target, load_drafter)
-    from specdraft.runtime.load import load_target
 
     cfg = load_config(args.config, overrides)
     world = existing_world(cfg)
@@ -62,7 +64,6 @@ def main() -> None:
                                          cfg.drafter.block_size, num_features=cfg.drafter.num_features or None)
         drafter = build_drafter(dcfg).bind_target(target.model.embed_tokens, target.lm_head).eval()
         drafter_src = "fresh (untrained) drafter of the configured shape"
-    from specdraft.runtime.models.retrace import ReTraceConfig, ReTraceDrafter, ReTraceOptions
 
     retrace = ReTraceDrafter(ReTraceConfig.from_dflash(drafter.config, ReTraceOptions()))
     retrace.load_state_dict(drafter.state_dict(), strict=False)
@@ -70,7 +71,7 @@ def main() -> None:
     retrace = retrace.bind_target(target.model.embed_tokens, target.lm_head).eval()
     hf = AutoModelForCausalLM.from_pretrained(str(world.target_dir), dtype=torch.float32).eval()
     reqs = read_requests(world.bench_dir / "math.jsonl", lambda m: None)[:8]
-    prompts = [encode(tok, r.messages) for r in reqs]
+    prompts = [encode_chat(tok, r.messages) for r in reqs]
     N = args.new_tokens
     out = {"drafter": drafter_src, "block_size": drafter.block_size, "new_tokens": N, "threads": torch.get_num_threads()}
 

@@ -1,8 +1,8 @@
-"""ReTrace's per-round fusion overhead at a real Qwen3 shape (issue: ReTrace; goal <= 5% of a round).
+"""ReTrace's per-round fusion overhead at a real Qwen3 shape (goal: <= 5% of a round).
 
 The tiny world's drafter and target are so small (D = 256, a 1-layer drafter, a 6-layer target) that the fusion's
-~6 D^2 parameters are ~6% of the weights a round touches. This measures the same thing at a real model's shapes with
-random weights (no checkpoint, nothing downloaded; the cost of a round does not depend on the weights):
+~6 D^2 parameters are a large share of the weights a round touches. This measures the same thing at a real model's
+shapes with random weights (no checkpoint, nothing downloaded; the cost of a round does not depend on the weights):
 
 1. ``fusion_ms``: ReTrace's extra work per round (ingest of the rejected rows' features, retaining the suffix,
    fusing it into the next block) minus the same DFlash steps, on a real round's tensors; median of interleaved pairs.
@@ -22,6 +22,11 @@ import statistics
 import time
 
 import torch
+
+from specdraft.runtime.decode import GenerationConfig, generate
+from specdraft.runtime.drafter_io import build_drafter, drafter_config_for_target
+from specdraft.runtime.models.retrace import ReTraceConfig, ReTraceDrafter, ReTraceOptions
+from specdraft.runtime.models.target import TargetArgs, TargetLM
 
 SHAPES = {  # the published config.json values of each model (architecture only)
     "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
@@ -96,11 +101,6 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
-
-    from specdraft.runtime.decode import GenerationConfig, generate
-    from specdraft.runtime.drafter_io import build_drafter, drafter_config_for_target
-    from specdraft.runtime.models.retrace import ReTraceConfig, ReTraceDrafter, ReTraceOptions
-    from specdraft.runtime.models.target import TargetArgs, TargetLM
 
     dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
     torch.manual_seed(0)

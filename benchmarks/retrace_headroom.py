@@ -1,6 +1,6 @@
 """How much could ReTrace gain? The information a rejected suffix carries, measured in serving (issue: ReTrace).
 
-ReTrace (first seed abstract; methods.md §1) conditions the next block on the previous round's rejected suffix. The
+ReTrace (rejected-trajectory conditioning) conditions the next block on the previous round's rejected suffix. The
 most that conditioning can add is bounded by what that suffix knows about the next block's true tokens that the
 fresh draft does not. This script decodes held-out prompts greedily (T=0, batch 1, the engine's own loop) with a
 drafter, records every round's drafts, accepted count and the target's argmax at every verified slot, and for each
@@ -36,6 +36,15 @@ from dataclasses import dataclass
 from itertools import takewhile
 
 import torch
+from transformers import AutoTokenizer
+
+from specdraft.pipeline.bench import suite_prompts, with_bench_prompts
+from specdraft.pipeline.config import load_config
+from specdraft.pipeline.stages import existing_world
+from specdraft.pipeline.tokenizer import stop_token_ids
+from specdraft.runtime.decode import GenerationConfig, generate
+from specdraft.runtime.drafter_io import load_drafter
+from specdraft.runtime.load import load_target
 
 SWITCH_THRESHOLDS = (0.1, 0.2, 0.3, 0.5)  # drafter top-1 probabilities under which switch_target@t trusts the target
 RULES = ("fresh", "copy", "target", "oracle_copy", "oracle_all", "oracle_fresh_top2", "oracle_fresh_top3",
@@ -54,23 +63,15 @@ class Round:
 
 def record_rounds(target, drafter, prompt: list[int], gen) -> tuple[list[Round], list[int]]:
     """Greedy-decode one prompt with the engine, recording each round; returns (rounds, committed after anchor 0)."""
-    from specdraft.runtime.decode import generate
-
     rounds: list[Round] = []
-    inner = drafter.next_round_state
 
-    def spy(state, hidden, draft_tokens, num_accepted, target_logits, target_context):
-        top3 = drafter.logits(hidden[:1, 1:]).float().softmax(-1).topk(3, dim=-1)  # [K, 3]
-        p_draft = target_logits[0, :-1].float().softmax(-1).gather(-1, draft_tokens[0, :, None])[:, 0]  # [K]
-        rounds.append(Round(draft_tokens[0].tolist(), int(num_accepted[0]), target_logits[0].argmax(-1).tolist(),
-                            top3.indices[0].tolist(), p_draft.tolist(), top3.values[0, :, 0].tolist()))
-        return inner(state, hidden, draft_tokens, num_accepted, target_logits, target_context)
+    def record(r):  # one row: batch 1
+        top3 = r.draft_logits[0].float().softmax(-1).topk(3, dim=-1)  # [K, 3]
+        p_draft = r.target_logits[0, :-1].float().softmax(-1).gather(-1, r.draft_tokens[0, :, None])[:, 0]  # [K]
+        rounds.append(Round(r.draft_tokens[0].tolist(), int(r.num_accepted[0]), r.target_logits[0].argmax(-1).tolist(),
+                            top3.indices.tolist(), p_draft.tolist(), top3.values[:, 0].tolist()))
 
-    drafter.next_round_state = spy
-    try:
-        generate(target, [prompt], gen, drafter=drafter)
-    finally:
-        del drafter.next_round_state  # back to the class method
+    generate(target, [prompt], gen, drafter=drafter, observer=record)
     committed = []
     for r in rounds:  # each round commits n drafts and the target's token at slot n + 1
         committed += r.drafts[: r.accepted] + [r.target_argmax[r.accepted]]
@@ -84,7 +85,7 @@ def leading_run(ok: list[bool]) -> int:
 def round_headroom(prev: Round, cur: Round, truth: list[int]) -> dict[str, int]:
     """Accepted drafts of ``cur`` under each rule; ``truth[j-1]`` is the committed token at ``cur``'s slot ``j``.
 
-    Alignment (methods.md §1): ``cur``'s anchor is ``prev``'s slot ``n + 1``, so ``cur`` slot ``j`` is ``prev`` slot
+    Alignment: ``cur``'s anchor is ``prev``'s slot ``n + 1``, so ``cur`` slot ``j`` is ``prev`` slot
     ``s = j + n + 1`` when ``s <= K``; the target's argmax for slot ``s`` is read at verify position ``s - 1``.
     """
     K, n = len(prev.drafts), prev.accepted
@@ -179,15 +180,6 @@ def main() -> None:
     ap.add_argument("--suites", default="", help="comma-separated (default: the config's bench.suites)")
     args, overrides = ap.parse_known_args()
 
-    from transformers import AutoTokenizer
-
-    from specdraft.pipeline.bench import suite_prompts, with_bench_prompts
-    from specdraft.pipeline.config import load_config
-    from specdraft.pipeline.stages import existing_world
-    from specdraft.pipeline.tokenizer import stop_token_ids
-    from specdraft.runtime.decode import GenerationConfig
-    from specdraft.runtime.drafter_io import load_drafter
-    from specdraft.runtime.load import load_target
 
     cfg = load_config(args.config, overrides)
     world = with_bench_prompts(cfg, existing_world(cfg))

@@ -18,8 +18,8 @@ From one base drafter (the run's ``sft`` export), train each variant for the sam
     grpo-wtv sampling GRPO (reward: speculative sampling's acceptance at T) from wtv-len -> compare with wtv-len at T=1
     retrace-main  ReTrace on the DFlash backbone          -> compare with sft (plus the ablations below)
 
-A variant named apart from its stage (``eal-mix``, ``retrace-*``) trains into the stage's export dir, is moved to
-``drafter/<name>``, and the stage's own export (if any) is put back.
+Each variant exports to ``drafter/<variant>`` (``train.export_name``); its stage is the longest stage-table name
+that the variant's name starts with.
 
 then bench all of them (plus AR) on the held-out suites at T=0 and T=1 and print the ratios.
 
@@ -37,40 +37,52 @@ import shutil
 import time
 from pathlib import Path
 
+from specdraft.lit_modules.stage_table import STAGES
+from specdraft.pipeline import stages
+from specdraft.pipeline.config import load_config
+
 VARIANTS = {
     "sft": [],
     "kl": ["train.features=online"],
-    "eal": [],
-    "eal-mix": ["train.ce_mix_eta=3.0"],  # EAL with the CE warm-up mix of methods.md §3.2
+    "eal": ["train.acceptance_form=log"],  # -log(1+E), the form first measured
+    "eal-mix": ["train.acceptance_form=log", "train.ce_mix_eta=3.0"],  # EAL with the CE warm-up mix
     "eal-len": ["train.acceptance_form=log_len"],
-    "eal-greedy": ["train.eal_variant=greedy"],
+    "eal-greedy": ["train.acceptance_form=log", "train.eal_variant=greedy"],
     "eal-len-mix": ["train.acceptance_form=log_len", "train.ce_mix_eta=3.0"],
     # trained at verified anchors (a + n + 1 after a no-grad greedy round), where serving anchors its blocks
     "sft-v": ["train.anchors=verified"],
     "eal-len-v": ["train.anchors=verified", "train.acceptance_form=log_len"],
-    "eal-greedy-v": ["train.anchors=verified", "train.eal_variant=greedy"],
-    "wtv": ["train.features=online"],
+    "eal-greedy-v": ["train.anchors=verified", "train.acceptance_form=log", "train.eal_variant=greedy"],
+    "wtv": ["train.features=online", "train.acceptance_form=log"],
     "wtv-len": ["train.features=online", "train.acceptance_form=log_len"],
     "wtv-sg": ["train.features=online", "train.wtv_variant=stopgrad"],
-    "grpo": ["train.features=online"],  # starts from the eal-mix export (see the loop); groups sampled at T_d 0.5
-    "grpo-t1": ["train.features=online", "train.grpo_draft_temperature=1.0"],  # groups sampled at T_d 1
+    "grpo": ["train.features=online"],  # starts from the eal-mix export (GRPO_START); groups sampled at T_d 0.5
+    "grpo-t1": ["train.features=online", "train.grpo.draft_temperature=1.0"],  # groups sampled at T_d 1
     "grpo-len": ["train.features=online"],  # starts from the eal-len export
     # sampling GRPO (reward: the min(1, p/q) test at T) from the wtv-len export; train it on data sampled at T
-    "grpo-wtv": ["train.features=online", "train.grpo_mode=sampling"],
+    "grpo-wtv": ["train.features=online", "train.grpo.mode=sampling"],
     "retrace-main": ["train.features=online"],  # hard alignment, correction signals, mask slots only
 }
 # each GRPO variant's start export
 GRPO_START = {"grpo": "eal-mix", "grpo-t1": "eal-mix", "grpo-len": "eal-len", "grpo-wtv": "wtv-len"}
 ABLATIONS = {  # ReTrace ablations, each its own export dir
-    "retrace-soft": ["train.features=online", "drafter.retrace_alignment=soft"],
-    "retrace-nocorr": ["train.features=online", "drafter.retrace_use_correction=false"],
-    "retrace-anchor": ["train.features=online", "drafter.retrace_gate_anchor=true"],
-    "retrace-cheap": ["train.features=online", "train.retrace_signals=cheap"],  # teacher-forced correction signals
+    "retrace-soft": ["train.features=online", "drafter.retrace.alignment=soft"],
+    "retrace-nocorr": ["train.features=online", "drafter.retrace.use_correction=false"],
+    "retrace-anchor": ["train.features=online", "drafter.retrace.gate_anchor=true"],
+    "retrace-cheap": ["train.features=online", "train.retrace.signals=cheap"],  # teacher-forced correction signals
     # the first round's random-anchor blocks trained with CE too (the backbone keeps SFT's anchors)
-    "retrace-mix": ["train.features=online", "train.retrace_first_round_ce=1.0"],
-    # a slim fusion: refiner of width D/2 fed [h; LN(c)] (0.42x the parameters; measured: -5% tau vs the default)
-    "retrace-slim": ["train.features=online", "drafter.retrace_refiner_width=128", "drafter.retrace_embed_drafted=false"],
+    "retrace-mix": ["train.features=online", "train.retrace.first_round_ce=1.0"],
+    # a slim fusion: refiner of width D/2 fed [h; LN(c)] (0.42x the parameters)
+    "retrace-slim": ["train.features=online", "drafter.retrace.refiner_width=128", "drafter.retrace.embed_drafted=false"],
 }
+
+
+def stage_of(variant: str) -> str:
+    """The training stage a variant runs: the longest stage name it equals or starts with (``eal-len`` -> eal)."""
+    names = [s for s in STAGES if variant == s or variant.startswith(s + "-")]
+    if not names:
+        raise SystemExit(f"variant {variant!r} names no training stage ({', '.join(STAGES)})")
+    return max(names, key=len)
 
 
 def main() -> None:
@@ -87,12 +99,9 @@ def main() -> None:
                     help="bench batch size (tau does not depend on it; a larger one benches more prompts per minute)")
     args, overrides = ap.parse_known_args()
 
-    from specdraft.pipeline import stages
-    from specdraft.pipeline.config import load_config
-
     base_cfg = load_config(args.config, overrides)
     world = stages.existing_world(base_cfg)
-    base = base_cfg.work_path / "drafter" / "sft"
+    base = base_cfg.drafter_dir("sft")
     if not (base / "config.json").is_file():
         raise SystemExit(f"no base drafter at {base}: run `specdraft run {args.config}` first")
     out = Path(args.out or f"{base_cfg.work_dir}-compare")
@@ -114,32 +123,22 @@ def main() -> None:
         todo.update(ABLATIONS)
     timings = {}
     for name, extra in todo.items():
-        stage = "retrace" if name.startswith("retrace") else name.split("-")[0]
-        start = out / "drafter" / GRPO_START[name] if stage == "grpo" else base
-        init = [f"drafter.init_from={start}"]
-        cfg = load_config(args.config, [*common, f"train.stage={stage}", *init, *extra])
-        if args.bench_only or ((out / "drafter" / name / "config.json").is_file() and not args.retrain):
+        stage = stage_of(name)
+        start = base_cfg.drafter_dir("sft") if stage != "grpo" else out / "drafter" / GRPO_START[name]
+        cfg = load_config(args.config, [*common, f"train.stage={stage}", f"train.export_name={name}",
+                                        f"drafter.init_from={start}", *extra])
+        if args.bench_only or ((cfg.drafter_dir(name) / "config.json").is_file() and not args.retrain):
             continue
         if not (start / "config.json").is_file():
             raise SystemExit(f"variant {name!r} starts from {start}, which does not exist: train {start.name} first")
-        shared = out / "drafter" / stage  # a variant named apart from its stage must not clobber that stage's export
-        parked = out / "drafter" / f".{stage}-parked"
-        if name != stage and (shared / "config.json").is_file():
-            shutil.rmtree(parked, ignore_errors=True)
-            shared.rename(parked)
+        shutil.rmtree(cfg.work_path / "checkpoints" / name, ignore_errors=True)  # each variant starts from its start
         t0 = time.perf_counter()
         stages.train(cfg, world)
         timings[name] = time.perf_counter() - t0
         seconds_file = out / "train_seconds.json"
         seen = json.loads(seconds_file.read_text()) if seconds_file.is_file() else {}
         seconds_file.write_text(json.dumps({**seen, name: timings[name]}, indent=2))
-        if name != stage:  # keep each ablation's export under its own name, and put the stage's own one back
-            dst = out / "drafter" / name
-            shutil.rmtree(dst, ignore_errors=True)
-            shared.rename(dst)
-            if parked.is_dir():
-                parked.rename(shared)
-        shutil.rmtree(out / "checkpoints" / stage, ignore_errors=True)  # each variant starts from the base
+        shutil.rmtree(cfg.work_path / "checkpoints" / name, ignore_errors=True)
     if args.train_only:
         print(f"trained {', '.join(timings) or 'nothing new'}: {timings}")
         return

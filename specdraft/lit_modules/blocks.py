@@ -25,6 +25,16 @@ class Blocks(NamedTuple):
     mask: torch.Tensor  # [B, 1, N * Bk, S + N * Bk] bool attention visibility
 
 
+class DraftBatch(NamedTuple):
+    """One training forward: drafter logits for a set of blocks and the target's view of them."""
+
+    logits: torch.Tensor  # [B, N, K, V] drafter logits for slots 1..K
+    blocks: Blocks
+    target_tokens: torch.Tensor  # [B, N, K + 1] target greedy token after each block prefix (teacher-forced)
+    target_logits: torch.Tensor | None  # [B, N, K, V] target logits for slots 1..K (teacher-forced)
+    ctx: tuple  # (block embeds, block positions, ctx features, ctx positions) to re-run a drafter (GRPO reference)
+
+
 def full_windows(blk) -> torch.Tensor:
     """Blocks ``[B, N]`` whose whole window is supervised (the simulated acceptance metrics and GRPO use only these)."""
     return blk.valid & blk.label_mask.all(-1)

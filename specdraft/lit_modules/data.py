@@ -12,15 +12,17 @@ import math
 
 import lightning as L
 import torch
+from datasets import load_dataset
 from torch.utils.data import DataLoader, Sampler
+
+from specdraft.errors import SpecdraftError
+from specdraft.runtime.chat import encode_chat
 
 
 def tokenize_conversation(tokenizer, messages: list[dict], enable_thinking: bool = False) -> tuple[list[int], list[int]]:
     """``(input_ids, loss_mask)``; the prompt part is byte-identical to what ``decode`` feeds the target."""
     def render(msgs, gen):
-        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=True,
-                                            enable_thinking=enable_thinking)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return encode_chat(tokenizer, msgs, add_generation_prompt=gen, enable_thinking=enable_thinking)
 
     full = render(messages, False)
     mask = [0] * len(full)
@@ -103,8 +105,6 @@ class ShareGPTDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_items:
             return
-        from datasets import load_dataset
-
         ds = load_dataset("json", data_files=self.data_file, split="train")
         for row in ds:
             ids, mask = tokenize_conversation(self.tokenizer, row["conversations"], self.enable_thinking)
@@ -121,8 +121,6 @@ class ShareGPTDataModule(L.LightningDataModule):
         for i, it in enumerate(self.val_items):
             it["index"] = i
         if not self.train_items:
-            from specdraft.errors import SpecdraftError
-
             raise SpecdraftError(f"no usable training conversations in {self.data_file} (need >= "
                                  f"{2 * self.block_size} assistant tokens each)")
 

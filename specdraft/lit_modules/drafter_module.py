@@ -1,102 +1,36 @@
 """LightningModule for block drafters: a thin wrapper = target features + drafter forward + the stage's objective.
 
-Stages (``Objective.stage``): ``sft`` (DFlash decayed CE, arXiv:2602.06036 §4.2, optional KL), ``kl`` (forward KL to
-the temperature-scaled target), ``eal`` / ``wtv`` (acceptance-aware losses, methods.md §3) and ``grpo`` (group
-relative policy optimisation rewarded by simulated acceptance length, see :mod:`specdraft.lit_modules.grpo`).
-The target is frozen and only supplies features, its embedding and LM head. Metrics: ``train/loss``,
-``train/acc_k``, ``eval/loss``, ``eval/sim_tau`` (teacher-forced greedy acceptance with the runtime's
-:func:`accept_greedy`, bonus included), ``eval/sim_tau_sampled`` where the target's distributions are at hand
-(expected acceptance under speculative sampling; the sampling stages' checkpoints are picked by it) and, from the
-pipeline's callback, ``eval/tau`` from real decoding.
+The stage (``Objective.stage``) is a row of :data:`~specdraft.lit_modules.stage_table.STAGES`: its step drafts the
+blocks, its loss scores them. The target is frozen and only supplies features, its embedding and LM head. Metrics:
+``train/loss``, ``train/acc_k``, ``eval/loss``, ``eval/sim_tau`` (teacher-forced greedy acceptance with the
+runtime's :func:`accept_greedy`, bonus included), ``eval/sim_tau_sampled`` where the target's distributions are at
+hand (expected acceptance under speculative sampling; the sampling stages' checkpoints are picked by it) and, from
+the pipeline's callback, ``eval/tau`` from real decoding.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import lightning as L
 import torch
 
-from specdraft.lit_modules import grpo
-from specdraft.lit_modules.blocks import (Blocks, build_blocks, decay_weights, default_gamma, full_windows,
-                                         sample_anchors)
+from specdraft.lit_modules.blocks import (
+    DraftBatch,
+    build_blocks,
+    decay_weights,
+    default_gamma,
+    full_windows,
+    sample_anchors,
+)
 from specdraft.lit_modules.features import OfflineFeatures, online_features
 from specdraft.lit_modules.lm import cosine_with_warmup
-from specdraft.lit_modules.losses import (acceptance_alpha, decayed_ce, eal_loss, expected_accept_length, forward_kl,
-                                         tv_hybrid_loss, wtv_loss)
+from specdraft.lit_modules.losses import acceptance_alpha, decayed_ce, expected_accept_length
+from specdraft.lit_modules.stage_table import Objective
 from specdraft.runtime.models.target import TargetLM
 from specdraft.runtime.verify import accept_greedy
 
-STAGES = ("sft", "kl", "tv", "eal", "wtv", "grpo", "retrace")
-NEEDS_TARGET_LOGITS = ("kl", "tv", "wtv")
-SAMPLING_STAGES = ("kl", "tv", "wtv")  # trained for speculative sampling at train.temperature
 _FROZEN = ("target.", "reference.")
-
-
-@dataclass
-class Objective:
-    stage: str = "sft"
-    gamma: float = 0.0
-    """Decay of the per-slot CE weights (0 = DFlash default for the block size)."""
-    kl_weight: float = 0.0
-    """sft: weight of an added forward KL."""
-    temperature: float = 1.0
-    """kl/tv/wtv/grpo(sampling): temperature applied to both distributions."""
-    acceptance_form: str = "log"
-    """eal/wtv: -log(1+E) (log), -E/K (linear) or -log E (log_len: slot 1 keeps CE-strength gradient)."""
-    wtv_variant: str = "product"
-    """wtv: product (-log(1+E_T)) or stopgrad (sum_k W_k (1 - alpha_k))."""
-    eal_variant: str = "product"
-    """eal: product (the acceptance_form loss of E) or greedy (E's gradient at the hard greedy outcomes)."""
-    anchors: str = "random"
-    """Training anchors: random (uniform over supervised positions) or verified (where serving puts them: one
-    no-grad greedy round at random anchors, then ``a + n + 1``); validation always uses random anchors."""
-    ce_mix_eta: float = 0.0
-    """eal: warm-up mix lambda*CE + (1-lambda)*EAL with lambda = exp(-eta * sg(mean q)); 0 = pure EAL."""
-    grpo: grpo.GRPOConfig | None = None
-    prior_dropout: float = 0.2
-    """retrace: share of second-round blocks trained without their prior (keeps the no-prior path calibrated)."""
-    retrace_signals: str = "exact"
-    """retrace: correction signals from a replayed verify pass (exact) or teacher-forced (cheap); see retrace_step."""
-    retrace_chain: float = 1.0
-    """retrace: probability that round 1 is drafted with a prior from a no-grad round 0 (see retrace_step)."""
-    retrace_first_round_ce: float = 0.0
-    """retrace: weight of the decayed CE on the first round's blocks (random anchors, no prior), trained alongside the
-    second round so the backbone keeps SFT's anchor distribution (0 = second round only)."""
-    fusion_lr_scale: float = 10.0
-    """retrace: learning-rate multiplier of the new fusion/refiner parameters over the warm-started backbone's."""
-
-    @property
-    def sampling_grpo(self) -> bool:
-        return self.stage == "grpo" and self.grpo is not None and self.grpo.mode == "sampling"
-
-    @property
-    def needs_target_logits(self) -> bool:
-        cheap_retrace = self.stage == "retrace" and self.retrace_signals == "cheap"
-        return self.stage in NEEDS_TARGET_LOGITS or self.kl_weight > 0 or self.sampling_grpo or cheap_retrace
-
-    @property
-    def sampling_temperature(self) -> float:
-        """The verification temperature this stage trains for under speculative sampling."""
-        return self.grpo.temperature if self.sampling_grpo else self.temperature
-
-    @property
-    def selection_metric(self) -> str:
-        """The validation metric the exported checkpoint maximises: the sampling stages are trained for speculative
-        sampling, so they are picked by the expected acceptance there, not by greedy acceptance."""
-        return "eval/sim_tau_sampled" if self.stage in SAMPLING_STAGES or self.sampling_grpo else "eval/sim_tau"
-
-
-class DraftBatch(NamedTuple):
-    """One training forward: drafter logits for random-anchor blocks and the target's view of them."""
-
-    logits: torch.Tensor  # [B, N, K, V] drafter logits for slots 1..K
-    blocks: Blocks
-    target_tokens: torch.Tensor  # [B, N, K + 1] target greedy token after each block prefix (teacher-forced)
-    target_logits: torch.Tensor | None  # [B, N, K, V] target logits for slots 1..K (teacher-forced)
-    ctx: tuple  # (block embeds, block positions, ctx features, ctx positions) to re-run a drafter (GRPO reference)
 
 
 class DrafterModule(L.LightningModule):
@@ -106,27 +40,25 @@ class DrafterModule(L.LightningModule):
         super().__init__()
         self.save_hyperparameters(ignore=["drafter", "target", "offline", "objective"])
         self.objective = objective or Objective()
-        if self.objective.stage == "grpo" and self.objective.grpo is None:
-            self.objective.grpo = grpo.GRPOConfig()
-        if self.objective.stage not in STAGES:
-            raise ValueError(f"unknown stage {self.objective.stage!r} ({', '.join(STAGES)})")
+        self.stage = self.objective.spec
         if offline is not None and self.objective.needs_target_logits:
             raise ValueError(f"stage {self.objective.stage!r} needs target logits: use online features")
         self.drafter = drafter
         self.target = target.requires_grad_(False).eval()
         self.drafter.bind_target(self.target.model.embed_tokens, self.target.lm_head)
         self.offline = offline
-        bs = drafter.block_size
-        self.gamma = self.objective.gamma or default_gamma(bs)
-        self.register_buffer("slot_weights", decay_weights(bs, self.gamma), persistent=False)
-        # GRPO's KL anchor: a frozen copy of the starting drafter (kept out of checkpoints, like the target)
+        Bk = drafter.block_size
+        self.gamma = self.objective.gamma or default_gamma(Bk)
+        self.register_buffer("slot_weights", decay_weights(Bk, self.gamma), persistent=False)
+        # a frozen copy of the starting drafter (GRPO's KL anchor), kept out of checkpoints like the target
         self.reference = None
-        if self.objective.stage == "grpo":
+        if self.stage.reference:
             ref = type(drafter)(drafter.config)
             ref.load_state_dict(drafter.state_dict())
             self.reference = ref.to(drafter.fc.weight.device).requires_grad_(False).eval()
             self.reference.bind_target(self.target.model.embed_tokens, self.target.lm_head)
         self._tokens_seen, self._t0 = 0, None
+        self._loss_stats: dict = {}
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -136,7 +68,7 @@ class DrafterModule(L.LightningModule):
         return self
 
     # ---- shared forward -------------------------------------------------------------------------------
-    def _features(self, batch, split: str, cache=None):
+    def features(self, batch, split: str, cache=None):
         """``(features, target hidden or None, greedy)``; a ``cache`` forces the online pass and keeps its K/V."""
         ids = batch["input_ids"]
         if self.offline is not None and cache is None:
@@ -150,15 +82,15 @@ class DrafterModule(L.LightningModule):
         the block inputs. Returns ``(logits [B, N, K, V], hidden [B, N, Bk, D], blocks, ctx)``."""
         ids, loss_mask, lengths = batch["input_ids"], batch["loss_mask"], batch["lengths"]
         d = self.drafter
-        bs = d.block_size
-        blk = build_blocks(ids, loss_mask, lengths, anchors, valid, bs, d.config.mask_token_id)
+        Bk = d.block_size
+        blk = build_blocks(ids, loss_mask, lengths, anchors, valid, Bk, d.config.mask_token_id)
         B, S = ids.shape
         N = anchors.shape[1]
         ctx_pos = torch.arange(S, device=ids.device).expand(B, S)
         embeds = d.embed(blk.tokens)  # [B, N*Bk, D]
         if prior is not None:
-            embeds = embeds + d.fusion_delta(prior).view(B, N * bs, -1).to(embeds.dtype)
-        hidden = d(embeds, blk.positions, d.context_kv(feats, ctx_pos), blk.mask).view(B, N, bs, -1)
+            embeds = embeds + d.fusion_delta(prior).view(B, N * Bk, -1).to(embeds.dtype)
+        hidden = d(embeds, blk.positions, d.context_kv(feats, ctx_pos), blk.mask).view(B, N, Bk, -1)
         logits = d.logits(hidden[:, :, 1:])  # [B, N, K, V] (slot 0 is never a target)
         return logits, hidden, blk, (embeds, blk.positions, feats, ctx_pos)
 
@@ -177,7 +109,7 @@ class DrafterModule(L.LightningModule):
         return tokens, slot_logits
 
     def draft(self, batch, split: str, generator: torch.Generator | None = None) -> DraftBatch:
-        feats, target_hidden, greedy = self._features(batch, split)
+        feats, target_hidden, greedy = self.features(batch, split)
         anchors, valid = sample_anchors(batch["loss_mask"], batch["lengths"], self.hparams.num_anchors, generator)
         if split == "train" and self.objective.anchors == "verified":
             anchors, valid = self.verified_anchors(batch, feats, greedy, anchors, valid)
@@ -190,7 +122,7 @@ class DrafterModule(L.LightningModule):
         """Where serving anchors the next block: draft at ``anchors`` ``[B, N]`` (no grad), accept the leading drafts
         that equal the target's teacher-forced greedy tokens (the runtime's greedy rule; exact on target-greedy
         data), and return ``(a + n + 1, valid)``. Those positions follow a rejection, where the drafter has just
-        failed; uniform anchors under-sample them (the Draft-OPD observation, fourth seed abstract)."""
+        failed; uniform anchors under-sample them (the Draft-OPD observation, arXiv:2605.29343)."""
         K = self.drafter.block_size - 1
         logits, _, blk, _ = self.run_blocks(batch, feats, anchors, valid)
         tokens, _ = self.target_view(anchors, greedy, None, K)
@@ -202,38 +134,8 @@ class DrafterModule(L.LightningModule):
         return torch.where(ok, nxt, torch.zeros_like(nxt)), ok
 
     def objective_loss(self, db: DraftBatch, generator: torch.Generator | None = None) -> torch.Tensor:
-        o, blk = self.objective, db.blocks
-        K = db.logits.shape[2]
-        if o.stage in ("sft", "retrace"):  # retrace: decayed CE on the second-round blocks
-            loss = decayed_ce(db.logits, blk.labels, blk.label_mask, self.slot_weights)
-            if o.kl_weight > 0:
-                loss = loss + o.kl_weight * forward_kl(db.logits, db.target_logits, blk.label_mask, self.slot_weights,
-                                                       o.temperature)
-            return loss
-        if o.stage == "kl":
-            return forward_kl(db.logits, db.target_logits, blk.label_mask, self.slot_weights, o.temperature)
-        if o.stage == "tv":
-            return tv_hybrid_loss(db.logits, db.target_logits, blk.label_mask, self.slot_weights, o.temperature)
-        if o.stage == "eal":
-            loss, E = eal_loss(db.logits, db.target_tokens[..., :K], blk.label_mask, blk.valid, o.acceptance_form,
-                               o.eal_variant)
-            if o.ce_mix_eta > 0:
-                q = db.logits.float().log_softmax(-1).gather(-1, db.target_tokens[..., :K, None])[..., 0].exp()
-                m = blk.label_mask.float()
-                lam = torch.exp(-o.ce_mix_eta * ((q.detach() * m).sum() / m.sum().clamp_min(1)))
-                loss = lam * decayed_ce(db.logits, blk.labels, blk.label_mask, self.slot_weights) + (1 - lam) * loss
-            return loss
-        if o.stage == "wtv":
-            return wtv_loss(db.logits, db.target_logits, blk.label_mask, o.temperature, blk.valid,
-                            o.acceptance_form, o.wtv_variant)[0]
-        ref = self.reference
-        with torch.no_grad():
-            embeds, positions, feats, ctx_pos = db.ctx
-            B, N = db.logits.shape[:2]
-            hidden = ref(embeds, positions, ref.context_kv(feats, ctx_pos), blk.mask)
-            ref_logits = ref.logits(hidden.view(B, N, K + 1, -1)[:, :, 1:])  # [B, N, K, V]
-        loss, stats = grpo.grpo_loss(db.logits, ref_logits, db.target_tokens, db.target_logits, blk, o.grpo, generator)
-        self._grpo_stats = stats
+        """The stage's loss on ``db`` (its stats are kept in ``self._loss_stats`` for logging)."""
+        loss, self._loss_stats = self.stage.loss(self, db, generator)
         return loss
 
     @staticmethod
@@ -246,7 +148,7 @@ class DrafterModule(L.LightningModule):
     def simulated_tau_sampled(logits, blk, target_logits, temperature: float) -> torch.Tensor:
         """Expected accepted length (bonus included) under speculative sampling at ``temperature``:
         ``1 + E_T``, ``E_T = sum_k prod_{j<=k} alpha_j``, ``alpha = sum_v min(p, q)`` against the target's
-        teacher-forced distributions (the quantity WTV maximises, methods.md §3.3); only fully supervised windows."""
+        teacher-forced distributions (the quantity WTV maximises); only fully supervised windows."""
         full = full_windows(blk)  # [B, N]
         if not full.any():
             return torch.tensor(float("nan"), device=logits.device)
@@ -269,46 +171,31 @@ class DrafterModule(L.LightningModule):
             self._t0 = time.perf_counter()
         # anchors (and GRPO samples) are a function of (seed, step): resampled every step, identical after a resume
         g = torch.Generator(device="cpu").manual_seed(self.hparams.seed * 1_000_003 + self.global_step)
-        if self.objective.stage == "retrace":
-            from specdraft.lit_modules.retrace_step import two_round_blocks
-
-            o = self.objective
-            db, stats = two_round_blocks(self, batch, "train", g, o.prior_dropout, o.retrace_signals, o.retrace_chain,
-                                         self.slot_weights if o.retrace_first_round_ce > 0 else None)
-            extra = o.retrace_first_round_ce * stats.pop("first_round_ce") if "first_round_ce" in stats else 0.0
-            self.log_dict({f"train/retrace_{k}": v for k, v in stats.items()})
-        else:
-            db, extra = self.draft(batch, "train", g), 0.0
+        db, extra, step_stats = self.stage.step(self, batch, "train", g)
         loss = self.objective_loss(db, g) + extra
         self._tokens_seen += int(batch["lengths"].sum())
         acc = self.slot_accuracy(db.logits.detach(), db.blocks)
         self.log("train/loss", loss, prog_bar=True)
         self.log_dict({f"train/acc_{k + 1}": a for k, a in enumerate(acc.tolist())})
         self.log("train/tokens_per_s", self._tokens_seen / max(time.perf_counter() - self._t0, 1e-6))
-        if self.objective.stage == "grpo":
-            self.log_dict({f"train/grpo_{k}": v for k, v in self._grpo_stats.items()})
+        stats = {**step_stats, **self._loss_stats}
+        if stats:
+            self.log_dict({f"train/{self.stage.name}_{k}": v for k, v in stats.items()})
         return loss
 
     def validation_step(self, batch, batch_idx):
         g = torch.Generator(device="cpu").manual_seed(self.hparams.seed + batch_idx)
         n = batch["input_ids"].shape[0]
-        if self.objective.stage == "retrace":  # second-round blocks (after a rejection), with and without prior
-            from specdraft.lit_modules.retrace_step import two_round_blocks
-
-            sig, chain = self.objective.retrace_signals, self.objective.retrace_chain  # same anchors in both calls
-            db0, _ = two_round_blocks(self, batch, "val", torch.Generator().manual_seed(self.hparams.seed + batch_idx), 1.0,
-                                      sig, chain)
-            self.log("eval/sim_tau_noprior", self.simulated_tau(db0.logits, db0.blocks, db0.target_tokens), batch_size=n)
-            db, _ = two_round_blocks(self, batch, "val", g, 0.0, sig, chain)
-        else:
-            db = self.draft(batch, "val", g)
+        db, _, stats = self.stage.step(self, batch, "val", g)
+        for k, v in stats.items():
+            self.log(f"eval/{k}", v, batch_size=n)
         self.log("eval/loss", decayed_ce(db.logits, db.blocks.labels, db.blocks.label_mask, self.slot_weights),
                  prog_bar=True, batch_size=n)
         self.log("eval/sim_tau", self.simulated_tau(db.logits, db.blocks, db.target_tokens), prog_bar=True,
                  batch_size=n)
         if db.target_logits is not None:
             self.log("eval/sim_tau_sampled", self.simulated_tau_sampled(db.logits, db.blocks, db.target_logits,
-                                                                        self.objective.sampling_temperature),
+                                                                        self.objective.temperature),
                      batch_size=n)
 
     def configure_optimizers(self):
@@ -317,7 +204,7 @@ class DrafterModule(L.LightningModule):
         fusion = [p for n, p in named if n.startswith("retrace_")]  # new, zero-initialised: they learn faster
         groups = [{"params": [p for n, p in named if not n.startswith("retrace_")], "lr": hp.lr}]
         if fusion:
-            groups.append({"params": fusion, "lr": hp.lr * self.objective.fusion_lr_scale})
+            groups.append({"params": fusion, "lr": hp.lr * self.objective.retrace.fusion_lr_scale})
         opt = torch.optim.AdamW(groups, lr=hp.lr, weight_decay=hp.weight_decay, betas=(0.9, 0.95))
         warmup = int(hp.warmup_ratio * hp.total_steps)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_with_warmup(s, warmup, hp.total_steps, 0.0))

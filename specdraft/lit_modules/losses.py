@@ -44,7 +44,7 @@ def forward_kl(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: to
     return _weighted_mean(per.view(mask.shape), mask, weights)
 
 
-# ---- acceptance-aware losses (EAL / WTV; methods.md §3) --------------------------------------------------------
+# ---- acceptance-aware losses (EAL / WTV) ----------------------------------------------------------------------
 
 def _valid_prefix(mask: torch.Tensor) -> torch.Tensor:
     """Slots after the first invalid one are cut: acceptance cannot continue past the end of the window."""
@@ -90,7 +90,7 @@ def greedy_slot_gains(hit: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def eal_loss(draft_logits: torch.Tensor, target_tokens: torch.Tensor, mask: torch.Tensor,
              block_mask: torch.Tensor | None = None, form: str = "log",
              variant: str = "product") -> tuple[torch.Tensor, torch.Tensor]:
-    """Expected accepted length under greedy verification (EAL; the third seed abstract, methods.md §3.2).
+    """Expected accepted length under greedy verification (EAL).
 
     With ``q_k = softmax(z_k)[y*_k]`` (draft probability of the target's greedy token), ``E = sum_k prod_{j<=k} q_j``
     is exactly the expected number of accepted drafts for a drafter that samples each slot independently, and a
@@ -142,7 +142,7 @@ def acceptance_alpha(draft_logits: torch.Tensor, target_logits: torch.Tensor, te
 def wtv_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0,
              block_mask: torch.Tensor | None = None, form: str = "log", variant: str = "product",
              target_temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Window total variation loss for speculative sampling at temperature T (methods.md §3.3).
+    """Window total variation loss for speculative sampling at temperature T.
 
     ``E_T = sum_k prod_{j<=k} alpha_j`` with ``alpha_k = 1 - TV(p_k, q_k)`` (both temperature-scaled): the expected
     number of accepted drafts in the window, position k weighted by the acceptance of every earlier slot.

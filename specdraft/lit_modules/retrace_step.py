@@ -1,8 +1,8 @@
-"""ReTrace training step (methods.md §1.5): a no-grad first round produces drafts and rejected suffixes at random
-anchors, verification picks the next anchors ``a' = a + n + 1``, and the second round trains with the aligned prior
-fused into its inputs.
+"""ReTrace training step: a no-grad first round produces drafts and rejected suffixes at random anchors,
+verification picks the next anchors ``a' = a + n + 1``, and the second round trains with the aligned prior fused into
+its inputs (ReTrace; the fusion itself is :mod:`specdraft.runtime.models.retrace`).
 
-Correction signals come in two modes (``train.retrace_signals``):
+Correction signals come in two modes (:attr:`ReTraceTraining.signals`):
 
 - ``exact`` (default): the target verifies every round-1 block ``[x_a, d_1..d_K]`` exactly as serving does, in ONE
   extra no-grad target pass over all blocks against the cached sequence (each block sees only the context before its
@@ -10,25 +10,57 @@ Correction signals come in two modes (``train.retrace_signals``):
   runtime will hand the drafter. Costs one target pass over ``N * Bk`` tokens per step.
 - ``cheap``: the target's teacher-forced logits/features at the old slots. Exact at the first rejected slot only:
   after it the real verify pass conditions on the WRONG draft prefix, while teacher forcing conditions on the true
-  text, so the target's token at a later slot is the label itself. Measured on the tiny world, a drafter trained so
-  learns to copy it and serves worse than its backbone (kept as an ablation).
+  text, so the target's token at a later slot is the label itself (a drafter trained so can learn to copy it; kept
+  as an ablation).
 
 Prior dropout keeps the no-prior path calibrated; blocks whose first round was fully accepted carry an empty prior
-naturally. Chaining (``train.retrace_chain``): serving's retained states come from blocks that were drafted with a
-prior themselves, so with that probability the first round gets a prior from a no-grad round 0 (one more drafter
-pass and one more verify replay per step).
+naturally. Chaining (:attr:`ReTraceTraining.chain`): serving's retained states come from blocks that were drafted
+with a prior themselves, so with that probability the first round gets a prior from a no-grad round 0 (one more
+drafter pass and one more verify replay per step).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 
+from specdraft.errors import check_range
+from specdraft.lit_modules.blocks import DraftBatch, sample_anchors
 from specdraft.lit_modules.losses import decayed_ce
 from specdraft.runtime.models.retrace import VerifyStats, build_prior, verify_stats
 from specdraft.runtime.models.target import TargetLM
 from specdraft.runtime.verify import accept_greedy
 
 SIGNAL_MODES = ("exact", "cheap")
+
+
+@dataclass
+class ReTraceTraining:
+    """How the retrace stage trains (``train.retrace.*``); the fusion's layout is the drafter's
+    :class:`~specdraft.runtime.models.retrace.ReTraceOptions`."""
+
+    prior_dropout: float = 0.2
+    """Share of second-round blocks trained without their prior (keeps the no-prior path calibrated)."""
+    signals: Literal["exact", "cheap"] = "exact"
+    """Correction signals from a replayed verify pass of each first-round block (exact, one extra target pass per
+    step, needs online features) or the target's teacher-forced view (cheap, an ablation: it leaks the label)."""
+    chain: float = 1.0
+    """Probability that the first (no-grad) round is itself drafted with a prior from a round 0, so the fusion also
+    trains on retained states of prior-conditioned blocks, as serving produces them (0 = two rounds). Any value
+    > 0 costs the same (round 0 always runs)."""
+    first_round_ce: float = 0.0
+    """Weight of the decayed CE on the first round's random-anchor blocks, trained alongside the second round
+    (0 = the second round only; its anchors follow rejections, and a backbone trained only there drifts)."""
+    fusion_lr_scale: float = 10.0
+    """Learning-rate multiplier of the new fusion/refiner parameters (the warm-started backbone keeps the base lr)."""
+
+    def __post_init__(self):
+        check_range("prior_dropout", self.prior_dropout, 0.0, 1.0)
+        check_range("chain", self.chain, 0.0, 1.0)
+        check_range("first_round_ce", self.first_round_ce, 0.0)
+        check_range("fusion_lr_scale", self.fusion_lr_scale, 0.0, low_open=True)
 
 
 LOGITS_BUDGET = 1 << 27
@@ -89,19 +121,17 @@ def two_round_blocks(module, batch, split: str, generator: torch.Generator | Non
     blocks SFT trains on) runs with gradients and its decayed CE is returned as ``stats["first_round_ce"]`` (a
     tensor with grad), so the backbone keeps training where SFT trains it and not only after rejections.
     """
-    from specdraft.lit_modules.blocks import sample_anchors
-    from specdraft.lit_modules.drafter_module import DraftBatch
-
     if signals not in SIGNAL_MODES:
         raise ValueError(f"retrace signals must be one of {SIGNAL_MODES}, got {signals!r}")
     d = module.drafter
-    bs, K = d.block_size, d.block_size - 1
+    Bk = d.block_size
+    K = Bk - 1
     ids, lengths = batch["input_ids"], batch["lengths"]
     cache = None
     if signals == "exact":  # features from a cached target pass, so the verify replay can attend to the sequence
         B0, S0 = ids.shape
-        cache = module.target.new_cache(B0, S0 + min(module.hparams.num_anchors, S0) * bs)
-    feats, target_hidden, greedy = module._features(batch, split, cache=cache)
+        cache = module.target.new_cache(B0, S0 + min(module.hparams.num_anchors, S0) * Bk)
+    feats, target_hidden, greedy = module.features(batch, split, cache=cache)
     anchors, valid = sample_anchors(batch["loss_mask"], lengths, module.hparams.num_anchors, generator)
     B, N = anchors.shape
     gen_dev = generator.device if generator is not None else anchors.device
@@ -143,7 +173,8 @@ def two_round_blocks(module, batch, split: str, generator: torch.Generator | Non
 def _verify_round(module, batch, cache, feats, target_hidden, greedy, anchors, hidden, drafts, signals):
     """Simulated verification of one no-grad round: ``(accepted [B, N], Prior of the rejected suffixes)``."""
     d = module.drafter
-    bs, K = d.block_size, d.block_size - 1
+    Bk = d.block_size
+    K = Bk - 1
     ids = batch["input_ids"]
     B, N = anchors.shape
     S, F = feats.shape[1], feats.shape[2]
@@ -155,10 +186,29 @@ def _verify_round(module, batch, cache, feats, target_hidden, greedy, anchors, h
         tokens1, slot_logits1 = module.target_view(anchors, greedy, target_hidden, K)
         V = slot_logits1.shape[-1]
         n, _ = accept_greedy(drafts.flatten(0, 1), torch.nn.functional.one_hot(tokens1.flatten(0, 1), V).float())
-        pos = (anchors[:, :, None] + torch.arange(bs, device=anchors.device)).clamp(max=S - 1)  # [B, N, Bk]
-        f_slots = feats.gather(1, pos.flatten(1)[..., None].expand(-1, -1, F)).view(B, N, bs, F)
+        pos = (anchors[:, :, None] + torch.arange(Bk, device=anchors.device)).clamp(max=S - 1)  # [B, N, Bk]
+        f_slots = feats.gather(1, pos.flatten(1)[..., None].expand(-1, -1, F)).view(B, N, Bk, F)
         stats = verify_stats(slot_logits1.flatten(0, 1), drafts.flatten(0, 1))
     prior = build_prior(hidden.flatten(0, 1), drafts.flatten(0, 1), n, stats,
                         d.fuse_context(f_slots.to(feats.dtype)).flatten(0, 1), d.embed,
                         d.config.retrace.embed_drafted)
     return n.view(B, N), prior
+
+
+def retrace_step(module, batch, split: str, generator: torch.Generator | None):
+    """The retrace stage's step: ``(DraftBatch of round 2, extra loss, stats)``.
+
+    Training draws round-2 blocks with :attr:`ReTraceTraining.prior_dropout`; validation measures the same blocks
+    twice (all priors dropped, then all kept, on identical anchors) and reports ``sim_tau_noprior`` for the first.
+    """
+    o = module.objective.retrace
+    if split == "train":
+        weights = module.slot_weights if o.first_round_ce > 0 else None
+        db, stats = two_round_blocks(module, batch, split, generator, o.prior_dropout, o.signals, o.chain, weights)
+        extra = o.first_round_ce * stats.pop("first_round_ce") if "first_round_ce" in stats else 0.0
+        return db, extra, stats
+    seed = generator.initial_seed()  # both passes draw the same anchors
+    db0, _ = two_round_blocks(module, batch, split, torch.Generator().manual_seed(seed), 1.0, o.signals, o.chain)
+    noprior = module.simulated_tau(db0.logits, db0.blocks, db0.target_tokens)
+    db, _ = two_round_blocks(module, batch, split, generator, 0.0, o.signals, o.chain)
+    return db, 0.0, {"sim_tau_noprior": noprior}

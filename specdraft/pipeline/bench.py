@@ -1,6 +1,6 @@
 """``specdraft bench``: methods x held-out suites x temperatures x batch sizes, AR measured interleaved in-process.
 
-Metrics (ARCHITECTURE.md): ``tau`` = mean tokens committed per target verify round (bonus included);
+Metrics: ``tau`` = mean tokens committed per target verify round (bonus included);
 ``acceptance_rate`` = accepted drafts / drafted; ``per_position_acceptance[k]`` = share of rounds whose first
 ``k + 1`` drafts were all accepted; ``tokens_per_s``; ``speedup`` = tokens/s over AR's, from the same interleaved
 run; ``target_distinct2`` = distinct-bigram ratio of AR outputs (flags degenerate loops that would inflate tau).
@@ -15,10 +15,18 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from transformers import AutoTokenizer
 
 from specdraft.errors import SpecdraftError
 from specdraft.pipeline.config import RunConfig
+from specdraft.pipeline.tokenizer import stop_token_ids
 from specdraft.pipeline.tracking import Tracker
+from specdraft.runtime.batch_job import read_requests
+from specdraft.runtime.chat import encode_chat
+from specdraft.runtime.decode import GenerationConfig, generate
+from specdraft.runtime.drafter_io import load_drafter
+from specdraft.runtime.load import load_target
+from specdraft.runtime.sampling import SamplingParams
 
 
 def distinct2(seqs: list[list[int]]) -> float:
@@ -48,8 +56,6 @@ def with_bench_prompts(cfg: RunConfig, world):
 
 
 def suite_prompts(world, suite: str, n: int, tokenizer) -> list[list[int]]:
-    from specdraft.runtime.batch_job import encode, read_requests
-
     if world.bench_dir is None:
         raise SpecdraftError("bench needs held-out suites: the tiny world writes them; for an external target "
                              "put <suite>.jsonl files under <work_dir>/bench_prompts/")
@@ -57,28 +63,21 @@ def suite_prompts(world, suite: str, n: int, tokenizer) -> list[list[int]]:
     if not path.is_file():
         return []
     reqs = read_requests(path, lambda m: None)[:n]
-    return [encode(tokenizer, r.messages) for r in reqs]
+    return [encode_chat(tokenizer, r.messages) for r in reqs]
 
 
 def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
     """Run the benchmark grid: AR and each (method, stage) drafter, interleaved on the same prompt batches."""
-    from transformers import AutoTokenizer
-
-    from specdraft.pipeline.tokenizer import stop_token_ids
-    from specdraft.runtime.decode import GenerationConfig, generate
-    from specdraft.runtime.drafter_io import load_drafter
-    from specdraft.runtime.load import load_target
-    from specdraft.runtime.sampling import SamplingParams
 
     b = cfg.bench
     world = with_bench_prompts(cfg, world)
     tgt = load_target(world.target_dir, dtype=cfg.target.dtype, device=cfg.target.device)
     tok = AutoTokenizer.from_pretrained(str(world.target_dir), trust_remote_code=False)
     stops = stop_token_ids(tok)
-    stages = b.stages or [cfg.train.stage]
+    stages = b.stages or [cfg.train.export]
     loaded = {}  # label -> (drafter, method, stage, dir)
     for st in stages:
-        d = Path(cfg.decode.drafter) if cfg.decode.drafter and len(stages) == 1 else cfg.work_path / "drafter" / st
+        d = Path(cfg.decode.drafter) if cfg.decode.drafter and len(stages) == 1 else cfg.drafter_dir(st)
         drafter = load_drafter(d, tgt)
         loaded[f"{drafter.arch_name}:{st}"] = (drafter, drafter.arch_name, st, str(d))
     dev = tgt.lm_head.weight.device
@@ -152,10 +151,11 @@ def write_reports(rows: list[dict], out_dir: Path) -> dict:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
+    # deferred: pyplot is slow to import and must be imported after the headless backend is chosen
+    import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415
 
     drafted = [r for r in rows if r["method"] != "ar"]
     if not drafted:

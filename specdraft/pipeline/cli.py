@@ -67,12 +67,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args) -> int:
-    from specdraft.pipeline import stages
-    from specdraft.pipeline.config import dump_yaml, load_config
+    # deferred: these import torch, Lightning and transformers (seconds), which --help and usage errors do not need
+    from specdraft.pipeline import stages  # noqa: PLC0415
+    from specdraft.pipeline.config import dump_yaml, load_config  # noqa: PLC0415
+    from specdraft.runtime.drafter_io import init_drafter  # noqa: PLC0415
 
     if args.command == "init-drafter":
-        from specdraft.runtime.drafter_io import init_drafter
-
         out = init_drafter(args.target, args.out, args.layers, args.block_size, args.mask_token_id, args.seed)
         print(f"wrote drafter to {out}")
         return 0

@@ -1,6 +1,10 @@
 """One typed config tree (dataclasses), loaded from YAML with dotted overrides (``train.lr=3e-4``).
 
 Unknown keys and ill-typed values are errors that name the dotted key. Each field's docstring is its documentation.
+Option groups that a lower layer uses are declared there and nested here: the objective and GRPO / ReTrace training
+options in :mod:`specdraft.lit_modules`, ReTrace's architecture options in :mod:`specdraft.runtime`. Choices are
+``Literal`` types and value checks live in each dataclass's ``__post_init__``; this module only reads YAML, coerces
+types and reports errors under the dotted key.
 """
 
 from __future__ import annotations
@@ -11,10 +15,14 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import yaml
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import OptionError, SpecdraftError, check_range
+from specdraft.lit_modules.stage_table import STAGES, Objective
+from specdraft.runtime.models import available_drafters
+from specdraft.runtime.models.retrace import ReTraceOptions
 
 
 @dataclass
@@ -38,12 +46,16 @@ class TinyTargetConfig:
     """Wall-clock cap on target training; stops early (and says so) when reached."""
     seed: int = 0
 
+    def __post_init__(self):
+        for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "seq_len", "batch_size"):
+            check_range(key, getattr(self, key), 1)
+
 
 @dataclass
 class TargetConfig:
     path: str = ""
     """Local HF checkpoint directory of the target (Qwen3/Llama). Empty: build/reuse the embedded tiny target."""
-    dtype: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16 or float16."""
     device: str = "auto"
     tiny: TinyTargetConfig = field(default_factory=TinyTargetConfig)
@@ -71,11 +83,16 @@ class DataConfig:
     """Passed to chat templates that accept it (Qwen3)."""
     seed: int = 0
 
+    def __post_init__(self):
+        check_range("batch_size", self.batch_size, 1)
+        check_range("max_new_tokens", self.max_new_tokens, 1)
+        check_range("temperature", self.temperature, 0.0)
+
 
 @dataclass
 class DrafterConfig:
     arch: str = "dflash"
-    """Registered drafter architecture."""
+    """Registered drafter architecture (runtime/models/registry.py)."""
     num_layers: int = 5
     block_size: int = 16
     target_layer_ids: list[int] = field(default_factory=list)
@@ -86,26 +103,25 @@ class DrafterConfig:
     """-1 = the tokenizer's mask token."""
     init_from: str = ""
     """Warm start from an HF-format drafter directory."""
-    retrace_alignment: str = "hard"
-    """ReTrace: hard (shift by n+1) or soft (Gaussian over offsets) alignment of the rejected suffix."""
-    retrace_use_correction: bool = True
-    """ReTrace: refine the retained states with the verify pass's target signals (false: drafter states only)."""
-    retrace_gate_anchor: bool = False
-    """ReTrace: fuse into the anchor slot too (default: mask slots only)."""
-    retrace_gate_bias_init: float = 0.0
-    """ReTrace: fusion gate bias at init (W_o starts at zero, so any value starts exactly as the backbone)."""
-    retrace_refiner_width: int = 0
-    """ReTrace: width of the refined state u (0 = the hidden size)."""
-    retrace_embed_drafted: bool = True
-    """ReTrace: feed the drafted token's embedding to the refiner next to its hidden state."""
+    retrace: ReTraceOptions = field(default_factory=ReTraceOptions)
+    """ReTrace's fusion layout (used when the drafter is, or becomes, a ReTrace drafter)."""
+
+    def __post_init__(self):
+        if self.arch not in available_drafters():
+            raise OptionError("arch", f"{self.arch!r} is not one of {', '.join(available_drafters())}")
+        check_range("num_layers", self.num_layers, 1)
+        if self.block_size < 2:
+            raise OptionError("block_size", f"must be at least 2 (anchor + one draft slot), got {self.block_size}")
 
 
 @dataclass
-class TrainConfig:
-    stage: str = "sft"
-    """sft (decayed CE), kl (forward KL baseline), tv (LK-style KL/TV hybrid), eal, wtv, grpo."""
+class TrainConfig(Objective):
+    """Training: the stage's objective (the fields of :class:`Objective`, declared there) plus how to run it."""
+
     init_stage: str = ""
-    """Stage whose exported drafter warm-starts this one (default: none for sft, eal for grpo, sft otherwise)."""
+    """Stage whose exported drafter warm-starts this one (default: the stage table's warm start)."""
+    export_name: str = ""
+    """Folder under ``<work_dir>/drafter/`` (and ``checkpoints/``) this run exports to; empty = the stage name."""
     lr: float = 6e-4
     warmup_ratio: float = 0.04
     epochs: int = 6
@@ -114,48 +130,6 @@ class TrainConfig:
     batch_size: int = 4
     max_seq_len: int = 3072
     num_anchors: int = 512
-    gamma: float = 0.0
-    """Loss decay exp(-(k-1)/gamma); 0 = the DFlash default for the block size (7/5/4 for 16/10/8)."""
-    kl_weight: float = 0.0
-    """sft: weight of forward KL to the target distribution added to the decayed CE."""
-    temperature: float = 1.0
-    """kl/tv/wtv and sampling GRPO: temperature applied to draft and target distributions alike."""
-    acceptance_form: str = "log"
-    """eal/wtv: -log(1+E) (log), -E/K (linear) or -log E (log_len: slot 1 keeps CE-strength gradient; the form that
-    beat decayed CE on the tiny world, +5.6% T=0 tau at 600 steps over five seeds, and KL at T=1, see the README)."""
-    wtv_variant: str = "product"
-    """wtv: product or stopgrad weighting."""
-    anchors: str = "random"
-    """Training anchors: random, or verified (one no-grad greedy round at random anchors, then train at a + n + 1,
-    where serving puts its anchors). The retrace stage always trains its second round at verified anchors."""
-    eal_variant: str = "product"
-    """eal: product (the acceptance_form loss of E) or greedy (E's gradient with the other slots at their greedy
-    outcome: the first rejected slot weighted by the accepted run it would unlock, nothing past it)."""
-    ce_mix_eta: float = 0.0
-    """eal: lambda*CE + (1-lambda)*EAL with lambda = exp(-eta * mean q) (0 = pure EAL)."""
-    grpo_group_size: int = 8
-    grpo_mode: str = "greedy"
-    """Reward under greedy or sampling verification."""
-    grpo_clip: float = 0.2
-    grpo_kl_coef: float = 0.05
-    grpo_draft_temperature: float = 0.5
-    """grpo (greedy mode): temperature at which each group of draft blocks is sampled; sampling mode samples at
-    train.temperature (the serving rule)."""
-    prior_dropout: float = 0.2
-    """retrace: share of second-round blocks trained without their prior."""
-    retrace_signals: str = "exact"
-    """retrace: correction signals from a replayed verify pass of each first-round block (exact, one extra target
-    pass per step, needs train.features=online) or the target's teacher-forced view (cheap, ablation)."""
-    retrace_chain: float = 1.0
-    """retrace: probability that the first (no-grad) round is itself drafted with a prior from a round 0, so the
-    fusion also trains on retained states of prior-conditioned blocks, as serving produces them (0 = two rounds).
-    Measured (tiny world, T=0 tau, fusion on vs W_o zeroed in the same export): 0.5 gave -0.9 %, 1.0 gave +1.4 %;
-    any value > 0 costs the same (round 0 always runs)."""
-    retrace_first_round_ce: float = 0.0
-    """retrace: weight of the decayed CE on the first round's random-anchor blocks, trained alongside the second round
-    (0 = the second round only; its anchors follow rejections, and a backbone trained only there drifts)."""
-    retrace_fusion_lr_scale: float = 10.0
-    """retrace: learning-rate multiplier of the new fusion/refiner parameters (the backbone keeps train.lr)."""
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     precision: str = "auto"
@@ -164,7 +138,7 @@ class TrainConfig:
     devices: str = "auto"
     num_nodes: int = 1
     accumulate_grad_batches: int = 1
-    features: str = "online"
+    features: Literal["online", "offline"] = "online"
     """online (target runs inside the training step) or offline (precomputed safetensors shards)."""
     eval_every: int = 100
     """Steps between evaluations (sim_tau on held-out data and a real decode)."""
@@ -176,21 +150,44 @@ class TrainConfig:
     max_minutes: float = 0.0
     """Wall-clock cap (0 = none)."""
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.init_stage and self.init_stage not in STAGES:
+            raise OptionError("init_stage", f"{self.init_stage!r} is not one of {', '.join(STAGES)}")
+        if not _is_folder_name(self.export_name or self.stage):
+            raise OptionError("export_name", f"{self.export_name!r} is not a folder name")
+        for key in ("batch_size", "num_anchors", "epochs", "eval_every", "log_every", "accumulate_grad_batches"):
+            check_range(key, getattr(self, key), 1)
+
+    @property
+    def export(self) -> str:
+        """The export's folder name under ``<work_dir>/drafter/``."""
+        return self.export_name or self.stage
+
 
 @dataclass
 class DecodeConfig:
     method: str = "dflash"
-    """ar (target alone), dflash or retrace (must match the drafter's architecture)."""
+    """ar (target alone) or a registered drafter architecture (dflash, retrace; must match the drafter)."""
     drafter: str = ""
     """HF-format drafter directory (default: the run's exported drafter)."""
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    draft_sampling: str = "sample"
+    draft_sampling: Literal["sample", "greedy"] = "sample"
     """Under T>0: sample drafts from the drafter (sample) or draft its argmax (greedy)."""
     max_new_tokens: int = 256
     batch_size: int = 8
     seed: int = 0
+
+    def __post_init__(self):
+        if self.method not in ("ar", *available_drafters()):
+            raise OptionError("method", f"{self.method!r} is not one of ar, {', '.join(available_drafters())}")
+        check_range("temperature", self.temperature, 0.0)
+        check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        check_range("top_k", self.top_k, 0)
+        check_range("max_new_tokens", self.max_new_tokens, 1)
+        check_range("batch_size", self.batch_size, 1)
 
 
 @dataclass
@@ -206,6 +203,18 @@ class BenchConfig:
     max_new_tokens: int = 128
     repeats: int = 1
     seed: int = 0
+
+    def __post_init__(self):
+        for st in self.stages:
+            if not _is_folder_name(st):
+                raise OptionError("stages", f"{st!r} is not a drafter name under <work_dir>/drafter/")
+        for suite in self.suites:
+            if suite not in SUITES:
+                raise OptionError("suites", f"unknown suite {suite!r} ({', '.join(SUITES)})")
+        for key in ("num_prompts", "max_new_tokens", "repeats"):
+            check_range(key, getattr(self, key), 1)
+        for bs in self.batch_sizes:
+            check_range("batch_sizes", bs, 1)
 
 
 @dataclass
@@ -233,22 +242,25 @@ class RunConfig:
     def work_path(self) -> Path:
         return Path(self.work_dir)
 
+    def drafter_dir(self, name: str) -> Path:
+        """Where the drafter exported under ``name`` (a stage or ``train.export_name``) lives (HF layout)."""
+        return self.work_path / "drafter" / name
 
-CHOICES = {
-    "train.stage": ("sft", "kl", "tv", "eal", "wtv", "grpo", "retrace"),
-    "train.init_stage": ("", "sft", "kl", "tv", "eal", "wtv", "grpo", "retrace"),
-    "drafter.arch": ("dflash", "retrace"),
-    "drafter.retrace_alignment": ("hard", "soft"),
-    "train.retrace_signals": ("exact", "cheap"),
-    "train.acceptance_form": ("log", "linear", "log_len"),
-    "train.wtv_variant": ("product", "stopgrad"),
-    "train.eal_variant": ("product", "greedy"),
-    "train.anchors": ("random", "verified"),
-    "train.grpo_mode": ("greedy", "sampling"),
-    "train.features": ("online", "offline"),
-    "decode.method": ("ar", "dflash", "retrace"),
-    "decode.draft_sampling": ("sample", "greedy"),
-    "target.dtype": ("auto", "float32", "bfloat16", "float16"),
+
+SUITES = ("math", "code", "dialogue")
+
+
+def _is_folder_name(name: str) -> bool:
+    return bool(name) and "/" not in name and name not in (".", "..")
+
+
+RENAMED = {  # flat keys of earlier releases -> their nested home
+    **{f"train.grpo_{k}": f"train.grpo.{k}" for k in ("group_size", "mode", "clip", "kl_coef", "draft_temperature")},
+    "train.prior_dropout": "train.retrace.prior_dropout",
+    **{f"train.retrace_{k}": f"train.retrace.{k}" for k in ("signals", "chain", "first_round_ce")},
+    "train.retrace_fusion_lr_scale": "train.retrace.fusion_lr_scale",
+    **{f"drafter.retrace_{k}": f"drafter.retrace.{k}" for k in (
+        "alignment", "use_correction", "gate_anchor", "gate_bias_init", "refiner_width", "embed_drafted")},
 }
 
 
@@ -258,6 +270,11 @@ def _fail(key: str, msg: str):
 
 def _coerce(key: str, tp, value):
     origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            _fail(key, f"{value!r} is not one of {', '.join(map(str, choices))}")
+        return value
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
@@ -301,11 +318,16 @@ def _build(cls, data: dict, prefix: str = ""):
     names = [f.name for f in dataclasses.fields(cls)]
     for k in data:
         if k not in names:
+            if f"{prefix}{k}" in RENAMED:
+                _fail(f"{prefix}{k}", f"was renamed to '{RENAMED[prefix + k]}'")
             close = difflib.get_close_matches(str(k), names, n=1)
             hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
             _fail(f"{prefix}{k}", f"unknown key{hint}; valid keys: {', '.join(names)}")
     kwargs = {k: _coerce(prefix + k, hints[k], v) for k, v in data.items()}
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except OptionError as e:  # a dataclass's own check: report it under its dotted key
+        _fail(prefix + e.key, e.message)
 
 
 def _set_dotted(tree: dict, dotted: str, value) -> None:
@@ -339,39 +361,6 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
-def validate(cfg: RunConfig) -> RunConfig:
-    flat = to_flat_dict(cfg)
-    for key, choices in CHOICES.items():
-        if flat[key] not in choices:
-            _fail(key, f"{flat[key]!r} is not one of {', '.join(choices)}")
-    for st in cfg.bench.stages:
-        if not st or "/" in st:
-            _fail("bench.stages", f"{st!r} is not a drafter name under <work_dir>/drafter/")
-    if cfg.train.grpo_group_size < 2:
-        _fail("train.grpo_group_size", "needs at least 2 samples per group")
-    for s in cfg.bench.suites:
-        if s not in ("math", "code", "dialogue"):
-            _fail("bench.suites", f"unknown suite {s!r} (math, code, dialogue)")
-    positive = ["drafter.block_size", "drafter.num_layers", "train.batch_size", "train.num_anchors",
-                "decode.batch_size", "decode.max_new_tokens", "bench.num_prompts", "bench.max_new_tokens",
-                "data.batch_size", "data.max_new_tokens", "target.tiny.num_layers", "target.tiny.hidden_size",
-                "train.retrace_fusion_lr_scale"]
-    for key in positive:
-        if flat[key] <= 0:
-            _fail(key, f"must be positive, got {flat[key]}")
-    if cfg.drafter.block_size < 2:
-        _fail("drafter.block_size", "must be at least 2 (anchor + one draft slot)")
-    for key in ("train.prior_dropout", "train.retrace_chain"):
-        if not 0.0 <= flat[key] <= 1.0:
-            _fail(key, f"is a probability, got {flat[key]}")
-    if not 0 < cfg.decode.top_p <= 1:
-        _fail("decode.top_p", f"must be in (0, 1], got {cfg.decode.top_p}")
-    for key in ("decode.temperature", "data.temperature", "train.retrace_first_round_ce"):
-        if flat[key] < 0:
-            _fail(key, f"must be >= 0, got {flat[key]}")
-    return cfg
-
-
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Load a YAML run config and apply dotted overrides; every key and value is checked."""
     data: dict = {}
@@ -386,7 +375,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(data, dict):
             raise SpecdraftError(f"config file {p} must be a mapping of sections")
     data = _merge(data, parse_overrides(overrides or []))
-    return validate(_build(RunConfig, data))
+    return _build(RunConfig, data)
 
 
 def to_dict(cfg) -> dict:

@@ -13,12 +13,20 @@ import random
 from pathlib import Path
 
 import torch
+from datasets import load_dataset
+from tqdm import tqdm
+from transformers import AutoTokenizer
 
 from specdraft.errors import SpecdraftError
 from specdraft.pipeline.config import RunConfig
 from specdraft.pipeline.jsonl import write_jsonl
+from specdraft.pipeline.tokenizer import stop_token_ids
 from specdraft.pipeline.tracking import Tracker
 from specdraft.pipeline.world import World
+from specdraft.runtime.batch_job import read_requests, run_batch_job, warn_stderr
+from specdraft.runtime.decode import GenerationConfig
+from specdraft.runtime.load import load_target
+from specdraft.runtime.sampling import SamplingParams
 
 
 def select_heldin_prompts(heldin: Path, n: int, seed: int) -> list[dict]:
@@ -66,14 +74,6 @@ def _record_sampling(data_dir: Path, cfg: RunConfig) -> None:
 
 def regenerate(cfg: RunConfig, world: World, tracker: Tracker, log=print) -> Path:
     """Write ``<work_dir>/data/train.jsonl`` (ShareGPT style) and return its path."""
-    from tqdm import tqdm
-    from transformers import AutoTokenizer
-
-    from specdraft.pipeline.tokenizer import stop_token_ids
-    from specdraft.runtime.batch_job import read_requests, run_batch_job, warn_stderr
-    from specdraft.runtime.decode import GenerationConfig
-    from specdraft.runtime.load import load_target
-    from specdraft.runtime.sampling import SamplingParams
 
     data_dir = cfg.work_path / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -117,8 +117,6 @@ def regenerate(cfg: RunConfig, world: World, tracker: Tracker, log=print) -> Pat
 
 
 def _check_loads_with_datasets(path: Path) -> None:
-    from datasets import load_dataset
-
     ds = load_dataset("json", data_files=str(path), split="train")
     if "conversations" not in ds.column_names:
         raise SpecdraftError(f"{path} does not load as ShareGPT data (no 'conversations' column)")

@@ -6,7 +6,6 @@ import lightning as L
 
 from specdraft.pipeline.tracking import Tracker
 
-
 EVAL_PREFIXES = ("eval/", "val/")
 
 

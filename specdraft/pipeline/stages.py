@@ -6,9 +6,23 @@ import contextlib
 import sys
 from pathlib import Path
 
+import torch
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
 from specdraft.errors import SpecdraftError
+from specdraft.pipeline.bench import run_bench
 from specdraft.pipeline.config import RunConfig, dump_yaml, to_flat_dict
+from specdraft.pipeline.data import regenerate
+from specdraft.pipeline.tokenizer import stop_token_ids
 from specdraft.pipeline.tracking import Tracker, make_tracker
+from specdraft.pipeline.train import train_drafter
+from specdraft.pipeline.world import World, build_or_load_world, cached_world, world_dir
+from specdraft.runtime.batch_job import read_requests, run_batch_job, shard_for_rank, warn_stderr
+from specdraft.runtime.decode import GenerationConfig
+from specdraft.runtime.drafter_io import check_compatible, load_drafter, read_drafter_config
+from specdraft.runtime.load import load_target, read_target_args
+from specdraft.runtime.sampling import SamplingParams
 
 
 def log(msg: str) -> None:
@@ -37,8 +51,6 @@ def tracked(cfg: RunConfig, stage: str):
 
 
 def target(cfg: RunConfig):
-    from specdraft.pipeline.world import build_or_load_world
-
     with tracked(cfg, "target") as tr:
         world = build_or_load_world(cfg, tr, log)
         rep = world.report
@@ -50,8 +62,6 @@ def target(cfg: RunConfig):
 
 def existing_world(cfg: RunConfig):
     """The target this config points at, without building anything."""
-    from specdraft.pipeline.world import World, cached_world, world_dir
-
     if cfg.target.path:
         p = Path(cfg.target.path)
         if not p.is_dir():
@@ -65,16 +75,12 @@ def existing_world(cfg: RunConfig):
 
 
 def data(cfg: RunConfig, world=None):
-    from specdraft.pipeline.data import regenerate
-
     with tracked(cfg, "data") as tr:
         world = world or target(cfg)
         return regenerate(cfg, world, tr, log)
 
 
 def train(cfg: RunConfig, world=None):
-    from specdraft.pipeline.train import train_drafter
-
     with tracked(cfg, "train") as tr:
         world = world or existing_world(cfg)
         data_file = cfg.work_path / "data" / "train.jsonl"
@@ -84,23 +90,11 @@ def train(cfg: RunConfig, world=None):
 
 
 def default_drafter_dir(cfg: RunConfig) -> Path:
-    """``decode.drafter``, else the export of ``train.stage``."""
-    return Path(cfg.decode.drafter) if cfg.decode.drafter else cfg.work_path / "drafter" / cfg.train.stage
+    """``decode.drafter``, else this config's training export (``train.export_name`` or the stage)."""
+    return Path(cfg.decode.drafter) if cfg.decode.drafter else cfg.drafter_dir(cfg.train.export)
 
 
 def decode(cfg: RunConfig, input_path: Path, output_path: Path):
-    import torch
-    from tqdm import tqdm
-    from transformers import AutoTokenizer
-
-    from specdraft.pipeline.tokenizer import stop_token_ids
-    from specdraft.runtime.batch_job import read_requests, run_batch_job, shard_for_rank, warn_stderr
-    from specdraft.runtime.decode import GenerationConfig
-    from specdraft.runtime.drafter_io import load_drafter, read_drafter_config
-    from specdraft.runtime.drafter_io import check_compatible
-    from specdraft.runtime.load import load_target, read_target_args
-    from specdraft.runtime.sampling import SamplingParams
-
     world = existing_world(cfg)
     requests = read_requests(input_path, warn_stderr)
     requests, output_path = shard_for_rank(requests, output_path)
@@ -133,8 +127,6 @@ def decode(cfg: RunConfig, input_path: Path, output_path: Path):
 
 
 def bench(cfg: RunConfig, world=None):
-    from specdraft.pipeline.bench import run_bench
-
     with tracked(cfg, "bench") as tr:
         world = world or existing_world(cfg)
         return run_bench(cfg, world, tr, log)

@@ -55,7 +55,7 @@ class Tracker:
 
 class MLflowTracker(Tracker):
     def __init__(self, cfg: TrackingConfig):
-        import mlflow
+        import mlflow  # noqa: PLC0415  (deferred: seconds to import, and not needed when tracking is disabled)
 
         self._mlflow = mlflow
         self.tracking_uri = resolve_tracking_uri(cfg)

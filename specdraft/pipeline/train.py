@@ -10,11 +10,30 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from transformers import AutoTokenizer
 
 from specdraft.errors import SpecdraftError
+from specdraft.export.hf import export_checkpoint
+from specdraft.lit_modules.data import ShareGPTDataModule
+from specdraft.lit_modules.drafter_module import DrafterModule
+from specdraft.lit_modules.features import OfflineFeatures, build_offline_cache
+from specdraft.lit_modules.stage_table import STAGES, Objective
 from specdraft.pipeline.config import RunConfig
+from specdraft.pipeline.data import regenerated_temperature
 from specdraft.pipeline.lightning_utils import TrackerCallback
+from specdraft.pipeline.tokenizer import stop_token_ids
 from specdraft.pipeline.tracking import Tracker
+from specdraft.runtime.batch_job import read_requests
+from specdraft.runtime.chat import encode_chat
+from specdraft.runtime.decode import GenerationConfig, generate
+from specdraft.runtime.drafter_io import (
+    build_drafter,
+    check_compatible,
+    convert_drafter,
+    drafter_config_for_target,
+    load_drafter,
+)
+from specdraft.runtime.load import load_target
 
 
 class DecodeEvalCallback(L.Callback):
@@ -26,8 +45,6 @@ class DecodeEvalCallback(L.Callback):
     def on_validation_epoch_end(self, trainer, pl_module):
         if not self.prompts or trainer.sanity_checking:
             return
-        from specdraft.runtime.decode import GenerationConfig, generate
-
         was_training = pl_module.drafter.training
         pl_module.drafter.eval()
         res = generate(pl_module.target, self.prompts, GenerationConfig(max_new_tokens=self.max_new_tokens,
@@ -37,68 +54,28 @@ class DecodeEvalCallback(L.Callback):
         pl_module.log("eval/tau", sum(rounds) / max(len(rounds), 1), prog_bar=True)
 
 
-DEFAULT_INIT_STAGE = {"sft": "", "grpo": "eal"}  # every other stage warm-starts from sft
-
-
-def stage_dir(cfg: RunConfig, stage: str) -> Path:
-    """Where a stage's best drafter is exported (HF layout)."""
-    return cfg.work_path / "drafter" / stage
-
-
 def warm_start_dir(cfg: RunConfig) -> Path | None:
-    """``drafter.init_from``, else the previous stage's export (sft for kl/tv/eal/wtv, eal for grpo)."""
+    """``drafter.init_from``, else the export of ``train.init_stage`` or of the stage table's warm start."""
     if cfg.drafter.init_from:
         return Path(cfg.drafter.init_from)
-    prev = cfg.train.init_stage or DEFAULT_INIT_STAGE.get(cfg.train.stage, "sft")
+    prev = cfg.train.init_stage or STAGES[cfg.train.stage].warm_start
     if not prev:
         return None
-    d = stage_dir(cfg, prev)
+    d = cfg.drafter_dir(prev)
     if not (d / "config.json").is_file():
         raise SpecdraftError(f"config key 'train.init_stage': stage {cfg.train.stage!r} warm-starts from the "
                              f"{prev!r} drafter, but {d} does not exist; train that stage first or set drafter.init_from")
     return d
 
 
-def objective_from_config(cfg: RunConfig):
-    from specdraft.lit_modules.drafter_module import Objective
-    from specdraft.lit_modules.grpo import GRPOConfig
-
-    t = cfg.train
-    g = GRPOConfig(group_size=t.grpo_group_size, mode=t.grpo_mode, draft_temperature=t.grpo_draft_temperature,
-                   temperature=t.temperature, clip=t.grpo_clip, kl_coef=t.grpo_kl_coef)
-    return Objective(stage=t.stage, gamma=t.gamma, kl_weight=t.kl_weight, temperature=t.temperature,
-                     acceptance_form=t.acceptance_form, wtv_variant=t.wtv_variant, eal_variant=t.eal_variant,
-                     anchors=t.anchors, ce_mix_eta=t.ce_mix_eta,
-                     grpo=g if t.stage == "grpo" else None, prior_dropout=t.prior_dropout,
-                     retrace_signals=t.retrace_signals, retrace_chain=t.retrace_chain,
-                     retrace_first_round_ce=t.retrace_first_round_ce,
-                     fusion_lr_scale=t.retrace_fusion_lr_scale)
-
-
-def _retrace_from_backbone(cfg: RunConfig, backbone):
-    """A ReTrace drafter whose DFlash part is ``backbone``'s weights and whose fusion starts at zero (== backbone)."""
-    from specdraft.runtime.models.retrace import ReTraceConfig, ReTraceDrafter, ReTraceOptions
-
-    dc = cfg.drafter
-    opts = ReTraceOptions(alignment=dc.retrace_alignment, use_correction=dc.retrace_use_correction,
-                          gate_anchor=dc.retrace_gate_anchor, gate_bias_init=dc.retrace_gate_bias_init,
-                          refiner_width=dc.retrace_refiner_width, embed_drafted=dc.retrace_embed_drafted)
-    model = ReTraceDrafter(ReTraceConfig.from_dflash(backbone.config, opts))
-    missing, unexpected = model.load_state_dict(backbone.state_dict(), strict=False)
-    assert not unexpected and all(k.startswith("retrace_") for k in missing), (missing, unexpected)
-    model = model.to(backbone.fc.weight.device)
-    return model.bind_target(*backbone._borrowed)
-
-
 def _build_drafter(cfg: RunConfig, target, tokenizer):
-    from specdraft.runtime.drafter_io import build_drafter, check_compatible, drafter_config_for_target, load_drafter
-
     dc = cfg.drafter
+    arch = STAGES[cfg.train.stage].arch
     init = warm_start_dir(cfg)
     if init is not None:
         drafter = load_drafter(init, target)
-        if cfg.train.stage == "retrace" and drafter.arch_name != "retrace":
-            drafter = _retrace_from_backbone(cfg, drafter)
+        if arch is not None and drafter.arch_name != arch:  # e.g. a DFlash backbone grows a zero-init fusion
+            drafter = convert_drafter(drafter, arch, dc.retrace)
         return drafter.train().requires_grad_(True)
     mask_id = dc.mask_token_id if dc.mask_token_id >= 0 else tokenizer.mask_token_id
     if mask_id is None:
@@ -107,32 +84,20 @@ def _build_drafter(cfg: RunConfig, target, tokenizer):
                                      dc.target_layer_ids or None, dc.num_features or None)
     check_compatible(dcfg, target.args)
     torch.manual_seed(cfg.train.seed)
-    drafter = build_drafter(dcfg, dc.arch)
+    drafter = build_drafter(dcfg, arch or dc.arch, dc.retrace)
     return drafter.to(target.lm_head.weight.device)
 
 
 def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=print,
                   callbacks: list[L.Callback] | None = None) -> Path:
     """Train, checkpoint (resuming from ``<work_dir>/checkpoints/drafter-last.ckpt`` when present), export the best
-    checkpoint to ``<work_dir>/drafter/<stage>`` and register it. ``callbacks`` are added to the Lightning trainer."""
-    from transformers import AutoTokenizer
-
-    from specdraft.lit_modules.data import ShareGPTDataModule
-    from specdraft.lit_modules.drafter_module import DrafterModule
-    from specdraft.lit_modules.features import OfflineFeatures, build_offline_cache
-    from specdraft.pipeline.data import regenerated_temperature
-    from specdraft.pipeline.tokenizer import stop_token_ids
-    from specdraft.runtime.batch_job import encode, read_requests
-    from specdraft.runtime.load import load_target
-
+    checkpoint to ``<work_dir>/drafter/<train.export>`` and register it. ``callbacks`` are added to the Lightning
+    trainer."""
     t = cfg.train
-    objective = objective_from_config(cfg)
-    if t.features == "offline" and objective.needs_target_logits:
-        raise SpecdraftError(f"config key 'train.features': stage {t.stage!r} (kl_weight={t.kl_weight}) needs the "
-                             "target's full distributions; use train.features=online")
-    if t.features == "offline" and t.stage == "retrace" and t.retrace_signals == "exact":
-        raise SpecdraftError("config key 'train.features': stage 'retrace' replays the target's verify pass for its "
-                             "correction signals (train.retrace_signals=exact); use train.features=online")
+    objective = t  # TrainConfig extends Objective: the stage's options are train's own fields
+    if t.features == "offline" and objective.online_reason:
+        raise SpecdraftError(f"config key 'train.features': stage {t.stage!r} (kl_weight={t.kl_weight}) "
+                             f"{objective.online_reason}; use train.features=online")
     data_temperature = regenerated_temperature(data_file)
     note = data_temperature_note(objective, data_temperature)
     if note:
@@ -167,8 +132,8 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
     eval_prompts = []
     if world.bench_dir is not None and (world.bench_dir / "math.jsonl").is_file():
         reqs = read_requests(world.bench_dir / "math.jsonl", lambda m: None)[: t.eval_prompts]
-        eval_prompts = [encode(tokenizer, r.messages) for r in reqs]
-    ckpt_dir = cfg.work_path / "checkpoints" / t.stage
+        eval_prompts = [encode_chat(tokenizer, r.messages) for r in reqs]
+    ckpt_dir = cfg.work_path / "checkpoints" / t.export
     best_cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, filename="drafter-best",
                                                   monitor=objective.selection_metric, mode="max", save_last=False, save_top_k=1,
                                                   enable_version_counter=False)
@@ -200,13 +165,11 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
     trainer.validate(module, datamodule=dm, verbose=False, weights_only=True)  # final numbers
     best, best_score = _best_including_final(trainer, best_cb, ckpt_dir, objective.selection_metric)
 
-    from specdraft.export.hf import export_checkpoint
-
-    out = export_checkpoint(best, drafter, stage_dir(cfg, t.stage))
+    out = export_checkpoint(best, drafter, cfg.drafter_dir(t.export))
     (out / "specdraft.json").write_text(json.dumps({"stage": t.stage, "run_id": tracker.run_id,
                                                     "sim_tau": best_score, "selected_by": objective.selection_metric,
                                                     "target": str(world.target_dir), "warm_start": str(init or "")}))
-    export_checkpoint(resume, drafter, stage_dir(cfg, t.stage + "-last"))
+    export_checkpoint(resume, drafter, cfg.drafter_dir(t.export + "-last"))
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("eval/")}
     tps = module._tokens_seen / train_s if train_s > 0 else 0.0
     tracker.log_metrics({"train/wall_s": train_s, "train/final_tokens_per_s": tps,
@@ -222,15 +185,13 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
     return out
 
 
-def data_temperature_note(objective, data_temperature: float | None) -> str | None:
-    """A warning when a sampling stage trains on responses regenerated at another temperature than it serves at.
-
-    The drafter learns on the contexts the data holds, while sampled serving continues sampled text. On the tiny
-    world at 600 steps, WTV as -log E_T beat forward KL by +0.4 % T=1 tau on greedy data and by +24 % on data
-    regenerated at T=1, where both accepted more (README, "Sampling losses need sampled data")."""
-    if data_temperature is None or objective.selection_metric != "eval/sim_tau_sampled":
+def data_temperature_note(objective: Objective, data_temperature: float | None) -> str | None:
+    """A warning when a stage trained for speculative sampling trains on responses regenerated at another
+    temperature than it serves at: the drafter learns on the contexts the data holds, while sampled serving continues
+    sampled text (docs/results.md, "Sampling losses need sampled data")."""
+    if data_temperature is None or not objective.trains_for_sampling:
         return None
-    T = objective.sampling_temperature
+    T = objective.temperature
     if data_temperature == T:
         return None
     return (f"stage {objective.stage!r} trains for speculative sampling at T={T:g}, but its responses were "

@@ -7,19 +7,26 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import lightning as L
 import torch
+from transformers import AutoTokenizer
 
 from specdraft.errors import SpecdraftError
+from specdraft.lit_modules.lm import CausalLMModule
 from specdraft.pipeline.config import RunConfig
 from specdraft.pipeline.corpora import DOMAINS, Doc, build_corpus
 from specdraft.pipeline.jsonl import write_jsonl
+from specdraft.pipeline.lightning_utils import TrackerCallback
 from specdraft.pipeline.tokenizer import format_chat, stop_token_ids, train_tokenizer
 from specdraft.pipeline.tracking import Tracker
+from specdraft.runtime.decode import GenerationConfig, generate
+from specdraft.runtime.load import load_target, read_target_args
 
 WORLD_VERSION = 1
 
@@ -43,8 +50,6 @@ def world_hash(cfg: RunConfig) -> str:
 
 
 def cache_root() -> Path:
-    import os
-
     return Path(os.environ.get("SPECDRAFT_CACHE", Path.home() / ".cache" / "specdraft"))
 
 
@@ -73,8 +78,6 @@ def build_or_load_world(cfg: RunConfig, tracker: Tracker, log=print) -> World:
 
 def _external_world(cfg: RunConfig) -> World:
     """Check a user's checkpoint without loading its weights: config readable, weights and tokenizer present."""
-    from specdraft.runtime.load import read_target_args
-
     path = Path(cfg.target.path)
     try:
         args = read_target_args(path)
@@ -102,11 +105,6 @@ def _pack(tokenizer, docs: list[Doc], seq_len: int) -> torch.Tensor:
 
 
 def _build_world(cfg: RunConfig, wdir: Path, tracker: Tracker, log) -> World:
-    import lightning as L
-
-    from specdraft.lit_modules.lm import CausalLMModule
-    from specdraft.pipeline.lightning_utils import TrackerCallback
-
     t0 = time.perf_counter()
     tiny, data = cfg.target.tiny, cfg.data
     corpus = build_corpus(data.math_problems, data.code_files, data.dialogue, data.holdout_prompts, tiny.seed,
@@ -174,10 +172,6 @@ def _build_world(cfg: RunConfig, wdir: Path, tracker: Tracker, log) -> World:
 
 def _samples(target_dir: Path, holdout: dict[str, list[Doc]], max_new_tokens: int = 80) -> dict[str, dict]:
     """One greedy sample per domain from the runtime (shows the target follows each domain)."""
-    from transformers import AutoTokenizer
-
-    from specdraft.runtime.decode import GenerationConfig, generate
-    from specdraft.runtime.load import load_target
 
     tok = AutoTokenizer.from_pretrained(str(target_dir))
     target = load_target(target_dir, dtype="float32", device="cpu")

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from specdraft.errors import SpecdraftError
+from specdraft.runtime.chat import encode_chat
 from specdraft.runtime.decode import GenerationConfig, generate
 
 
@@ -103,14 +104,6 @@ def shard_for_rank(requests: list[Request], output: Path) -> tuple[list[Request]
     return requests[rank::world], output.with_name(output.name + f".rank{rank}")
 
 
-def encode(tokenizer, messages: list[dict], enable_thinking: bool = False) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                        enable_thinking=enable_thinking)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return list(ids)
-
-
 def run_batch_job(requests: list[Request], output: Path, tokenizer, target, gen: GenerationConfig, batch_size: int,
                   drafter=None, generator=None, enable_thinking: bool = False, progress=None) -> dict:
     """Decode ``requests`` (skipping ids already in ``output``) and append results. Returns job stats."""
@@ -118,7 +111,7 @@ def run_batch_job(requests: list[Request], output: Path, tokenizer, target, gen:
     _repair_torn_tail(output)
     finished = done_ids(output)
     todo = [r for r in requests if r.id not in finished]
-    encoded = [(r, encode(tokenizer, r.messages, enable_thinking)) for r in todo]
+    encoded = [(r, encode_chat(tokenizer, r.messages, enable_thinking=enable_thinking)) for r in todo]
     encoded.sort(key=lambda x: len(x[1]))  # similar lengths per batch
     stats = {"requests": len(todo), "skipped_done": len(requests) - len(todo), "tokens": 0, "rounds": 0,
              "seconds": 0.0}

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
+from specdraft.runtime.drafter import Drafter, RoundRecord
 from specdraft.runtime.models.target import TargetLM
 from specdraft.runtime.sampling import SamplingParams, logits_to_probs, sample, sample_from_probs
 from specdraft.runtime.verify import accept_greedy, accept_speculative_sampling
@@ -69,16 +70,18 @@ def _pad(prompts: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.
 
 
 @torch.inference_mode()
-def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: GenerationConfig, drafter=None,
-             generator: torch.Generator | None = None) -> list[RowResult]:
+def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: GenerationConfig,
+             drafter: Drafter | None = None, generator: torch.Generator | None = None,
+             observer: Callable[[RoundRecord], None] | None = None) -> list[RowResult]:
     """Decode a batch of prompts with the target alone (``drafter=None``) or speculatively.
 
     Args:
         target: the verifying target LM.
         prompts: token id lists (ragged).
         config: lengths, sampling, stop tokens.
-        drafter: a block drafter bound to ``target`` (e.g. :class:`DFlashDrafter`), or ``None`` for AR.
+        drafter: a block drafter bound to ``target`` (a :class:`Drafter`), or ``None`` for AR.
         generator: RNG for sampling (on the target's device).
+        observer: called once per verify round with its :class:`RoundRecord` (analysis, on-policy rollouts).
     Returns:
         one :class:`RowResult` per prompt, in order.
     """
@@ -140,7 +143,7 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
             verify_in = torch.cat([state.anchor[:, None], draft_tokens], dim=1)  # [b, Bk]
         else:
             draft_tokens = state.anchor.new_zeros(b, 0)
-            draft_probs = None
+            draft_logits = hidden = draft_probs = None
             verify_in = state.anchor[:, None]  # [b, 1]
         out = target(verify_in, cache=tcache, feature_layers=feature_layers)
         if params.greedy:
@@ -150,6 +153,8 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
                 draft_probs = torch.nn.functional.one_hot(draft_tokens, out.logits.shape[-1]).float()
             n_acc, nxt = accept_speculative_sampling(draft_tokens, draft_probs,
                                                      logits_to_probs(out.logits, params), generator)
+        if observer is not None:
+            observer(RoundRecord(state.rows, draft_tokens, draft_logits, hidden, n_acc, nxt, out.logits))
         tcache.crop(tcache.lengths + n_acc + 1)  # anchor + accepted drafts are now committed
         if drafter is not None:  # the committed tokens' target features join the drafter's context
             fused = drafter.ingest(dcache, out.features, n_acc + 1)  # [b, Bk, D] for all verified slots

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from transformers import AutoTokenizer
 
 from specdraft.errors import SpecdraftError
 from specdraft.runtime.load import load_safetensors_dir, read_target_args
+from specdraft.runtime.models import resolve_drafter
 from specdraft.runtime.models.dflash import DFlashConfig, build_target_layer_ids
-import specdraft.runtime.models  # noqa: F401  (registers every drafter architecture)
-from specdraft.runtime.models.registry import resolve_drafter
 from specdraft.runtime.models.target import TargetArgs, TargetLM
 
 
@@ -57,10 +57,27 @@ def check_compatible(cfg: DFlashConfig, target: TargetArgs) -> None:
         raise SpecdraftError("drafter does not match the target: " + "; ".join(problems))
 
 
-def build_drafter(cfg: DFlashConfig, arch: str = "dflash"):
-    model = resolve_drafter(arch)(cfg)
+def build_drafter(cfg: DFlashConfig, arch: str = "dflash", options=None):
+    """A freshly initialised drafter of architecture ``arch`` on the DFlash backbone ``cfg``; ``options`` are the
+    architecture's own (``drafter.<arch>`` in the pipeline config, e.g. :class:`ReTraceOptions`)."""
+    cls = resolve_drafter(arch)
+    model = cls(cls.config_from_backbone(cfg, options))
     model.reset_parameters()
     return model
+
+
+def convert_drafter(drafter, arch: str, options=None):
+    """A drafter of architecture ``arch`` that keeps ``drafter``'s weights and starts its own parameters (named
+    ``<arch>_*``) at their init; for ReTrace that init computes exactly what ``drafter`` computes. Bound to the same
+    target, on the same device."""
+    cls = resolve_drafter(arch)
+    model = cls(cls.config_from_backbone(drafter.config, options))
+    missing, unexpected = model.load_state_dict(drafter.state_dict(), strict=False)
+    new = [k for k in missing if not k.startswith(f"{arch}_")]
+    if unexpected or new:
+        raise SpecdraftError(f"a {drafter.arch_name!r} drafter cannot become a {arch!r} drafter: missing {new[:5]}, "
+                             f"unexpected {unexpected[:5]}")
+    return model.to(drafter.fc.weight.device).bind_target(*drafter.borrowed)
 
 
 def save_drafter(drafter, out_dir: str | Path, extra_config: dict | None = None) -> Path:
@@ -117,8 +134,6 @@ def init_drafter(target_dir: str | Path, out_dir: str | Path, num_layers: int = 
 
 def tokenizer_mask_id(target_dir: Path, vocab_size: int) -> int:
     """The tokenizer's mask token (DFlash needs one); refuses a tokenizer larger than the target vocabulary."""
-    from transformers import AutoTokenizer
-
     try:
         tok = AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=False)
     except (OSError, ValueError) as e:

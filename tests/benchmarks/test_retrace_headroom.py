@@ -4,10 +4,8 @@ engine (its committed tokens are the engine's output; its replayed fresh accepta
 import sys
 from pathlib import Path
 
-import torch
-
 from specdraft.runtime.decode import GenerationConfig, generate
-from tests.conftest import make_drafter, make_target
+from tests.helpers import make_drafter, make_target
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from retrace_headroom import RULES, Round, aggregate, record_rounds, round_headroom  # noqa: E402

@@ -1,4 +1,4 @@
-"""EAL / WTV / TV losses (methods.md §3): brute-force expectations, limits, identities, gradients."""
+"""EAL / WTV / TV losses: brute-force expectations, limits, identities, gradients."""
 
 import itertools
 

@@ -1,11 +1,20 @@
 """Drafter training: train/serve consistency, overfitting one batch, simulated tau, offline == online features."""
 
+import pytest
 import torch
+from transformers import AutoTokenizer
 
-from specdraft.lit_modules.blocks import build_blocks
-from specdraft.lit_modules.drafter_module import DrafterModule, Objective
+from specdraft.errors import SpecdraftError
+from specdraft.lit_modules.blocks import build_blocks, sample_anchors
+from specdraft.lit_modules.data import ShareGPTDataModule, collate
+from specdraft.lit_modules.drafter_module import DrafterModule
+from specdraft.lit_modules.stage_table import Objective
 from specdraft.lit_modules.features import OfflineFeatures, build_offline_cache
-from tests.conftest import make_drafter, make_target
+from specdraft.runtime.decode import GenerationConfig, generate
+from specdraft.runtime.drafter_io import build_drafter, drafter_config_for_target
+from specdraft.runtime.load import load_target
+from specdraft.runtime.verify import accept_greedy, accept_speculative_sampling
+from tests.helpers import make_drafter, make_target
 
 
 def test_training_forward_equals_runtime_draft_path():
@@ -29,10 +38,6 @@ def test_training_forward_equals_runtime_draft_path():
 
 
 def _batch(world, n=4):
-    from transformers import AutoTokenizer
-
-    from specdraft.lit_modules.data import ShareGPTDataModule, collate
-
     tok = AutoTokenizer.from_pretrained(str(world.target_dir))
     dm = ShareGPTDataModule(str(world.target_dir.parent / "data.jsonl"), tok, n, 256, 4, seed=0)
     dm.setup()
@@ -40,9 +45,6 @@ def _batch(world, n=4):
 
 
 def _module(world, drafter_seed=1, stage="sft", **kw):
-    from specdraft.runtime.drafter_io import build_drafter, drafter_config_for_target
-    from specdraft.runtime.load import load_target
-
     target = load_target(world.target_dir, dtype="float32", device="cpu")
     torch.manual_seed(drafter_seed)
     d = build_drafter(drafter_config_for_target(target.args, target.args.vocab_size - 1, 1, 4, num_features=2))
@@ -78,8 +80,6 @@ def test_overfit_one_batch_loss_falls_and_sim_tau_rises(tiny_world):
     assert loss1 < 0.5 * loss0
     assert acc[0] > 0.5
     # sim_tau compares drafts with the TARGET's greedy tokens: train on the target's own greedy continuations
-    from specdraft.lit_modules.data import collate
-    from specdraft.runtime.decode import GenerationConfig, generate
 
     prompts = [it["input_ids"][:12] for it in _batch(tiny_world)[0].train_items[:4]]
     gens = generate(m.target, prompts, GenerationConfig(max_new_tokens=40))
@@ -112,8 +112,6 @@ def test_simulated_sampled_tau_is_the_runtime_expected_acceptance():
     """1 + E_T equals the mean accepted length (bonus included) of the runtime's speculative sampling on drafts ~ q at
     temperature T, when the target's slot distributions are the teacher-forced ones; windows that are not fully
     supervised are left out, and a drafter equal to the target accepts every slot."""
-    from specdraft.runtime.verify import accept_speculative_sampling
-
     torch.manual_seed(21)
     K, V, T, G = 3, 5, 0.7, 40_000
     anchors = torch.tensor([[0, 4, 6]])
@@ -151,10 +149,6 @@ def test_offline_features_give_the_same_loss_as_online(tiny_world, tmp_path):
 
 
 def test_offline_cache_refuses_other_layer_set(tiny_world, tmp_path):
-    import pytest
-
-    from specdraft.errors import SpecdraftError
-
     dm, _ = _batch(tiny_world)
     m = _module(tiny_world)
     build_offline_cache(m.target, tiny_world.target_dir, {"train": dm.train_items[:2]}, (0, 1), tmp_path / "f")
@@ -166,13 +160,10 @@ def test_verified_anchors_sit_where_greedy_serving_anchors_the_next_block(tiny_w
     """a' = a + n + 1 with n = the leading drafts equal to the target's greedy tokens. Drafts are planted to first
     differ at slot ``i % K + 1`` of block i (n = i % K), and n is cross-checked with the runtime's ``accept_greedy``;
     ``train.anchors=verified`` then trains at exactly those anchors."""
-    from specdraft.lit_modules.blocks import sample_anchors
-    from specdraft.runtime.verify import accept_greedy
-
     m = _module(tiny_world)
     m.objective.anchors = "verified"
     _, batch = _batch(tiny_world)
-    feats, _, greedy = m._features(batch, "train")
+    feats, _, greedy = m.features(batch, "train")
     anchors, valid = sample_anchors(batch["loss_mask"], batch["lengths"], 8, torch.Generator().manual_seed(3))
     B, N = anchors.shape
     K, V = m.drafter.block_size - 1, m.drafter.config.vocab_size

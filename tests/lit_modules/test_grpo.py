@@ -9,7 +9,7 @@ from specdraft.lit_modules.grpo import GRPOConfig, grpo_loss, simulated_acceptan
 from specdraft.lit_modules.losses import acceptance_alpha, expected_accept_length
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.verify import accept_greedy
-from tests.conftest import make_target
+from tests.helpers import make_target
 
 
 def test_greedy_reward_equals_real_verification_on_the_same_drafts():

@@ -4,11 +4,18 @@ exact-mode training step hands the drafter the same prior the engine would build
 import pytest
 import torch
 
-from specdraft.lit_modules.features import online_features
+import specdraft.lit_modules.retrace_step as step_mod
 from specdraft.lit_modules import retrace_step
+from specdraft.lit_modules.drafter_module import DrafterModule
+from specdraft.lit_modules.retrace_step import ReTraceTraining
+from specdraft.lit_modules.stage_table import Objective
+from specdraft.lit_modules.features import online_features
+from specdraft.lit_modules.losses import decayed_ce
 from specdraft.lit_modules.retrace_step import verify_blocks, verify_outcome
+from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.kv_cache import cached_attention_mask
-from tests.conftest import make_drafter, make_target
+from tests.helpers import make_drafter, make_target
+from tests.runtime.test_retrace import retrace_from
 
 
 def test_visible_prefix_limits_each_query_to_its_own_context():
@@ -62,12 +69,6 @@ def test_exact_mode_trains_on_the_prior_the_engine_builds(monkeypatch, chain):
     rounds (drafts, replayed verification, retained suffix and its correction signals) equal the engine's rounds.
     With ``chain=1`` the step's second no-grad round is drafted with the first one's prior fused in, as the engine's
     second round is, and its retained suffix must match the engine's too."""
-    import specdraft.lit_modules.blocks as blocks_mod
-    import specdraft.lit_modules.retrace_step as step_mod
-    from specdraft.lit_modules.drafter_module import DrafterModule, Objective
-    from specdraft.runtime.decode import GenerationConfig, generate
-    from tests.runtime.test_retrace import retrace_from
-
     target = make_target(seed=3)
     r = retrace_from(make_drafter(target, seed=4, block_size=6), active=True)
     prompt = [5, 9, 2, 7]
@@ -80,11 +81,11 @@ def test_exact_mode_trains_on_the_prior_the_engine_builds(monkeypatch, chain):
     generate(target, [ids[0, :a].tolist()], GenerationConfig(max_new_tokens=2 * r.block_size), drafter=r)
 
     trained = []
-    monkeypatch.setattr(blocks_mod, "sample_anchors", lambda *args: (torch.tensor([[a]]), torch.tensor([[True]])))
+    monkeypatch.setattr(step_mod, "sample_anchors", lambda *args: (torch.tensor([[a]]), torch.tensor([[True]])))
     real_build = step_mod.build_prior
     monkeypatch.setattr(step_mod, "build_prior", lambda *args: trained.append(real_build(*args)) or trained[-1])
     module = DrafterModule(r, target, lr=1e-3, warmup_ratio=0.0, total_steps=1, num_anchors=1,
-                           objective=Objective(stage="retrace", retrace_signals="exact"))
+                           objective=Objective(stage="retrace", retrace=ReTraceTraining(signals="exact")))
     batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids), "lengths": torch.tensor([ids.shape[1]])}
     step_mod.two_round_blocks(module, batch, "train", None, prior_dropout=0.0, signals="exact", chain=chain)
 
@@ -99,17 +100,11 @@ def test_exact_mode_trains_on_the_prior_the_engine_builds(monkeypatch, chain):
 def test_first_round_ce_trains_the_backbone_at_the_random_anchors(monkeypatch):
     """``first_round_ce``: the first round's blocks (random anchors, no prior) get the SFT loss with gradients, and
     the second round is the same as without it."""
-    import specdraft.lit_modules.blocks as blocks_mod
-    import specdraft.lit_modules.retrace_step as step_mod
-    from specdraft.lit_modules.drafter_module import DrafterModule, Objective
-    from specdraft.lit_modules.losses import decayed_ce
-    from tests.runtime.test_retrace import retrace_from
-
     target = make_target(seed=3)
     r = retrace_from(make_drafter(target, seed=4, block_size=6), active=True)
     ids = torch.randint(0, 60, (2, 30), generator=torch.Generator().manual_seed(2))
     anchors, valid = torch.tensor([[2, 9, 17], [4, 11, 20]]), torch.ones(2, 3, dtype=torch.bool)
-    monkeypatch.setattr(blocks_mod, "sample_anchors", lambda *args: (anchors, valid))
+    monkeypatch.setattr(step_mod, "sample_anchors", lambda *args: (anchors, valid))
     module = DrafterModule(r, target, lr=1e-3, warmup_ratio=0.0, total_steps=1, num_anchors=3,
                            objective=Objective(stage="retrace"))
     batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids), "lengths": torch.tensor([30, 30])}
@@ -118,7 +113,7 @@ def test_first_round_ce_trains_the_backbone_at_the_random_anchors(monkeypatch):
     plain, plain_stats = step_mod.two_round_blocks(module, batch, "train", None, 0.0, "exact", 1.0)
     assert "first_round_ce" not in plain_stats
     torch.testing.assert_close(db.logits, plain.logits)  # the trained second round does not change
-    feats, _, _ = module._features(batch, "train")
+    feats, _, _ = module.features(batch, "train")
     logits0, _, blk0, _ = module.run_blocks(batch, feats, anchors, valid)
     expect = decayed_ce(logits0, blk0.labels, blk0.label_mask, w)
     torch.testing.assert_close(stats["first_round_ce"], expect)

@@ -10,7 +10,7 @@ from specdraft.runtime.batch_job import done_ids, read_requests
 
 
 def _write(path, lines):
-    path.write_text("".join(l + "\n" for l in lines))
+    path.write_text("".join(line + "\n" for line in lines))
 
 
 @pytest.fixture
@@ -41,7 +41,7 @@ def test_decode_contract_malformed_lines_and_resume(tiny_world, drafter_dir, tmp
     assert main(["decode", *_args(tiny_world, drafter_dir, tmp_path), "--input", str(inp), "--output", str(out)]) == 0
     err = capsys.readouterr().err
     assert "in.jsonl:2" in err and "in.jsonl:3" in err
-    rows = [json.loads(l) for l in out.read_text().splitlines()]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["id"] for r in rows) == ["a", "c", "d"]
     for r in rows:
         assert set(r) == {"id", "completion", "num_tokens", "accept_lengths", "tau", "time_s"}
@@ -51,7 +51,7 @@ def test_decode_contract_malformed_lines_and_resume(tiny_world, drafter_dir, tmp
     lines = out.read_text().splitlines()
     out.write_text(lines[0] + "\n" + lines[1][: len(lines[1]) // 2])
     assert main(["decode", *_args(tiny_world, drafter_dir, tmp_path), "--input", str(inp), "--output", str(out)]) == 0
-    rows2 = [json.loads(l) for l in out.read_text().splitlines()]
+    rows2 = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["id"] for r in rows2) == ["a", "c", "d"]  # nothing lost, nothing duplicated
     assert rows2[0] == rows[0]
 
@@ -65,7 +65,8 @@ def test_greedy_decode_job_equals_ar_job(tiny_world, drafter_dir, tmp_path):
         outs[method] = tmp_path / f"{method}.jsonl"
         assert main(["decode", *_args(tiny_world, drafter_dir, tmp_path, f"decode.method={method}"),
                      "--input", str(inp), "--output", str(outs[method])]) == 0
-    comp = {m: {json.loads(l)["id"]: json.loads(l)["completion"] for l in p.read_text().splitlines()} for m, p in outs.items()}
+    comp = {m: {json.loads(line)["id"]: json.loads(line)["completion"]
+                for line in p.read_text().splitlines()} for m, p in outs.items()}
     assert comp["ar"] == comp["dflash"]
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from specdraft.pipeline.cli import main
+from specdraft.pipeline.data import regenerated_temperature
 
 TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
 MICRO = [
@@ -60,8 +61,6 @@ def test_empty_prompt_file_for_data_is_one_clean_line(tmp_path, capsys, tiny_wor
 def test_data_resume_with_another_temperature_is_refused_and_keeps_the_responses(tmp_path, capsys, tiny_world):
     """The regeneration records its sampling settings; resuming it at another temperature would mix two response
     distributions, so it stops with one line naming the key, and the responses already written stay as they were."""
-    from specdraft.pipeline.data import regenerated_temperature
-
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"hello {i}"}) + "\n" for i in range(3)))
     args = ["data", TINY, f"target.path={tiny_world.target_dir}", f"data.prompts_file={prompts}",

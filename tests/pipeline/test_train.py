@@ -1,15 +1,25 @@
 """`specdraft train` on a seconds-sized world: resume gives the same next losses as an uninterrupted run; the best
 checkpoint is exported in the HF layout the runtime loads; MLflow gets params, metrics, artifacts and a model version."""
 
+import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
+import mlflow
 import pytest
 import torch
 
+from specdraft.errors import SpecdraftError
+from specdraft.lit_modules.stage_table import Objective
+from specdraft.pipeline import stages
 from specdraft.pipeline.config import load_config
+from specdraft.pipeline.lightning_utils import TrackerCallback
 from specdraft.pipeline.tracking import Tracker
+from specdraft.pipeline.train import _best_including_final, data_temperature_note, train_drafter
+from specdraft.runtime.drafter_io import load_drafter
+from specdraft.runtime.load import load_target
 
 
 class RecordingTracker(Tracker):
@@ -48,8 +58,6 @@ def _prepare(world, work):
 
 
 def test_resume_gives_the_same_next_losses(tiny_world, tmp_path):
-    from specdraft.pipeline.train import train_drafter
-
     full = RecordingTracker()
     data = _prepare(tiny_world, tmp_path / "a")
     train_drafter(_cfg(tiny_world, tmp_path / "a"), tiny_world, data, full, log=lambda m: None)
@@ -69,12 +77,6 @@ def test_resume_gives_the_same_next_losses(tiny_world, tmp_path):
 
 
 def test_export_loads_in_runtime_and_mlflow_records_the_run(tiny_world, tmp_path, monkeypatch):
-    import mlflow
-
-    from specdraft.pipeline import stages
-    from specdraft.runtime.drafter_io import load_drafter
-    from specdraft.runtime.load import load_target
-
     monkeypatch.chdir(tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     cfg = _cfg(tiny_world, tmp_path / "w", "tracking.enabled=true", f"tracking.uri={uri}", "tracking.experiment=t")
@@ -110,13 +112,6 @@ class TagTracker(RecordingTracker):
 
 
 def test_stages_chain_sft_eal_wtv_grpo_with_warm_starts(tiny_world, tmp_path):
-    import json
-
-    from specdraft.errors import SpecdraftError
-    from specdraft.pipeline.train import train_drafter
-    from specdraft.runtime.drafter_io import load_drafter
-    from specdraft.runtime.load import load_target
-
     work = tmp_path / "w"
     data = _prepare(tiny_world, work)
     (data.parent / "sampling.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 48}))  # greedy data
@@ -126,7 +121,7 @@ def test_stages_chain_sft_eal_wtv_grpo_with_warm_starts(tiny_world, tmp_path):
     trackers, logs = {}, {}
     for stage in ("sft", "eal", "wtv", "grpo"):
         trackers[stage], logs[stage] = TagTracker(), []
-        out = train_drafter(_cfg(tiny_world, work, f"train.stage={stage}", "train.grpo_group_size=4", *base),
+        out = train_drafter(_cfg(tiny_world, work, f"train.stage={stage}", "train.grpo.group_size=4", *base),
                             tiny_world, data, trackers[stage], logs[stage].append)
         assert out == work / "drafter" / stage
         meta = json.loads((out / "specdraft.json").read_text())
@@ -151,7 +146,7 @@ def test_stages_chain_sft_eal_wtv_grpo_with_warm_starts(tiny_world, tmp_path):
 
     # ReTrace warm-starts from the sft DFlash drafter; its fusion starts at zero, so it begins exactly as sft
     rt = TagTracker()
-    out = train_drafter(_cfg(tiny_world, work, "train.stage=retrace", "drafter.retrace_alignment=soft", *base),
+    out = train_drafter(_cfg(tiny_world, work, "train.stage=retrace", "drafter.retrace.alignment=soft", *base),
                         tiny_world, data, rt, lambda m: None)
     assert rt.tags["warm_start"] == str(work / "drafter" / "sft")
     assert json.loads((out / "config.json").read_text())["retrace_config"]["alignment"] == "soft"
@@ -166,8 +161,6 @@ def test_stages_chain_sft_eal_wtv_grpo_with_warm_starts(tiny_world, tmp_path):
 def test_evaluations_count_optimizer_steps_across_short_epochs(tiny_world, tmp_path):
     """An epoch shorter than ``eval_every`` (here 2-3 steps) must not shift or hide evaluations: they land on every
     ``eval_every``-th optimizer step, including the last, so the best checkpoint can be the final one."""
-    from specdraft.pipeline.train import train_drafter
-
     class EvalSteps(L.Callback):
         steps = []
 
@@ -182,10 +175,6 @@ def test_evaluations_count_optimizer_steps_across_short_epochs(tiny_world, tmp_p
 
 
 def test_export_takes_the_final_weights_when_they_score_best(tmp_path):
-    from types import SimpleNamespace
-
-    from specdraft.pipeline.train import _best_including_final
-
     saved = []
     trainer = SimpleNamespace(callback_metrics={"eval/sim_tau": torch.tensor(6.0)}, save_checkpoint=saved.append)
     better_before = SimpleNamespace(best_model_path="ckpt/step3.ckpt", best_model_score=torch.tensor(7.0))
@@ -198,9 +187,6 @@ def test_export_takes_the_final_weights_when_they_score_best(tmp_path):
 
 
 def test_sampling_stages_warn_only_when_the_data_temperature_differs():
-    from specdraft.lit_modules.drafter_module import Objective
-    from specdraft.pipeline.train import data_temperature_note
-
     wtv = Objective(stage="wtv", temperature=0.7)
     assert "data.temperature=0" in data_temperature_note(wtv, 0.0) and "T=0.7" in data_temperature_note(wtv, 0.0)
     assert data_temperature_note(wtv, 0.7) is None and data_temperature_note(wtv, None) is None
@@ -211,9 +197,6 @@ def test_sampling_stages_warn_only_when_the_data_temperature_differs():
 def test_tracker_logs_each_evaluation_once_at_its_step():
     """Training metrics go out every ``every`` steps, evaluation metrics only when an evaluation ends: an eval
     point is not repeated at the training steps that follow it."""
-    from types import SimpleNamespace
-
-    from specdraft.pipeline.lightning_utils import TrackerCallback
 
     tracker = RecordingTracker()
     cb = TrackerCallback(tracker, every=10)

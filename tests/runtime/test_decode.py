@@ -7,7 +7,7 @@ from scipy import stats
 
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.sampling import SamplingParams
-from tests.conftest import make_drafter, make_target
+from tests.helpers import make_drafter, make_target
 from tests.runtime.stub_drafter import OracleStubDrafter, random_corruption
 
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4], [12, 13], [20, 21, 22, 23, 24], [30], [31, 32, 33, 34], [40, 41]]

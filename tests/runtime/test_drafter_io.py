@@ -1,14 +1,16 @@
 """DFlash drafter directories: z-lab weight names and config keys, round trips, and refusals before compute."""
 
 import json
+import shutil
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from specdraft.errors import SpecdraftError
-from specdraft.runtime.drafter_io import check_compatible, load_drafter, read_drafter_config, save_drafter
+from specdraft.runtime.drafter_io import check_compatible, init_drafter, load_drafter, read_drafter_config, save_drafter
 from specdraft.runtime.models.dflash import build_target_layer_ids
-from tests.conftest import make_drafter, make_target
+from tests.helpers import make_drafter, make_target
 
 
 def test_layer_ids_follow_zlab():
@@ -21,7 +23,6 @@ def test_weight_names_and_config_keys_are_zlabs(tmp_path):
     target = make_target()
     d = make_drafter(target, layers=2)
     save_drafter(d, tmp_path)
-    from safetensors import safe_open
 
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
@@ -76,10 +77,6 @@ def test_mismatch_is_refused_with_a_clear_message(field, value, msg):
 
 
 def test_init_drafter_refuses_a_tokenizer_larger_than_the_target(tiny_world, tmp_path):
-    import shutil
-
-    from specdraft.runtime.drafter_io import init_drafter
-
     t = tmp_path / "target"
     shutil.copytree(tiny_world.target_dir, t)
     cfg = json.loads((t / "config.json").read_text())

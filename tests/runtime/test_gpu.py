@@ -5,7 +5,7 @@ import torch
 
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.sampling import SamplingParams
-from tests.conftest import make_drafter, make_target, requires_cuda
+from tests.helpers import make_drafter, make_target, requires_cuda
 from tests.runtime.test_decode import PROMPTS
 
 pytestmark = [pytest.mark.gpu, requires_cuda]

@@ -1,13 +1,16 @@
 """ReTrace: zero-init fusion == backbone bit for bit, alignment of the carried suffix, reset on full acceptance,
 and losslessness (greedy equality in ragged batches, chi-square under sampling) with the fusion switched on."""
 
+import json
+
 import pytest
 import torch
 
 from specdraft.runtime.decode import GenerationConfig, generate
+from specdraft.runtime.drafter_io import load_drafter, save_drafter
 from specdraft.runtime.models.retrace import ReTraceConfig, ReTraceDrafter, ReTraceOptions, build_prior, verify_stats
 from specdraft.runtime.sampling import SamplingParams
-from tests.conftest import make_drafter, make_target
+from tests.helpers import make_drafter, make_target
 from tests.runtime.test_decode import PROMPTS, _chi2_pvalue, _exact_two_token_dist, ar
 
 
@@ -24,9 +27,6 @@ def retrace_from(backbone, active: bool, seed: int = 0, **opts):
 def test_fusion_layout_sizes_and_exports_written_before_it_was_configurable(tmp_path):
     """Default: refiner of width D fed [h; e(d); LN(c)]; the slim option halves it and drops e(d). An export whose
     retrace_config predates ``refiner_width`` is the default layout, and loads as exactly that."""
-    import json
-
-    from specdraft.runtime.drafter_io import load_drafter, save_drafter
 
     target = make_target()
     backbone = make_drafter(target)

@@ -148,7 +148,19 @@ class DFlashDrafter(nn.Module):
         self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
         self._borrowed: tuple[nn.Module, nn.Module] | None = None
 
+    @classmethod
+    def config_from_backbone(cls, backbone: DFlashConfig, options=None) -> DFlashConfig:
+        """This architecture's config on a DFlash backbone (DFlash itself takes no options)."""
+        return backbone
+
     # ---- borrowed target parts -------------------------------------------------------------------------
+    @property
+    def borrowed(self) -> tuple[nn.Module, nn.Module]:
+        """The bound target's ``(embed_tokens, lm_head)``."""
+        if self._borrowed is None:
+            raise RuntimeError("drafter is not bound to a target: call bind_target(embed_tokens, lm_head)")
+        return self._borrowed
+
     def bind_target(self, embed_tokens: nn.Module, lm_head: nn.Module) -> "DFlashDrafter":
         """Borrow the target's embedding and LM head (not registered: never saved, never trained here)."""
         self._borrowed = (embed_tokens, lm_head)

@@ -1,4 +1,4 @@
-"""ReTrace: rejected-trajectory conditioning on a DFlash backbone (first seed abstract; design: methods.md §1).
+"""ReTrace: rejected-trajectory conditioning on a DFlash backbone (ReTrace; backbone: DFlash, arXiv:2602.06036).
 
 After a verification that accepted ``n`` of ``K`` drafts, the rejected suffix (slots ``n+1..K``) is not thrown away:
 the drafter's last-layer hidden states there, with the embeddings of the tokens it drafted, are RETAINED; ALIGNED to
@@ -10,40 +10,33 @@ and admitted into the next block's input embeddings by GATED RESIDUAL FUSION ``x
 inputs change: verification, and therefore losslessness, are untouched; rejected tokens are never committed; no extra
 forward pass of either model is needed.
 
-Choices made against methods.md §1 on measurements (tiny world, CPU):
+Layout of the fusion:
 
-- the retained state carries the drafted token's embedding next to ``h`` (the abstract's point is that rejected
-  tokens may still match the target continuation at their positions; ``e(d_s)`` states it directly);
-- the gate starts half open (``W_o = 0`` alone keeps the backbone exact at init; with bias -4 both factors of
-  ``g * W_o u`` start near zero and a short warm start barely moves the fusion);
-- the refiner is one layer ``u = SiLU(W_in [h; e(d); LN(c)])`` of width ``E`` (not a 2-layer MLP of width ``2E``):
-  its second linear layer would compose into both ``W_g`` and ``W_o`` and add nothing they cannot express, so
-  ``[W_g u ; W_o u]`` is one matmul. The gate reads ``u`` alone (``W_g [e_MASK; u]`` has a constant ``e_MASK``
-  half, i.e. a bias), ``h`` enters without a LayerNorm (it is already RMS-normed), and refine/gate/``W_o`` run only
-  on the new slots that can receive a prior. Together these cut the fusion's per-round cost (goal: <= 5% of a round);
-- the refiner stays full width with ``e(d)`` in its input: a slim option (``refiner_width`` D/2, ``embed_drafted``
-  false; 0.42x the parameters) trained the same way served 5% lower tau than SFT on average (0.95 vs 1.00) and its
-  fusion lowered math tau by 2.4% on vs off, where the full-width fusion raised it 1.9%. At a real Qwen3 shape the
-  full-width fusion is ~1% of a CPU round (``benchmarks/fusion_overhead.py``), so the parameters are not worth
-  saving there;
+- the retained state carries the drafted token's embedding next to ``h`` (rejected tokens may still match the
+  target continuation at their positions; ``e(d_s)`` states it directly), unless ``embed_drafted`` is off;
+- the refiner is one layer ``u = SiLU(W_in [h; e(d); LN(c)])`` of width ``W``; a second linear layer would compose
+  into both ``W_g`` and ``W_o`` and add nothing they cannot express, so ``[W_g u ; W_o u]`` is one matmul. The gate
+  reads ``u`` alone, ``h`` enters without a LayerNorm (it is already RMS-normed), and refine/gate/``W_o`` run only
+  on the new slots that can receive a prior;
 - the target features enter as the drafter's own fused context ``hidden_norm(fc(f))``, which
   :meth:`DFlashDrafter.ingest` already computed for the verify block (no second ``fc``).
 
-Ablations (``retrace_config``): ``alignment`` hard (shift) or soft (Gaussian kernel over offsets, learnable width);
-``use_correction`` (refine with target signals or with the drafter's retained state alone); ``gate_anchor`` (fuse
-into the anchor slot too, not only the mask slots). Training (``lit_modules/retrace_step.py``) takes its correction
-signals from an exact replay of the serving verify pass.
+Options (:class:`ReTraceOptions`): ``alignment`` hard (shift) or soft (Gaussian kernel over offsets, learnable
+width); ``use_correction`` (refine with target signals or with the drafter's retained state alone); ``gate_anchor``
+(fuse into the anchor slot too). Training (``lit_modules/retrace_step.py``) takes its correction signals from an
+exact replay of the serving verify pass.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdraft.errors import OptionError, check_range
 from specdraft.runtime.models.dflash import DFlashConfig, DFlashDrafter
 from specdraft.runtime.models.registry import HF_ARCHITECTURES, register_drafter
 
@@ -52,19 +45,28 @@ N_SCALARS = 4  # agreement, p_target(draft), target entropy, slot / block
 
 @dataclass
 class ReTraceOptions:
-    alignment: str = "hard"
+    """ReTrace's architecture options (``drafter.retrace.*``), saved in the drafter's ``retrace_config``."""
+
+    alignment: Literal["hard", "soft"] = "hard"
+    """How the rejected suffix lands on the next block: hard (shift by ``n + 1``) or soft (a Gaussian over offsets
+    with a learnable width)."""
     use_correction: bool = True
+    """Refine the retained states with the verify pass's target signals (false: the drafter's states only)."""
     gate_anchor: bool = False
+    """Fuse into the anchor slot too (default: mask slots only)."""
     gate_bias_init: float = 0.0
-    """Gate bias at init. ``W_o = 0`` alone makes a fresh ReTrace drafter exactly its backbone, so the gate may start
-    half open (0): with methods.md's -4 both factors of ``g * W_o u`` start near zero and 150 warm-start steps
-    barely move the fusion (measured: sim_tau with prior 6.92 vs 6.88 without)."""
+    """Gate bias at init. ``W_o = 0`` alone makes a fresh ReTrace drafter exactly its backbone, whatever the bias."""
     refiner_width: int = 0
     """Width ``W`` of ``u`` (0 = the hidden size). The fusion's per-round cost is its weight bytes at small batch and
     its FLOPs at large batch, both proportional to its ``(h_in + 2D + 4) * W + W * 2D`` parameters."""
     embed_drafted: bool = True
     """Feed ``e(d)`` (the drafted token's embedding) to the refiner next to ``h``. Under greedy drafting ``d`` is the
     argmax of ``lm_head(h)``, so ``e(d)`` restates part of ``h``; it costs ``D * W`` parameters and a lookup."""
+
+    def __post_init__(self):
+        if self.alignment not in ("hard", "soft"):
+            raise OptionError("alignment", f"must be hard or soft, got {self.alignment!r}")
+        check_range("refiner_width", self.refiner_width, 0)
 
 
 @dataclass
@@ -170,16 +172,16 @@ class ReTraceDrafter(DFlashDrafter):
     config_class = ReTraceConfig
     wants_verify_context = True  # the refiner reads the target's features at the rejected slots
 
+    @classmethod
+    def config_from_backbone(cls, backbone: DFlashConfig, options: ReTraceOptions | None = None) -> ReTraceConfig:
+        return ReTraceConfig.from_dflash(backbone, options or ReTraceOptions())
+
     def __init__(self, config: ReTraceConfig):
         super().__init__(config)
         D = config.hidden_size
         E = D  # DFlash embeds with the target's embedding: E == D
         opts = config.retrace
-        if opts.alignment not in ("hard", "soft"):
-            raise ValueError(f"retrace alignment must be hard or soft, got {opts.alignment!r}")
         W = config.refiner_width
-        if W <= 0:
-            raise ValueError(f"retrace refiner_width must be positive or 0 (the hidden size), got {opts.refiner_width}")
         c_dim = 2 * D + N_SCALARS
         h_dim = 2 * D if opts.embed_drafted else D
         self.retrace_norm_c = nn.LayerNorm(c_dim)  # h needs none: it is the drafter's final-normed state

@@ -169,7 +169,7 @@ class TargetLM(nn.Module):
             x = layer(x, cos, sin, i, cache, slots, used, mask)
             if i in feature_layers:
                 outputs[i] = x
-        features = torch.cat([outputs[l] for l in feature_layers], dim=-1) if feature_layers else None
+        features = torch.cat([outputs[i] for i in feature_layers], dim=-1) if feature_layers else None
         if not return_logits:
             return TargetOutput(logits=torch.empty(0, device=dev), features=features, hidden=self.model.norm(x))
         if logits_at is not None:

@@ -1,0 +1,63 @@
+"""Test builders: tiny random targets and drafters from configs, and a seconds-sized world on disk (never
+downloaded). Import them from here; ``conftest.py`` only turns some into fixtures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from specdraft.pipeline.corpora import math_docs
+from specdraft.pipeline.jsonl import write_jsonl
+from specdraft.pipeline.tokenizer import train_tokenizer
+from specdraft.pipeline.world import World
+from specdraft.runtime.drafter_io import build_drafter, drafter_config_for_target
+from specdraft.runtime.models.target import TargetArgs, TargetLM
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pytest -m gpu on a GPU box)")
+
+
+def tiny_target_args(vocab: int = 64, layers: int = 4, model_type: str = "qwen3", tied: bool = True) -> TargetArgs:
+    return TargetArgs(model_type=model_type, vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      tie_word_embeddings=tied)
+
+
+def make_target(seed: int = 0, vocab: int = 64, layers: int = 4, std: float = 0.3, **kw) -> TargetLM:
+    """A random tiny target with peaked distributions (large init) so greedy paths are well separated."""
+    torch.manual_seed(seed)
+    t = TargetLM(tiny_target_args(vocab, layers, **kw))
+    for p in t.parameters():
+        if p.dim() > 1:
+            torch.nn.init.normal_(p, std=std)
+    return t.eval()
+
+
+def make_drafter(target: TargetLM, seed: int = 1, block_size: int = 6, layers: int = 2, mask_token_id: int | None = None):
+    torch.manual_seed(seed)
+    mask = target.args.vocab_size - 1 if mask_token_id is None else mask_token_id
+    d = build_drafter(drafter_config_for_target(target.args, mask, num_layers=layers, block_size=block_size,
+                                                num_features=2))
+    return d.bind_target(target.model.embed_tokens, target.lm_head).eval()
+
+
+def build_tiny_world(root):
+    """A seconds-sized world on disk: BPE tokenizer, random tiny Qwen3 target (transformers save_pretrained),
+    ShareGPT data (math problems with their worked answers) and a held-out math prompt file."""
+    root = Path(root)
+    docs = math_docs(160, seed=0)
+    tok = train_tokenizer([d.prompt + "\n" + d.response for d in docs], 400, root / "target")
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=8, tie_word_embeddings=True, initializer_range=0.3))
+    model.save_pretrained(str(root / "target"))
+    write_jsonl(root / "data.jsonl", [{"id": f"m{i}", "conversations": [
+        {"role": "user", "content": d.prompt}, {"role": "assistant", "content": d.response}]}
+        for i, d in enumerate(docs[:120])])
+    write_jsonl(root / "bench" / "math.jsonl", [{"id": f"h{i}", "prompt": d.prompt} for i, d in enumerate(docs[120:])])
+    write_jsonl(root / "heldin.jsonl", [{"id": f"m{i}", "domain": "math", "prompt": d.prompt}
+                                        for i, d in enumerate(docs[:120])])
+    return World(root / "target", root / "heldin.jsonl", root / "bench", {})
