@@ -1,4 +1,4 @@
-# specdraft: `make demo` runs the main job on the embedded tiny world; `make test` runs the tests.
+# specdraft: `make demo` runs the main job on the embedded tiny world; `make test` runs the tests; `make lint` runs ruff.
 # Both create .venv with pip if it is missing (CPU torch from the local wheel; pip, not uv/poetry).
 PY ?= python3
 VENV := .venv
@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test venv clean mlflow-ui
+.PHONY: demo test lint venv clean mlflow-ui
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,6 +22,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -x --durations=15 tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 mlflow-ui: $(STAMP)
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///mlruns/mlflow.db --default-artifact-root mlruns --host 127.0.0.1 --port 5000

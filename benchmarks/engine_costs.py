@@ -73,7 +73,8 @@ def main() -> None:
     reqs = read_requests(world.bench_dir / "math.jsonl", lambda m: None)[:8]
     prompts = [encode_chat(tok, r.messages) for r in reqs]
     N = args.new_tokens
-    out = {"drafter": drafter_src, "block_size": drafter.block_size, "new_tokens": N, "threads": torch.get_num_threads()}
+    out = {"drafter": drafter_src, "block_size": drafter.block_size, "new_tokens": N,
+           "threads": torch.get_num_threads()}
 
     for bs in (1, 8):
         batch = prompts[:bs]

@@ -162,7 +162,8 @@ def aggregate(decoded: list[tuple[list[Round], list[int]]]) -> dict:
     edges = (0.0, *P_BINS, 1.0)
     out["first_fail_by_p_target_rejected"] = [
         {"p_range": [edges[b], edges[b + 1]], "slots": first_fail[b],
-         "copy_right": rescued_copy[b] / max(first_fail[b], 1), "target_right": rescued_target[b] / max(first_fail[b], 1)}
+         "copy_right": rescued_copy[b] / max(first_fail[b], 1),
+         "target_right": rescued_target[b] / max(first_fail[b], 1)}
         for b in range(len(first_fail))]
     for rule in RULES:  # a rule's extra accepted drafts, committed in the same rounds: tau' / tau
         extra = totals[rule] - totals["fresh"]

@@ -73,7 +73,8 @@ ABLATIONS = {  # ReTrace ablations, each its own export dir
     # the first round's random-anchor blocks trained with CE too (the backbone keeps SFT's anchors)
     "retrace-mix": ["train.features=online", "train.retrace.first_round_ce=1.0"],
     # a slim fusion: refiner of width D/2 fed [h; LN(c)] (0.42x the parameters)
-    "retrace-slim": ["train.features=online", "drafter.retrace.refiner_width=128", "drafter.retrace.embed_drafted=false"],
+    "retrace-slim": ["train.features=online", "drafter.retrace.refiner_width=128",
+                     "drafter.retrace.embed_drafted=false"],
 }
 
 
@@ -173,7 +174,8 @@ def main() -> None:
             per = {s: (tau(a, s, t) / tau(b, s, t)) for s in suites if tau(a, s, t) and tau(b, s, t)}
             mean = sum(per.values()) / max(len(per), 1)
             summary["ratios"][f"{a}/{b} T={t:g}"] = {"per_suite": per, "mean": mean}
-            print(f"tau {a}/{b} at T={t:g}: " + ", ".join(f"{s} {v:.3f}" for s, v in per.items()) + f" (mean {mean:.3f})")
+            per_suite = ", ".join(f"{s} {v:.3f}" for s, v in per.items())
+            print(f"tau {a}/{b} at T={t:g}: {per_suite} (mean {mean:.3f})")
     (out / "stage_comparison.json").write_text(json.dumps(summary, indent=2))
     print(f"wrote {out / 'stage_comparison.json'} and {out / 'bench'}")
 

@@ -16,7 +16,8 @@ from specdraft.pipeline.world import World
 from specdraft.runtime.drafter_io import build_drafter, drafter_config_for_target
 from specdraft.runtime.models.target import TargetArgs, TargetLM
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pytest -m gpu on a GPU box)")
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                   reason="needs a CUDA GPU (pytest -m gpu on a GPU box)")
 
 
 def tiny_target_args(vocab: int = 64, layers: int = 4, model_type: str = "qwen3", tied: bool = True) -> TargetArgs:
@@ -35,7 +36,8 @@ def make_target(seed: int = 0, vocab: int = 64, layers: int = 4, std: float = 0.
     return t.eval()
 
 
-def make_drafter(target: TargetLM, seed: int = 1, block_size: int = 6, layers: int = 2, mask_token_id: int | None = None):
+def make_drafter(target: TargetLM, seed: int = 1, block_size: int = 6, layers: int = 2,
+                 mask_token_id: int | None = None):
     torch.manual_seed(seed)
     mask = target.args.vocab_size - 1 if mask_token_id is None else mask_token_id
     d = build_drafter(drafter_config_for_target(target.args, mask, num_layers=layers, block_size=block_size,

@@ -19,7 +19,8 @@ from specdraft.errors import SpecdraftError
 from specdraft.runtime.chat import encode_chat
 
 
-def tokenize_conversation(tokenizer, messages: list[dict], enable_thinking: bool = False) -> tuple[list[int], list[int]]:
+def tokenize_conversation(tokenizer, messages: list[dict],
+                          enable_thinking: bool = False) -> tuple[list[int], list[int]]:
     """``(input_ids, loss_mask)``; the prompt part is byte-identical to what ``decode`` feeds the target."""
     def render(msgs, gen):
         return encode_chat(tokenizer, msgs, add_generation_prompt=gen, enable_thinking=enable_thinking)
@@ -55,7 +56,8 @@ class LengthGroupedSampler(Sampler[list[int]]):
 
     def _batches(self) -> list[list[int]]:
         g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-        order = torch.randperm(len(self.lengths), generator=g).tolist() if self.shuffle else list(range(len(self.lengths)))
+        n = len(self.lengths)
+        order = torch.randperm(n, generator=g).tolist() if self.shuffle else list(range(n))
         mega = self.batch_size * 16
         batches = []
         for i in range(0, len(order), mega):

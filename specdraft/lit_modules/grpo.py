@@ -1,4 +1,4 @@
-"""GRPO for block drafters with simulated acceptance length as the reward (acceptance-length-aware drafter training: EAL / WTV + GRPO).
+"""GRPO for block drafters with simulated acceptance length as the reward (acceptance-length-aware training).
 
 Per training block (an anchor whose whole window is supervised) the policy samples ``G`` draft blocks from its own
 per-slot distributions. Each block's reward is its simulated acceptance length, computed by the SAME verification

@@ -112,7 +112,8 @@ def decode(cfg: RunConfig, input_path: Path, output_path: Path):
         drafter = load_drafter(drafter_dir, tgt) if drafter_dir else None
         tok = AutoTokenizer.from_pretrained(str(world.target_dir), trust_remote_code=False)
         gen = GenerationConfig(max_new_tokens=d.max_new_tokens, stop_token_ids=stop_token_ids(tok),
-                               sampling=SamplingParams(d.temperature, d.top_k, d.top_p), draft_sampling=d.draft_sampling)
+                               sampling=SamplingParams(d.temperature, d.top_k, d.top_p),
+                               draft_sampling=d.draft_sampling)
         g = torch.Generator(device=tgt.lm_head.weight.device).manual_seed(d.seed)
         bar = tqdm(total=len(requests), desc=f"decode ({d.method})", unit="req", file=sys.stderr)
         stats = run_batch_job(requests, output_path, tok, tgt, gen, d.batch_size, drafter=drafter, generator=g,

@@ -64,7 +64,8 @@ def warm_start_dir(cfg: RunConfig) -> Path | None:
     d = cfg.drafter_dir(prev)
     if not (d / "config.json").is_file():
         raise SpecdraftError(f"config key 'train.init_stage': stage {cfg.train.stage!r} warm-starts from the "
-                             f"{prev!r} drafter, but {d} does not exist; train that stage first or set drafter.init_from")
+                             f"{prev!r} drafter, but {d} does not exist; train that stage first or set "
+                             "drafter.init_from")
     return d
 
 
@@ -135,7 +136,8 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
         eval_prompts = [encode_chat(tokenizer, r.messages) for r in reqs]
     ckpt_dir = cfg.work_path / "checkpoints" / t.export
     best_cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, filename="drafter-best",
-                                                  monitor=objective.selection_metric, mode="max", save_last=False, save_top_k=1,
+                                                  monitor=objective.selection_metric, mode="max", save_last=False,
+                                                  save_top_k=1,
                                                   enable_version_counter=False)
     last_cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, filename="drafter-last", every_n_train_steps=
                                                   max(1, min(t.eval_every, 50)), save_top_k=1,
@@ -160,7 +162,8 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
     resume = ckpt_dir / "drafter-last.ckpt"
     t0 = time.perf_counter()
     trainer.fit(module, datamodule=dm, ckpt_path=str(resume) if resume.is_file() else None, weights_only=True)
-    trainer.save_checkpoint(str(resume), weights_only=False)  # full state, so a rerun resumes (and finds nothing left to do)
+    # full state, so a rerun resumes (and finds nothing left to do)
+    trainer.save_checkpoint(str(resume), weights_only=False)
     train_s = time.perf_counter() - t0
     trainer.validate(module, datamodule=dm, verbose=False, weights_only=True)  # final numbers
     best, best_score = _best_including_final(trainer, best_cb, ckpt_dir, objective.selection_metric)

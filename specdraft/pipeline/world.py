@@ -131,7 +131,8 @@ def _build_world(cfg: RunConfig, wdir: Path, tracker: Tracker, log) -> World:
     trainer = L.Trainer(max_steps=tiny.max_steps, max_time={"minutes": tiny.max_minutes} if tiny.max_minutes else None,
                         accelerator="auto", devices=1, logger=False, enable_checkpointing=False,
                         gradient_clip_val=1.0, precision="bf16-mixed",
-                        callbacks=[TrackerCallback(tracker, prefix="target/"), L.pytorch.callbacks.TQDMProgressBar(refresh_rate=10)], enable_model_summary=False,
+                        callbacks=[TrackerCallback(tracker, prefix="target/"),
+                                   L.pytorch.callbacks.TQDMProgressBar(refresh_rate=10)], enable_model_summary=False,
                         log_every_n_steps=10)
     t_train = time.perf_counter()
     trainer.fit(module, loader)
@@ -179,6 +180,7 @@ def _samples(target_dir: Path, holdout: dict[str, list[Doc]], max_new_tokens: in
     for dom, docs in holdout.items():
         prompt = docs[0].prompt
         ids = tok(format_chat(prompt), add_special_tokens=False)["input_ids"]
-        res = generate(target, [ids], GenerationConfig(max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids(tok)))
+        gen = GenerationConfig(max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids(tok))
+        res = generate(target, [ids], gen)
         out[dom] = {"prompt": prompt, "completion": tok.decode(res[0].tokens, skip_special_tokens=True)}
     return out

@@ -8,8 +8,8 @@ from specdraft.errors import SpecdraftError
 from specdraft.lit_modules.blocks import build_blocks, sample_anchors
 from specdraft.lit_modules.data import ShareGPTDataModule, collate
 from specdraft.lit_modules.drafter_module import DrafterModule
-from specdraft.lit_modules.stage_table import Objective
 from specdraft.lit_modules.features import OfflineFeatures, build_offline_cache
+from specdraft.lit_modules.stage_table import Objective
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.drafter_io import build_drafter, drafter_config_for_target
 from specdraft.runtime.load import load_target
@@ -24,7 +24,8 @@ def test_training_forward_equals_runtime_draft_path():
     ids = torch.randint(0, 60, (1, 20))
     feats = target(ids, feature_layers=drafter.target_layer_ids).features  # [1, 20, F]
     anchors = torch.tensor([[4, 9, 13]])
-    blk = build_blocks(ids, torch.ones_like(ids), torch.tensor([20]), anchors, torch.ones_like(anchors, dtype=torch.bool),
+    blk = build_blocks(ids, torch.ones_like(ids), torch.tensor([20]), anchors,
+                       torch.ones_like(anchors, dtype=torch.bool),
                        5, drafter.config.mask_token_id)
     ctx_kv = drafter.context_kv(feats, torch.arange(20)[None])
     train_logits = drafter.logits(drafter(drafter.embed(blk.tokens), blk.positions, ctx_kv, blk.mask)).view(3, 5, -1)
@@ -69,7 +70,9 @@ def test_overfit_one_batch_loss_falls_and_sim_tau_rises(tiny_world):
     _, batch = _batch(tiny_world)
     m = _module(tiny_world)
     opt = torch.optim.AdamW(m.drafter.parameters(), lr=2e-2)
-    g = lambda: torch.Generator().manual_seed(0)  # the same anchors every step: a fixed batch to memorise
+    def g():  # the same anchors every step: a fixed batch to memorise
+        return torch.Generator().manual_seed(0)
+
     with torch.no_grad():
         loss0, db = _step(m, batch, g())
         tau0 = m.simulated_tau(db.logits, db.blocks, db.target_tokens)
@@ -101,7 +104,8 @@ def test_simulated_tau_counts_leading_matches_plus_bonus():
     target_tokens = torch.tensor([[[1, 2, 3, 4], [5, 6, 0, 1]]])  # target's token after each block prefix
     anchors = torch.tensor([[0, 4]])
     ids = torch.zeros(1, 10, dtype=torch.long)
-    blk = build_blocks(ids, torch.ones_like(ids), torch.tensor([10]), anchors, torch.ones(1, 2, dtype=torch.bool), K + 1, 6)
+    blk = build_blocks(ids, torch.ones_like(ids), torch.tensor([10]), anchors, torch.ones(1, 2, dtype=torch.bool),
+                       K + 1, 6)
     drafts = torch.tensor([[[1, 2, 0], [0, 6, 0]]])  # block 0: 2 leading matches; block 1: none
     logits = torch.nn.functional.one_hot(drafts, V).float()
     tau = DrafterModule.simulated_tau(logits, blk, target_tokens)

@@ -7,11 +7,10 @@ import torch
 import specdraft.lit_modules.retrace_step as step_mod
 from specdraft.lit_modules import retrace_step
 from specdraft.lit_modules.drafter_module import DrafterModule
-from specdraft.lit_modules.retrace_step import ReTraceTraining
-from specdraft.lit_modules.stage_table import Objective
 from specdraft.lit_modules.features import online_features
 from specdraft.lit_modules.losses import decayed_ce
-from specdraft.lit_modules.retrace_step import verify_blocks, verify_outcome
+from specdraft.lit_modules.retrace_step import ReTraceTraining, verify_blocks, verify_outcome
+from specdraft.lit_modules.stage_table import Objective
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.kv_cache import cached_attention_mask
 from tests.helpers import make_drafter, make_target

@@ -5,6 +5,7 @@ import pytest
 from specdraft.errors import SpecdraftError
 from specdraft.pipeline.cli import main
 from specdraft.pipeline.config import RunConfig, load_config
+from specdraft.pipeline.stages import default_drafter_dir
 
 CONFIGS = sorted(Path(__file__).resolve().parents[2].joinpath("configs").glob("*.yaml"))
 
@@ -70,3 +71,46 @@ def test_cli_missing_target_path_is_one_clean_line(tmp_path, capsys):
                  f"work_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "does not exist" in err[0]
+
+
+@pytest.mark.parametrize("old,new", [
+    ("train.grpo_group_size=4", "train.grpo.group_size"),
+    ("train.retrace_chain=0.5", "train.retrace.chain"),
+    ("train.prior_dropout=0.1", "train.retrace.prior_dropout"),
+    ("drafter.retrace_alignment=soft", "drafter.retrace.alignment"),
+])
+def test_flat_keys_of_earlier_releases_name_their_new_key(old, new):
+    with pytest.raises(SpecdraftError, match=f"renamed to '{new}'"):
+        load_config(None, [old])
+
+
+def test_option_groups_nest_under_the_layer_that_uses_them():
+    cfg = load_config(None, ["train.grpo.group_size=4", "train.retrace.chain=0.5", "drafter.retrace.alignment=soft",
+                             "train.grpo.mode=sampling"])
+    assert cfg.train.grpo.group_size == 4 and cfg.train.grpo.mode == "sampling"
+    assert cfg.train.retrace.chain == 0.5 and cfg.drafter.retrace.alignment == "soft"
+
+
+@pytest.mark.parametrize("override,key", [
+    (["train.grpo.group_size=1"], "train.grpo.group_size"),
+    (["train.retrace.chain=1.5"], "train.retrace.chain"),
+    (["train.retrace.prior_dropout=-0.1"], "train.retrace.prior_dropout"),
+    (["train.retrace.signals=fast"], "train.retrace.signals"),
+    (["drafter.retrace.alignment=diagonal"], "drafter.retrace.alignment"),
+    (["train.stage=dpo"], "train.stage"),
+    (["train.export_name=a/b"], "train.export_name"),
+    (["drafter.arch=medusa"], "drafter.arch"),
+])
+def test_nested_options_check_their_values_under_the_dotted_key(override, key):
+    with pytest.raises(SpecdraftError, match=f"'{key}'"):
+        load_config(None, override)
+
+
+def test_acceptance_form_defaults_to_the_measured_log_len():
+    assert load_config(None).train.acceptance_form == "log_len"
+
+
+def test_export_name_places_the_export_and_what_decode_and_bench_read():
+    cfg = load_config(None, ["work_dir=w", "train.stage=eal", "train.export_name=eal-len"])
+    assert cfg.train.export == "eal-len" and default_drafter_dir(cfg) == Path("w/drafter/eal-len")
+    assert default_drafter_dir(load_config(None, ["work_dir=w", "train.stage=eal"])) == Path("w/drafter/eal")

@@ -4,9 +4,13 @@ resume without duplicates or losses, vocab mismatch refused before compute."""
 import json
 
 import pytest
+from transformers import AutoTokenizer
 
+from specdraft.lit_modules.data import tokenize_conversation
 from specdraft.pipeline.cli import main
-from specdraft.runtime.batch_job import done_ids, read_requests
+from specdraft.runtime import batch_job
+from specdraft.runtime.batch_job import Request, done_ids, read_requests
+from specdraft.runtime.decode import GenerationConfig, RowResult
 
 
 def _write(path, lines):
@@ -101,3 +105,21 @@ def test_read_requests_and_done_ids(tmp_path):
     o = tmp_path / "o.jsonl"
     o.write_text('{"id": "1"}\n{"id": "2"')
     assert done_ids(o) == {"1"}
+
+
+def test_training_data_and_decode_encode_the_same_prompt_ids(tiny_world, tmp_path, monkeypatch):
+    """The drafter trains on exactly the prompt ids it serves: the data module's prompt part equals what a decode
+    job hands the engine."""
+    tok = AutoTokenizer.from_pretrained(str(tiny_world.target_dir))
+    messages = [{"role": "user", "content": "What is 12 + 30?"}]
+    ids, mask = tokenize_conversation(tok, messages + [{"role": "assistant", "content": "12 + 30 = 42."}])
+    trained_prompt = ids[: mask.index(1)]
+    seen = []
+
+    def engine(target, prompts, gen, **kw):
+        seen.extend(prompts)
+        return [RowResult([], [], "stop", 0.0) for _ in prompts]
+
+    monkeypatch.setattr(batch_job, "generate", engine)
+    batch_job.run_batch_job([Request("a", messages, 1)], tmp_path / "out.jsonl", tok, None, GenerationConfig(), 1)
+    assert seen == [trained_prompt] and len(trained_prompt) > 5

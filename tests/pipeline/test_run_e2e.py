@@ -39,7 +39,8 @@ def test_run_end_to_end_and_rerun_is_cached(tmp_path, monkeypatch, capsys):
     assert {r["method"] for r in rows} == {"ar", "dflash"} and {r["suite"] for r in rows} == {"math", "code"}
     assert {r["temperature"] for r in rows} == {0.0, 1.0} and {r["batch_size"] for r in rows} == {1, 2}
     for r in rows:
-        assert r["tau"] >= 1.0 and r["tokens_per_s"] > 0 and len(r["per_position_acceptance"]) == (3 if r["method"] == "dflash" else 0)
+        assert r["tau"] >= 1.0 and r["tokens_per_s"] > 0
+        assert len(r["per_position_acceptance"]) == (3 if r["method"] == "dflash" else 0)
         assert r["per_position_acceptance"] == sorted(r["per_position_acceptance"], reverse=True)
     assert (w / "bench" / "bench.png").stat().st_size > 1000 and "| dflash |" in (w / "bench" / "bench.md").read_text()
     assert "bench:" in out

@@ -1,5 +1,6 @@
 """`specdraft train` on a seconds-sized world: resume gives the same next losses as an uninterrupted run; the best
-checkpoint is exported in the HF layout the runtime loads; MLflow gets params, metrics, artifacts and a model version."""
+checkpoint is exported in the HF layout the runtime loads; MLflow gets params, metrics, artifacts and a model
+version."""
 
 import json
 import shutil
@@ -87,7 +88,8 @@ def test_export_loads_in_runtime_and_mlflow_records_the_run(tiny_world, tmp_path
     drafter = load_drafter(out, target)
     best = torch.load(tmp_path / "w" / "checkpoints" / "sft" / "drafter-best.ckpt", weights_only=True)["state_dict"]
     torch.testing.assert_close(drafter.fc.weight, best["drafter.fc.weight"])
-    torch.testing.assert_close(drafter.layers[0].self_attn.qkv_proj.weight[:8], best["drafter.layers.0.self_attn.q_proj.weight"][:8])
+    torch.testing.assert_close(drafter.layers[0].self_attn.qkv_proj.weight[:8],
+                               best["drafter.layers.0.self_attn.q_proj.weight"][:8])
 
     client = mlflow.MlflowClient(tracking_uri=uri)
     runs = client.search_runs([client.get_experiment_by_name("t").experiment_id])

@@ -26,7 +26,8 @@ class OracleStubDrafter:
     """``corrupt(round_idx, row) -> slot or None``: which draft slot (1-based) to replace with a wrong token."""
 
     def __init__(self, target, prompts, block_size: int, corrupt, vocab: int):
-        self.target, self.prompts, self.block_size, self.corrupt, self.vocab = target, prompts, block_size, corrupt, vocab
+        self.target, self.prompts, self.block_size = target, prompts, block_size
+        self.corrupt, self.vocab = corrupt, vocab
         self.config = SimpleNamespace(mask_token_id=vocab - 1)
         self.target_layer_ids = (0,)
         self.round = 0

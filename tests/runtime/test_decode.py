@@ -6,6 +6,8 @@ import torch
 from scipy import stats
 
 from specdraft.runtime.decode import GenerationConfig, generate
+from specdraft.runtime.drafter import Drafter
+from specdraft.runtime.drafter_io import convert_drafter
 from specdraft.runtime.sampling import SamplingParams
 from tests.helpers import make_drafter, make_target
 from tests.runtime.stub_drafter import OracleStubDrafter, random_corruption
@@ -42,7 +44,8 @@ def test_greedy_dflash_equals_ar_batch1(seed):
     target = make_target(seed=seed)
     drafter = make_drafter(target, seed=seed + 10)
     for p in PROMPTS[:4]:
-        assert generate(target, [p], GenerationConfig(max_new_tokens=24), drafter=drafter)[0].tokens == ar(target, [p], 24)[0]
+        spec = generate(target, [p], GenerationConfig(max_new_tokens=24), drafter=drafter)[0].tokens
+        assert spec == ar(target, [p], 24)[0]
 
 
 def test_greedy_ragged_batch8_equals_ar_and_single_rows():
@@ -54,7 +57,8 @@ def test_greedy_ragged_batch8_equals_ar_and_single_rows():
     batch = generate(target, prompts, gen, drafter=drafter)
     expected = [ar(target, [p], m)[0] for p, m in zip(prompts, max_new)]
     assert [r.tokens for r in batch] == expected
-    singles = [generate(target, [p], GenerationConfig(max_new_tokens=m), drafter=drafter)[0] for p, m in zip(prompts, max_new)]
+    singles = [generate(target, [p], GenerationConfig(max_new_tokens=m), drafter=drafter)[0]
+               for p, m in zip(prompts, max_new)]
     assert [r.tokens for r in batch] == [s.tokens for s in singles]
     assert [r.accept_lengths for r in batch] == [s.accept_lengths for s in singles]
     assert any(a > 1 for r in batch for a in r.accept_lengths), "test needs some accepted drafts"
@@ -123,3 +127,32 @@ def test_ar_sampling_same_engine_is_target_distribution():
 def test_empty_prompt_rejected(target):
     with pytest.raises(ValueError, match="empty prompt"):
         generate(target, [[1], []], GenerationConfig(max_new_tokens=3))
+
+
+def test_drafters_and_the_test_stub_implement_the_drafter_protocol(target):
+    dflash = make_drafter(target)
+    retrace = convert_drafter(dflash, "retrace")
+    stub = OracleStubDrafter(target, [[1, 2]], 4, lambda r, i: None, target.args.vocab_size)
+    for d in (dflash, retrace, stub):
+        assert isinstance(d, Drafter), type(d).__name__
+    assert not isinstance(object(), Drafter)
+
+
+def test_observer_sees_every_round_as_the_engine_committed_it(target):
+    drafter = make_drafter(target, block_size=5)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9]]
+    rounds = []
+    res = generate(target, prompts, GenerationConfig(max_new_tokens=[10, 17]), drafter=drafter,
+                   observer=rounds.append)
+    per_row = {0: [], 1: []}
+    for r in rounds:
+        assert r.draft_tokens.shape == (r.rows.numel(), 4) and r.draft_logits.shape[:2] == (r.rows.numel(), 4)
+        assert torch.equal(r.draft_tokens, r.draft_logits.argmax(-1))  # greedy drafts are the logits' argmax
+        assert torch.equal(r.next_tokens, r.target_logits.gather(1, r.num_accepted[:, None, None].expand(
+            -1, 1, r.target_logits.shape[-1]))[:, 0].argmax(-1))  # the target's token after the accepted drafts
+        for row, n in zip(r.rows.tolist(), r.num_accepted.tolist()):
+            per_row[row].append(n + 1)
+    assert [per_row[0], per_row[1]] == [x.accept_lengths for x in res]
+    ar_rounds = []
+    generate(target, prompts[:1], GenerationConfig(max_new_tokens=5), observer=ar_rounds.append)
+    assert len(ar_rounds) == 4 and all(r.draft_logits is None and r.draft_tokens.shape[1] == 0 for r in ar_rounds)

@@ -94,8 +94,8 @@ def test_carried_suffix_lands_on_the_right_slots():
     hidden = torch.zeros(1, Bk, D)
     for s in range(Bk):
         hidden[0, s, 0] = s  # tag each old slot's hidden state with its slot index
-    prior = build_prior(hidden, drafts, torch.tensor([2]), verify_stats(torch.randn(1, Bk, r.config.vocab_size), drafts),
-                        torch.randn(1, Bk, D), r.embed)
+    stats = verify_stats(torch.randn(1, Bk, r.config.vocab_size), drafts)
+    prior = build_prior(hidden, drafts, torch.tensor([2]), stats, torch.randn(1, Bk, D), r.embed)
     assert prior.valid[0].tolist() == [False, False, False, True, True, True] and prior.shift.tolist() == [3]
     aligned, present = r._align(prior.hidden, prior)
     assert present[0].tolist() == [True, True, True, False, False, False]
@@ -127,7 +127,8 @@ def test_greedy_retrace_equals_ar_in_ragged_batches(opts):
     max_new = [10, 25, 17, 30, 8, 21, 14, 19]
     batch = generate(target, prompts, GenerationConfig(max_new_tokens=max_new), drafter=r)
     assert [x.tokens for x in batch] == [ar(target, [p], m)[0] for p, m in zip(prompts, max_new)]
-    singles = [generate(target, [p], GenerationConfig(max_new_tokens=m), drafter=r)[0] for p, m in zip(prompts, max_new)]
+    singles = [generate(target, [p], GenerationConfig(max_new_tokens=m), drafter=r)[0]
+               for p, m in zip(prompts, max_new)]
     assert [x.accept_lengths for x in batch] == [x.accept_lengths for x in singles]  # per-row state, compaction-safe
     assert any(1 < a < r.block_size for x in batch for a in x.accept_lengths)  # rejections happened: prior in use
 

@@ -81,7 +81,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> t
     return torch.where(is_mid, mid, scaled).float()
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables ``[B, 1, T, head_dim]`` for absolute ``positions`` ``[B, T]`` (HF rotate-half layout)."""
     freqs = positions[..., None].float() * inv_freq.to(positions.device)  # [B, T, Dh/2]
     emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, T, Dh]

@@ -48,7 +48,8 @@ class TargetArgs:
     def from_hf_config(cls, cfg: dict) -> "TargetArgs":
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"unsupported target model_type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+            raise ValueError(f"unsupported target model_type {model_type!r} "
+                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
         heads = cfg["num_attention_heads"]
