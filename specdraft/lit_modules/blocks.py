@@ -2,7 +2,7 @@
 
 Reference: DFlash (arXiv:2602.06036) §4.2 + Fig. 4, and the pitfalls fixed in SpecForge (#427 bidirectional
 blocks, #470 anchor-position visibility, #473 random anchors + decay). For anchor ``a_j`` the block is
-``[x_{a_j}, MASK x (B-1)]`` at positions ``a_j + 0..B-1``; slot ``k`` predicts ``x_{a_j + k}`` (same position, no
+``[x_{a_j}, MASK x K]`` at positions ``a_j + 0..K`` (block size ``Bk = K + 1``); slot ``k`` predicts ``x_{a_j + k}`` (same position, no
 shift; slot 0 is never a target). A block query sees context key ``t`` iff ``t < a_j`` (STRICTLY before the anchor:
 the anchor's own target feature does not exist yet at inference), sees its own block bidirectionally, and never sees
 another block. Padding blocks (fewer valid anchors than requested) see only themselves and carry no loss.
@@ -92,11 +92,11 @@ def build_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: torc
 
 
 def default_gamma(block_size: int) -> float:
-    """DFlash's loss-decay constant: 7 for B=16, 5 for B=10, 4 for B=8 (interpolated elsewhere)."""
+    """DFlash's loss-decay constant: 7 for Bk=16, 5 for Bk=10, 4 for Bk=8 (interpolated elsewhere)."""
     return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size * 7.0 / 16.0))
 
 
 def decay_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
-    """``w_k = exp(-(k - 1) / gamma)`` for slots k = 1..B-1, ``[B - 1]``."""
+    """``w_k = exp(-(k - 1) / gamma)`` for slots k = 1..Bk-1, ``[Bk - 1]``."""
     k = torch.arange(1, block_size, device=device, dtype=torch.float32)
     return torch.exp(-(k - 1) / gamma)

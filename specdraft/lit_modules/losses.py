@@ -1,6 +1,6 @@
 """Drafter losses: pure functions over ``[..., K, V]`` logits with masks (fp32 math, chunked over rows).
 
-``K`` = draft slots per block (B - 1). Weights ``w_k`` multiply every row's slot-k term; the result is the weighted
+``K`` = draft slots per block (Bk - 1). Weights ``w_k`` multiply every row's slot-k term; the result is the weighted
 mean over supervised slots: ``sum(w * m * l) / sum(w * m)``.
 """
 

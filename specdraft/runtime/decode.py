@@ -1,7 +1,7 @@
 """The decode engine: lossless speculative decoding over ragged batches (DFlash loop, arXiv:2602.06036 §2).
 
-One round per active row: draft a block ``[anchor, MASK x (B-1)]`` (its input embeddings may carry the drafter's
-cross-round state, e.g. ReTrace's rejected suffix) -> verify ``[anchor, d_1..d_{B-1}]`` in ONE target
+One round per active row: draft a block ``[anchor, MASK x K]`` (its input embeddings may carry the drafter's
+cross-round state, e.g. ReTrace's rejected suffix) -> verify ``[anchor, d_1..d_K]`` in ONE target
 pass -> accept ``a`` drafts + one target token -> commit (each row's target cache grows by ``a + 1``) -> feed the
 ``a + 1`` committed tokens' target features to the drafter's context cache (right away, so the next round starts
 drafting at once). The AR baseline (no drafter) is the same

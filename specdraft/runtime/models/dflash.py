@@ -1,6 +1,6 @@
 """DFlash block-diffusion drafter (Chen, Liang, Liu, "DFlash", arXiv:2602.06036, §4.1 and A.3).
 
-A block ``[anchor, MASK x (B-1)]`` is denoised in ONE forward pass. Target hidden states of the committed context
+A block ``[anchor, MASK x K]`` (``K = Bk - 1`` draft slots) is denoised in ONE forward pass. Target hidden states of the committed context
 (outputs of ``target_layer_ids``) are fused once, ``H_t = hidden_norm(fc([H_l1; ...; H_ln]))``, and injected into the
 K/V of every draft layer (KV injection): queries come from the block only, keys/values are ``[ctx ; block]``,
 attention is non-causal over the block, positions are absolute. The drafter owns no embedding and no LM head: it
