@@ -1,7 +1,7 @@
-"""Engine costs on the embedded target (issue: runtime): ratios measured in one process, interleaved.
+"""Engine costs on the embedded target (the runtime): ratios measured in one process, interleaved.
 
 1. AR tokens/s of our engine vs ``transformers`` ``generate`` (same target weights, greedy, exactly N new tokens).
-2. Cost of one speculative round (draft + verify a block of B) over one AR step (verify of 1 token).
+2. Cost of one speculative round (draft + verify a block of Bk) over one AR step (verify of 1 token).
 3. ReTrace's per-round fusion overhead: a round with an active ReTrace fusion over the same DFlash backbone.
 All at batch 1 and batch 8. Prefill is measured separately and subtracted. Each repeat is one interleaved cycle
 (prefill, AR, speculative, HF); ratios are per cycle, reported as the median and range over cycles.
@@ -25,9 +25,8 @@ from specdraft.pipeline.stages import default_drafter_dir, existing_world
 from specdraft.runtime.batch_job import read_requests
 from specdraft.runtime.chat import encode_chat
 from specdraft.runtime.decode import GenerationConfig, generate
-from specdraft.runtime.drafter_io import build_drafter, drafter_config_for_target, load_drafter
+from specdraft.runtime.drafter_io import build_drafter, convert_drafter, drafter_config_for_target, load_drafter
 from specdraft.runtime.load import load_target
-from specdraft.runtime.models.retrace import ReTraceConfig, ReTraceDrafter, ReTraceOptions
 
 
 def _time(fn, repeats: int) -> float:
@@ -65,10 +64,8 @@ def main() -> None:
         drafter = build_drafter(dcfg).bind_target(target.model.embed_tokens, target.lm_head).eval()
         drafter_src = "fresh (untrained) drafter of the configured shape"
 
-    retrace = ReTraceDrafter(ReTraceConfig.from_dflash(drafter.config, ReTraceOptions()))
-    retrace.load_state_dict(drafter.state_dict(), strict=False)
+    retrace = convert_drafter(drafter, "retrace").eval()
     torch.nn.init.normal_(retrace.retrace_gate_out.weight, std=0.02)  # fusion active (W_o = 0 would skip nothing)
-    retrace = retrace.bind_target(target.model.embed_tokens, target.lm_head).eval()
     hf = AutoModelForCausalLM.from_pretrained(str(world.target_dir), dtype=torch.float32).eval()
     reqs = read_requests(world.bench_dir / "math.jsonl", lambda m: None)[:8]
     prompts = [encode_chat(tok, r.messages) for r in reqs]

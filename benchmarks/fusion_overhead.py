@@ -24,8 +24,7 @@ import time
 import torch
 
 from specdraft.runtime.decode import GenerationConfig, generate
-from specdraft.runtime.drafter_io import build_drafter, drafter_config_for_target
-from specdraft.runtime.models.retrace import ReTraceConfig, ReTraceDrafter, ReTraceOptions
+from specdraft.runtime.drafter_io import build_drafter, convert_drafter, drafter_config_for_target
 from specdraft.runtime.models.target import TargetArgs, TargetLM
 
 SHAPES = {  # the published config.json values of each model (architecture only)
@@ -109,12 +108,9 @@ def main() -> None:
         target = TargetLM(targs).to(dtype).eval()
         dcfg = drafter_config_for_target(targs, QWEN3_MASK, num_layers=args.drafter_layers,
                                          block_size=args.block_size)
-        drafter = build_drafter(dcfg).to(dtype)
-        retrace = ReTraceDrafter(ReTraceConfig.from_dflash(dcfg, ReTraceOptions())).to(dtype)
-    retrace.load_state_dict(drafter.state_dict(), strict=False)
+        drafter = build_drafter(dcfg).to(dtype).bind_target(target.model.embed_tokens, target.lm_head).eval()
+        retrace = convert_drafter(drafter, "retrace").eval()
     torch.nn.init.normal_(retrace.retrace_gate_out.weight, std=0.02)  # fusion active
-    drafter = drafter.bind_target(target.model.embed_tokens, target.lm_head).eval()
-    retrace = retrace.bind_target(target.model.embed_tokens, target.lm_head).eval()
     fusion_params = sum(p.numel() for n, p in retrace.named_parameters() if n.startswith("retrace_"))
     out = {"shape": args.shape, "device": str(dev), "dtype": args.dtype, "threads": torch.get_num_threads(),
            "drafter_layers": args.drafter_layers, "block_size": args.block_size,

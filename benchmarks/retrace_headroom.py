@@ -1,4 +1,4 @@
-"""How much could ReTrace gain? The information a rejected suffix carries, measured in serving (issue: ReTrace).
+"""How much could ReTrace gain? The information a rejected suffix carries, measured in serving.
 
 ReTrace (rejected-trajectory conditioning) conditions the next block on the previous round's rejected suffix. The
 most that conditioning can add is bounded by what that suffix knows about the next block's true tokens that the

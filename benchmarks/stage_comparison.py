@@ -122,29 +122,31 @@ def main() -> None:
     todo = {k: known[k] for k in args.variants.split(",")}
     if args.ablations:
         todo.update(ABLATIONS)
+    out_cfg = load_config(args.config, common)
     timings = {}
     for name, extra in todo.items():
         stage = stage_of(name)
-        start = base_cfg.drafter_dir("sft") if stage != "grpo" else out / "drafter" / GRPO_START[name]
+        start = out_cfg.drafter_dir(GRPO_START[name]) if stage == "grpo" else base
         cfg = load_config(args.config, [*common, f"train.stage={stage}", f"train.export_name={name}",
                                         f"drafter.init_from={start}", *extra])
         if args.bench_only or ((cfg.drafter_dir(name) / "config.json").is_file() and not args.retrain):
             continue
         if not (start / "config.json").is_file():
             raise SystemExit(f"variant {name!r} starts from {start}, which does not exist: train {start.name} first")
-        shutil.rmtree(cfg.work_path / "checkpoints" / name, ignore_errors=True)  # each variant starts from its start
+        if args.retrain:  # otherwise an interrupted variant resumes from its own checkpoints
+            shutil.rmtree(cfg.checkpoint_dir(name), ignore_errors=True)
         t0 = time.perf_counter()
         stages.train(cfg, world)
         timings[name] = time.perf_counter() - t0
         seconds_file = out / "train_seconds.json"
         seen = json.loads(seconds_file.read_text()) if seconds_file.is_file() else {}
         seconds_file.write_text(json.dumps({**seen, name: timings[name]}, indent=2))
-        shutil.rmtree(cfg.work_path / "checkpoints" / name, ignore_errors=True)
+        shutil.rmtree(cfg.checkpoint_dir(name), ignore_errors=True)
     if args.train_only:
         print(f"trained {', '.join(timings) or 'nothing new'}: {timings}")
         return
 
-    names = [n for n in todo if (out / "drafter" / n / "config.json").is_file()]
+    names = [n for n in todo if (out_cfg.drafter_dir(n) / "config.json").is_file()]
     cfg = load_config(args.config, [*common, f"bench.stages={json.dumps(names)}",
                                     f"bench.batch_sizes=[{args.batch_size}]"])
     report = stages.bench(cfg, world)

@@ -7,13 +7,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from scipy import stats
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from specdraft.pipeline.corpora import math_docs
 from specdraft.pipeline.jsonl import write_jsonl
 from specdraft.pipeline.tokenizer import train_tokenizer
 from specdraft.pipeline.world import World
-from specdraft.runtime.drafter_io import build_drafter, drafter_config_for_target
+from specdraft.runtime.decode import GenerationConfig, generate
+from specdraft.runtime.drafter_io import build_drafter, convert_drafter, drafter_config_for_target
+from specdraft.runtime.models.retrace import ReTraceOptions
 from specdraft.runtime.models.target import TargetArgs, TargetLM
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -63,3 +66,44 @@ def build_tiny_world(root):
     write_jsonl(root / "heldin.jsonl", [{"id": f"m{i}", "domain": "math", "prompt": d.prompt}
                                         for i, d in enumerate(docs[:120])])
     return World(root / "target", root / "heldin.jsonl", root / "bench", {})
+
+
+PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4], [12, 13], [20, 21, 22, 23, 24], [30], [31, 32, 33, 34], [40, 41]]
+
+
+def ar(target, prompts, max_new, **kw):
+    return [r.tokens for r in generate(target, prompts, GenerationConfig(max_new_tokens=max_new, **kw))]
+
+
+def exact_two_token_dist(target, prompt, V):
+    """p(t1, t2 | prompt) by enumeration with the target alone (T=1)."""
+    with torch.no_grad():
+        p1 = target(torch.tensor([prompt])).logits[0, -1].softmax(-1)
+        seqs = torch.tensor([prompt + [t] for t in range(V)])
+        p2 = target(seqs).logits[:, -1].softmax(-1)  # [V, V]
+    return (p1[:, None] * p2).flatten()
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
+    """Pearson chi-square p-value of ``counts`` against ``probs`` (cells expected below ``min_expected`` pooled)."""
+    counts, probs = counts.flatten().double(), probs.flatten().double()
+    exp = probs / probs.sum() * counts.sum()
+    big = exp >= min_expected
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    ex = torch.cat([exp[big], exp[~big].sum()[None]])
+    if ex[-1] == 0:  # nothing pooled: a count there would be impossible under probs
+        if obs[-1] > 0:
+            return 0.0
+        obs, ex = obs[:-1], ex[:-1]
+    return float(stats.chisquare(obs.numpy(), ex.numpy()).pvalue)
+
+
+def retrace_from(backbone, active: bool, seed: int = 0, **opts):
+    """A ReTrace drafter on ``backbone``: zero-init fusion (== the backbone), or with ``active`` a "trained" one
+    (open gates, non-zero output projection)."""
+    torch.manual_seed(seed)
+    r = convert_drafter(backbone, "retrace", ReTraceOptions(**opts))
+    if active:
+        torch.nn.init.normal_(r.retrace_gate_out.weight, std=0.5)  # [W_g ; W_o], W_o no longer zero
+        torch.nn.init.zeros_(r.retrace_gate_out.bias)
+    return r.eval()

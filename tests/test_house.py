@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from specdraft.lit_modules.stage_table import STAGES, Objective
-from specdraft.pipeline.config import load_config
-from specdraft.runtime.models import available_drafters
+from specdraft.pipeline.config import DrafterConfig, load_config
+from specdraft.runtime.models import available_drafters, resolve_drafter
 
 ROOT = Path(__file__).resolve().parents[1] / "specdraft"
 
@@ -95,3 +95,11 @@ def test_stage_table_rows_are_complete_and_consistent():
 @pytest.mark.parametrize("stage", sorted(STAGES))
 def test_every_stage_in_the_table_is_a_valid_train_stage(stage):
     assert load_config(None, [f"train.stage={stage}"]).train.stage == stage
+
+
+def test_every_architecture_with_options_has_its_config_section():
+    for name in available_drafters():
+        cls = resolve_drafter(name)
+        if cls.options_class is not None:
+            assert isinstance(DrafterConfig().options_for(name), cls.options_class), name
+    assert DrafterConfig().options_for("dflash") is None

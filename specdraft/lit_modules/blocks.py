@@ -1,12 +1,11 @@
 """DFlash training blocks: random anchors, block inputs, labels and the block attention mask (pure tensor code).
 
-Reference: DFlash (arXiv:2602.06036) §4.2 + Fig. 4, and the pitfalls fixed in SpecForge (#427 bidirectional
-blocks, #470 anchor-position visibility, #473 random anchors + decay). For anchor ``a_j`` the block is
-``[x_{a_j}, MASK x K]`` at positions ``a_j + 0..K`` (block size ``Bk = K + 1``); slot ``k`` predicts ``x_{a_j + k}`` (same position, no
-shift; slot 0 is never a target). A block query sees context key ``t`` iff ``t < a_j`` (STRICTLY before the anchor:
-the anchor's own target feature does not exist yet at inference), sees its own block bidirectionally, and never sees
-another block. Padding blocks (fewer valid anchors than requested) see only themselves and carry no loss.
-"""
+Reference: DFlash (arXiv:2602.06036) §4.2 + Fig. 4, and the pitfalls fixed in SpecForge (#427 bidirectional blocks, #470
+anchor-position visibility, #473 random anchors + decay). For anchor ``a_j`` the block is ``[x_{a_j}, MASK x K]`` at
+positions ``a_j + 0..K`` (block size ``Bk = K + 1``); slot ``k`` predicts ``x_{a_j + k}`` (same position, no shift; slot
+0 is never a target). A block query sees context key ``t`` iff ``t < a_j`` (STRICTLY before the anchor: the anchor's own
+target feature does not exist yet at inference), sees its own block bidirectionally, and never sees another block.
+Padding blocks (fewer valid anchors than requested) see only themselves and carry no loss."""
 
 from __future__ import annotations
 

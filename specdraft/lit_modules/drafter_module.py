@@ -200,11 +200,12 @@ class DrafterModule(L.LightningModule):
 
     def configure_optimizers(self):
         hp = self.hparams
-        named = list(self.drafter.named_parameters())
-        fusion = [p for n, p in named if n.startswith("retrace_")]  # new, zero-initialised: they learn faster
-        groups = [{"params": [p for n, p in named if not n.startswith("retrace_")], "lr": hp.lr}]
-        if fusion:
-            groups.append({"params": fusion, "lr": hp.lr * self.objective.retrace.fusion_lr_scale})
+        scales = self.stage.lr_scales(self.objective)  # parameter-name prefix -> lr multiplier
+        by_scale: dict[float, list] = {}
+        for n, p in self.drafter.named_parameters():
+            scale = next((s for prefix, s in scales.items() if n.startswith(prefix)), 1.0)
+            by_scale.setdefault(scale, []).append(p)
+        groups = [{"params": ps, "lr": hp.lr * s} for s, ps in by_scale.items()]
         opt = torch.optim.AdamW(groups, lr=hp.lr, weight_decay=hp.weight_decay, betas=(0.9, 0.95))
         warmup = int(hp.warmup_ratio * hp.total_steps)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_with_warmup(s, warmup, hp.total_steps, 0.0))

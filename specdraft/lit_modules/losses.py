@@ -6,6 +6,8 @@ mean over supervised slots: ``sum(w * m * l) / sum(w * m)``.
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 import torch.nn.functional as F
 
@@ -88,7 +90,7 @@ def greedy_slot_gains(hit: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def eal_loss(draft_logits: torch.Tensor, target_tokens: torch.Tensor, mask: torch.Tensor,
-             block_mask: torch.Tensor | None = None, form: str = "log",
+             block_mask: torch.Tensor | None = None, *, form: AcceptanceForm,
              variant: str = "product") -> tuple[torch.Tensor, torch.Tensor]:
     """Expected accepted length under greedy verification (EAL).
 
@@ -100,7 +102,7 @@ def eal_loss(draft_logits: torch.Tensor, target_tokens: torch.Tensor, mask: torc
     Args:
         draft_logits: ``[..., K, V]``; target_tokens: ``[..., K]`` target greedy tokens; mask: ``[..., K]``.
         block_mask: ``[...]`` blocks that count (default: blocks with at least one valid slot).
-        form: ``"log"`` -> ``-log(1 + E)`` (default), ``"linear"`` -> ``-E / K``, ``"log_len"`` -> ``-log E``.
+        form: ``"log_len"`` -> ``-log E``, ``"log"`` -> ``-log(1 + E)``, ``"linear"`` -> ``-E / K``.
         variant: ``"product"`` (the loss of ``form``) or ``"greedy"``: ``E``'s gradient with the other slots held at
             their hard greedy outcome, ``-sum_k sg(W_k) log q_k / sum sg(W_k)`` with ``W_k`` from
             :func:`greedy_slot_gains`. For an argmax drafter the product's soft reach ``prod_{j<k} q_j`` starves the
@@ -140,7 +142,7 @@ def acceptance_alpha(draft_logits: torch.Tensor, target_logits: torch.Tensor, te
 
 
 def wtv_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0,
-             block_mask: torch.Tensor | None = None, form: str = "log", variant: str = "product",
+             block_mask: torch.Tensor | None = None, *, form: AcceptanceForm, variant: str = "product",
              target_temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Window total variation loss for speculative sampling at temperature T.
 
@@ -172,7 +174,9 @@ def _block_mask(mask: torch.Tensor, block_mask: torch.Tensor | None) -> torch.Te
     return (mask[..., 0] if block_mask is None else block_mask & mask[..., 0]).float()
 
 
-ACCEPTANCE_FORMS = ("log", "linear", "log_len")
+AcceptanceForm = Literal["log_len", "log", "linear"]
+"""How the acceptance losses turn ``E`` into a loss (see :func:`_reduce_acceptance`)."""
+ACCEPTANCE_FORMS = get_args(AcceptanceForm)
 
 
 def _reduce_acceptance(log_accept: torch.Tensor, mask: torch.Tensor, block_mask: torch.Tensor | None,

@@ -22,7 +22,7 @@ drafter pass and one more verify replay per step).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -33,7 +33,8 @@ from specdraft.runtime.models.retrace import VerifyStats, build_prior, verify_st
 from specdraft.runtime.models.target import TargetLM
 from specdraft.runtime.verify import accept_greedy
 
-SIGNAL_MODES = ("exact", "cheap")
+SignalMode = Literal["exact", "cheap"]
+SIGNAL_MODES = get_args(SignalMode)
 
 
 @dataclass
@@ -43,7 +44,7 @@ class ReTraceTraining:
 
     prior_dropout: float = 0.2
     """Share of second-round blocks trained without their prior (keeps the no-prior path calibrated)."""
-    signals: Literal["exact", "cheap"] = "exact"
+    signals: SignalMode = "exact"
     """Correction signals from a replayed verify pass of each first-round block (exact, one extra target pass per
     step, needs online features) or the target's teacher-forced view (cheap, an ablation: it leaks the label)."""
     chain: float = 1.0

@@ -40,8 +40,8 @@ def eal_stage_loss(module, db: DraftBatch, generator: torch.Generator | None = N
     (``lambda = exp(-ce_mix_eta * mean q)``)."""
     o, blk = module.objective, db.blocks
     K = db.logits.shape[2]
-    loss, _ = eal_loss(db.logits, db.target_tokens[..., :K], blk.label_mask, blk.valid, o.acceptance_form,
-                       o.eal_variant)
+    loss, _ = eal_loss(db.logits, db.target_tokens[..., :K], blk.label_mask, blk.valid, form=o.acceptance_form,
+                       variant=o.eal_variant)
     if o.ce_mix_eta > 0:
         q = db.logits.float().log_softmax(-1).gather(-1, db.target_tokens[..., :K, None])[..., 0].exp()  # [B, N, K]
         m = blk.label_mask.float()
@@ -53,6 +53,6 @@ def eal_stage_loss(module, db: DraftBatch, generator: torch.Generator | None = N
 def wtv_stage_loss(module, db: DraftBatch, generator: torch.Generator | None = None):
     """Window total variation: expected accepted length under speculative sampling at the objective's temperature."""
     o, blk = module.objective, db.blocks
-    loss = wtv_loss(db.logits, db.target_logits, blk.label_mask, o.temperature, blk.valid, o.acceptance_form,
-                    o.wtv_variant)[0]
+    loss = wtv_loss(db.logits, db.target_logits, blk.label_mask, o.temperature, blk.valid, form=o.acceptance_form,
+                    variant=o.wtv_variant)[0]
     return loss, {}

@@ -5,10 +5,10 @@ whether the target must run inside the step, which validation metric picks the e
 export it warm-starts from, and which drafter architecture it trains. Adding a stage is one file with its loss (and,
 if it needs one, its step and its options dataclass) plus one row here.
 
-Stages: ``sft`` (DFlash decayed CE, arXiv:2602.06036 §4.2), ``kl`` / ``tv`` (forward KL and the LK KL-TV hybrid,
-arXiv:2602.23881: the sampling baselines), ``eal`` / ``wtv`` (expected accepted length under greedy verification /
-speculative sampling), ``grpo`` (group-relative policy optimisation rewarded by simulated acceptance length,
-:mod:`specdraft.lit_modules.grpo`), ``retrace`` (rejected-trajectory conditioning, :mod:`.retrace_step`).
+Where each stage's method comes from: DFlash's decayed CE (arXiv:2602.06036 §4.2) for ``sft``; forward KL and the LK
+KL-TV hybrid (arXiv:2602.23881) as the sampling baselines; expected accepted length under greedy verification (EAL)
+or speculative sampling (WTV); GRPO rewarded by simulated acceptance length (:mod:`specdraft.lit_modules.grpo`);
+ReTrace's rejected-trajectory conditioning (:mod:`specdraft.lit_modules.retrace_step`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 from specdraft.errors import OptionError, check_range
 from specdraft.lit_modules.blocks import DraftBatch
 from specdraft.lit_modules.grpo import GRPOConfig, grpo_stage_loss
+from specdraft.lit_modules.losses import AcceptanceForm
 from specdraft.lit_modules.retrace_step import ReTraceTraining, retrace_step
 from specdraft.lit_modules.stage_losses import eal_stage_loss, kl_loss, sft_loss, tv_loss, wtv_stage_loss
 
@@ -30,7 +31,7 @@ class Objective:
     """What a drafter stage minimises (the ``train.*`` keys a loss reads; the pipeline's ``TrainConfig`` extends it)."""
 
     stage: str = "sft"
-    """Training stage, a row of the stage table: sft, kl, tv, eal, wtv, grpo, retrace."""
+    """Training stage: a row of :data:`STAGES`."""
     gamma: float = 0.0
     """Loss decay exp(-(k-1)/gamma) of the per-slot CE weights; 0 = the DFlash default for the block size (7/5/4
     for 16/10/8)."""
@@ -39,7 +40,7 @@ class Objective:
     temperature: float = 1.0
     """kl/tv/wtv and sampling GRPO: temperature applied to draft and target distributions alike (the verification
     temperature these stages train for)."""
-    acceptance_form: Literal["log_len", "log", "linear"] = "log_len"
+    acceptance_form: AcceptanceForm = "log_len"
     """eal/wtv: -log E (log_len: slot 1 keeps the full CE gradient however small E is), -log(1+E) (log) or -E/K
     (linear). docs/results.md says which measurement made log_len the default."""
     wtv_variant: Literal["product", "stopgrad"] = "product"
@@ -115,10 +116,26 @@ def _sampling_grpo(objective: Objective) -> bool:
     return objective.grpo.mode == "sampling"
 
 
+def _no_reason(objective: Objective) -> str:
+    return ""
+
+
 def _retrace_online(objective: Objective) -> str:
     if objective.retrace.signals == "exact":
-        return ("replays the target's verify pass for its correction signals (train.retrace.signals=exact)")
+        return "replays the target's verify pass for its correction signals (train.retrace.signals=exact)"
     return ""
+
+
+def _retrace_cheap(objective: Objective) -> bool:
+    return objective.retrace.signals == "cheap"
+
+
+def _no_lr_scales(objective: Objective) -> dict[str, float]:
+    return {}
+
+
+def _retrace_lr_scales(objective: Objective) -> dict[str, float]:
+    return {"retrace_": objective.retrace.fusion_lr_scale}  # the new, zero-initialised fusion learns faster
 
 
 @dataclass(frozen=True)
@@ -134,7 +151,7 @@ class Stage:
     """The stage whose export this one starts from by default ("" = a fresh drafter)."""
     target_logits: Callable[[Objective], bool] = _never
     """Whether the loss reads the target's full distributions."""
-    online: Callable[[Objective], str] = lambda objective: ""
+    online: Callable[[Objective], str] = _no_reason
     """Another reason the target must run inside the step ("" = none)."""
     sampling: Callable[[Objective], bool] = _never
     """Trained for speculative sampling: the export is picked by ``eval/sim_tau_sampled``."""
@@ -142,6 +159,8 @@ class Stage:
     """The drafter architecture the stage trains (a warm start of another architecture is converted)."""
     reference: bool = False
     """Keep a frozen copy of the starting drafter (``module.reference``) for the loss."""
+    lr_scales: Callable[[Objective], dict[str, float]] = _no_lr_scales
+    """Learning-rate multipliers by parameter-name prefix (the other parameters learn at the base rate)."""
 
 
 STAGES: dict[str, Stage] = {s.name: s for s in (
@@ -152,6 +171,6 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("wtv", wtv_stage_loss, target_logits=_always, sampling=_always),
     Stage("grpo", grpo_stage_loss, warm_start="eal", target_logits=_sampling_grpo, sampling=_sampling_grpo,
           reference=True),
-    Stage("retrace", sft_loss, step=retrace_step, arch="retrace",
-          target_logits=lambda o: o.retrace.signals == "cheap", online=_retrace_online),
+    Stage("retrace", sft_loss, step=retrace_step, arch="retrace", target_logits=_retrace_cheap,
+          online=_retrace_online, lr_scales=_retrace_lr_scales),
 )}

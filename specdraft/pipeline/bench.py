@@ -55,7 +55,7 @@ def with_bench_prompts(cfg: RunConfig, world):
     return world
 
 
-def suite_prompts(world, suite: str, n: int, tokenizer) -> list[list[int]]:
+def suite_prompts(world, suite: str, n: int, tokenizer, enable_thinking: bool = False) -> list[list[int]]:
     if world.bench_dir is None:
         raise SpecdraftError("bench needs held-out suites: the tiny world writes them; for an external target "
                              "put <suite>.jsonl files under <work_dir>/bench_prompts/")
@@ -63,7 +63,7 @@ def suite_prompts(world, suite: str, n: int, tokenizer) -> list[list[int]]:
     if not path.is_file():
         return []
     reqs = read_requests(path, lambda m: None)[:n]
-    return [encode_chat(tokenizer, r.messages) for r in reqs]
+    return [encode_chat(tokenizer, r.messages, enable_thinking=enable_thinking) for r in reqs]
 
 
 def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
@@ -84,7 +84,7 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
 
     rows = []
     for suite in b.suites:
-        prompts = suite_prompts(world, suite, b.num_prompts, tok)
+        prompts = suite_prompts(world, suite, b.num_prompts, tok, cfg.data.enable_thinking)
         if not prompts:
             log(f"bench: no held-out prompts for suite {suite!r}; skipped")
             continue

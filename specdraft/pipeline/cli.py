@@ -70,7 +70,7 @@ def _dispatch(args) -> int:
     # deferred: these import torch, Lightning and transformers (seconds), which --help and usage errors do not need
     from specdraft.pipeline import stages  # noqa: PLC0415
     from specdraft.pipeline.config import dump_yaml, load_config  # noqa: PLC0415
-    from specdraft.runtime.drafter_io import init_drafter  # noqa: PLC0415
+    from specdraft.pipeline.drafter_init import init_drafter  # noqa: PLC0415
 
     if args.command == "init-drafter":
         out = init_drafter(args.target, args.out, args.layers, args.block_size, args.mask_token_id, args.seed)

@@ -104,7 +104,8 @@ class DrafterConfig:
     init_from: str = ""
     """Warm start from an HF-format drafter directory."""
     retrace: ReTraceOptions = field(default_factory=ReTraceOptions)
-    """ReTrace's fusion layout (used when the drafter is, or becomes, a ReTrace drafter)."""
+    """ReTrace's fusion layout (used when the drafter is, or becomes, a ReTrace drafter). Each architecture with
+    options of its own (its ``options_class``) has a field here named after it."""
 
     def __post_init__(self):
         if self.arch not in available_drafters():
@@ -112,6 +113,10 @@ class DrafterConfig:
         check_range("num_layers", self.num_layers, 1)
         if self.block_size < 2:
             raise OptionError("block_size", f"must be at least 2 (anchor + one draft slot), got {self.block_size}")
+
+    def options_for(self, arch: str):
+        """The options of architecture ``arch`` (``drafter.<arch>``), or None when it takes none."""
+        return getattr(self, arch, None)
 
 
 @dataclass
@@ -193,8 +198,9 @@ class DecodeConfig:
 @dataclass
 class BenchConfig:
     stages: list[str] = field(default_factory=list)
-    """Drafters to compare against AR, by training stage (default: [train.stage]); a row per drafter, its method
-    being the drafter's architecture (dflash, retrace)."""
+    """Drafters to compare against AR, by export name under ``<work_dir>/drafter/`` (a stage, or a
+    ``train.export_name``; default: this config's training export); a row per drafter, its method being the
+    drafter's architecture (dflash, retrace)."""
     suites: list[str] = field(default_factory=lambda: ["math", "code", "dialogue"])
     temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
     batch_sizes: list[int] = field(default_factory=lambda: [1])
@@ -245,6 +251,10 @@ class RunConfig:
     def drafter_dir(self, name: str) -> Path:
         """Where the drafter exported under ``name`` (a stage or ``train.export_name``) lives (HF layout)."""
         return self.work_path / "drafter" / name
+
+    def checkpoint_dir(self, name: str) -> Path:
+        """The Lightning checkpoints (``drafter-last.ckpt``, ``drafter-best.ckpt``) of the export ``name``."""
+        return self.work_path / "checkpoints" / name
 
 
 SUITES = ("math", "code", "dialogue")
@@ -383,7 +393,7 @@ def to_dict(cfg) -> dict:
 
 
 def to_flat_dict(cfg) -> dict:
-    """``{"train.lr": 6e-4, ...}`` (for logging params and validation)."""
+    """``{"train.lr": 6e-4, ...}`` (logged as the run's MLflow params)."""
     return _flatten(to_dict(cfg), "")
 
 

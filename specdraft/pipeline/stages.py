@@ -117,6 +117,7 @@ def decode(cfg: RunConfig, input_path: Path, output_path: Path):
         g = torch.Generator(device=tgt.lm_head.weight.device).manual_seed(d.seed)
         bar = tqdm(total=len(requests), desc=f"decode ({d.method})", unit="req", file=sys.stderr)
         stats = run_batch_job(requests, output_path, tok, tgt, gen, d.batch_size, drafter=drafter, generator=g,
+                              enable_thinking=cfg.data.enable_thinking,
                               progress=lambda n, s: bar.update(n))
         bar.update(stats["skipped_done"])
         bar.close()

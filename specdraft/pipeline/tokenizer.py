@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
+import jinja2
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -19,6 +20,9 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+
+_TEMPLATE = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(CHAT_TEMPLATE)
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Path) -> PreTrainedTokenizerFast:
@@ -37,9 +41,12 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Path) -> Pre
 
 
 def format_chat(prompt: str, response: str | None = None) -> str:
-    """The exact text the chat template renders for one user turn (plus the assistant turn when given)."""
-    text = f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
-    return text if response is None else text + f"{response}<|im_end|>\n"
+    """The text :data:`CHAT_TEMPLATE` renders for one user turn (plus the assistant turn when given), rendered by
+    jinja2 as transformers renders chat templates (the world's corpus is written before its tokenizer exists)."""
+    messages = [{"role": "user", "content": prompt}]
+    if response is not None:
+        messages.append({"role": "assistant", "content": response})
+    return _TEMPLATE.render(messages=messages, add_generation_prompt=response is None)
 
 
 def stop_token_ids(tokenizer) -> tuple[int, ...]:

@@ -76,7 +76,7 @@ def _build_drafter(cfg: RunConfig, target, tokenizer):
     if init is not None:
         drafter = load_drafter(init, target)
         if arch is not None and drafter.arch_name != arch:  # e.g. a DFlash backbone grows a zero-init fusion
-            drafter = convert_drafter(drafter, arch, dc.retrace)
+            drafter = convert_drafter(drafter, arch, dc.options_for(arch))
         return drafter.train().requires_grad_(True)
     mask_id = dc.mask_token_id if dc.mask_token_id >= 0 else tokenizer.mask_token_id
     if mask_id is None:
@@ -85,20 +85,21 @@ def _build_drafter(cfg: RunConfig, target, tokenizer):
                                      dc.target_layer_ids or None, dc.num_features or None)
     check_compatible(dcfg, target.args)
     torch.manual_seed(cfg.train.seed)
-    drafter = build_drafter(dcfg, arch or dc.arch, dc.retrace)
+    drafter = build_drafter(dcfg, arch or dc.arch, dc.options_for(arch or dc.arch))
     return drafter.to(target.lm_head.weight.device)
 
 
 def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=print,
                   callbacks: list[L.Callback] | None = None) -> Path:
-    """Train, checkpoint (resuming from ``<work_dir>/checkpoints/drafter-last.ckpt`` when present), export the best
-    checkpoint to ``<work_dir>/drafter/<train.export>`` and register it. ``callbacks`` are added to the Lightning
-    trainer."""
+    """Train, checkpoint (resuming from ``<work_dir>/checkpoints/<export>/drafter-last.ckpt`` when present), export the
+    best checkpoint to ``<work_dir>/drafter/<export>`` and register it (``<export>`` = ``train.export_name`` or the
+    stage). ``callbacks`` are added to the Lightning trainer."""
     t = cfg.train
     objective = t  # TrainConfig extends Objective: the stage's options are train's own fields
     if t.features == "offline" and objective.online_reason:
-        raise SpecdraftError(f"config key 'train.features': stage {t.stage!r} (kl_weight={t.kl_weight}) "
-                             f"{objective.online_reason}; use train.features=online")
+        why = f" (kl_weight={t.kl_weight})" if objective.needs_target_logits else ""
+        raise SpecdraftError(f"config key 'train.features': stage {t.stage!r}{why} {objective.online_reason}; use "
+                             "train.features=online")
     data_temperature = regenerated_temperature(data_file)
     note = data_temperature_note(objective, data_temperature)
     if note:
@@ -108,7 +109,7 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
     tokenizer = AutoTokenizer.from_pretrained(str(world.target_dir), trust_remote_code=False)
     drafter = _build_drafter(cfg, target, tokenizer)
     init = warm_start_dir(cfg)
-    tags = {"stage": t.stage, "warm_start": str(init or "")}
+    tags = {"stage": t.stage, "export_name": t.export, "warm_start": str(init or "")}
     if data_temperature is not None:
         tags["data_temperature"] = f"{data_temperature:g}"
     if init is not None and (init / "specdraft.json").is_file():
@@ -133,8 +134,8 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
     eval_prompts = []
     if world.bench_dir is not None and (world.bench_dir / "math.jsonl").is_file():
         reqs = read_requests(world.bench_dir / "math.jsonl", lambda m: None)[: t.eval_prompts]
-        eval_prompts = [encode_chat(tokenizer, r.messages) for r in reqs]
-    ckpt_dir = cfg.work_path / "checkpoints" / t.export
+        eval_prompts = [encode_chat(tokenizer, r.messages, enable_thinking=cfg.data.enable_thinking) for r in reqs]
+    ckpt_dir = cfg.checkpoint_dir(t.export)
     best_cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, filename="drafter-best",
                                                   monitor=objective.selection_metric, mode="max", save_last=False,
                                                   save_top_k=1,
@@ -169,7 +170,7 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
     best, best_score = _best_including_final(trainer, best_cb, ckpt_dir, objective.selection_metric)
 
     out = export_checkpoint(best, drafter, cfg.drafter_dir(t.export))
-    (out / "specdraft.json").write_text(json.dumps({"stage": t.stage, "run_id": tracker.run_id,
+    (out / "specdraft.json").write_text(json.dumps({"stage": t.stage, "export_name": t.export, "run_id": tracker.run_id,
                                                     "sim_tau": best_score, "selected_by": objective.selection_metric,
                                                     "target": str(world.target_dir), "warm_start": str(init or "")}))
     export_checkpoint(resume, drafter, cfg.drafter_dir(t.export + "-last"))
@@ -178,7 +179,7 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
     tracker.log_metrics({"train/wall_s": train_s, "train/final_tokens_per_s": tps,
                          **{f"final/{k.replace('/', '_')}": v for k, v in metrics.items()}})
     tracker.log_artifact(out, "drafter")
-    version = tracker.register_model("drafter", f"{cfg.name}-{cfg.drafter.arch}",
+    version = tracker.register_model("drafter", f"{cfg.name}-{drafter.arch_name}",
                                      tags={"target": str(world.target_dir), "stage": t.stage,
                                            "sim_tau": round(best_score, 3),
                                            "selected_by": objective.selection_metric})

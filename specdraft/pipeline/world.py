@@ -25,6 +25,7 @@ from specdraft.pipeline.jsonl import write_jsonl
 from specdraft.pipeline.lightning_utils import TrackerCallback
 from specdraft.pipeline.tokenizer import format_chat, stop_token_ids, train_tokenizer
 from specdraft.pipeline.tracking import Tracker
+from specdraft.runtime.chat import encode_chat
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.load import load_target, read_target_args
 
@@ -179,7 +180,7 @@ def _samples(target_dir: Path, holdout: dict[str, list[Doc]], max_new_tokens: in
     out = {}
     for dom, docs in holdout.items():
         prompt = docs[0].prompt
-        ids = tok(format_chat(prompt), add_special_tokens=False)["input_ids"]
+        ids = encode_chat(tok, [{"role": "user", "content": prompt}])
         gen = GenerationConfig(max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids(tok))
         res = generate(target, [ids], gen)
         out[dom] = {"prompt": prompt, "completion": tok.decode(res[0].tokens, skip_special_tokens=True)}

@@ -1,7 +1,7 @@
 """Drafter directories in z-lab's HF layout: ``config.json`` + ``model.safetensors`` (no embedding, no LM head).
 
-``init_drafter`` sizes a fresh drafter from a target's config; ``load_drafter`` checks it against the target BEFORE
-any compute (vocab, hidden size, layer ids) and binds the target's embedding and LM head.
+``drafter_config_for_target`` sizes a fresh drafter from a target's config; ``load_drafter`` checks it against the
+target BEFORE any compute (vocab, hidden size, layer ids) and binds the target's embedding and LM head.
 """
 
 from __future__ import annotations
@@ -9,12 +9,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 from safetensors.torch import save_file
-from transformers import AutoTokenizer
 
 from specdraft.errors import SpecdraftError
-from specdraft.runtime.load import load_safetensors_dir, read_target_args
+from specdraft.runtime.load import load_safetensors_dir
 from specdraft.runtime.models import resolve_drafter
 from specdraft.runtime.models.dflash import DFlashConfig, build_target_layer_ids
 from specdraft.runtime.models.target import TargetArgs, TargetLM
@@ -69,7 +67,7 @@ def build_drafter(cfg: DFlashConfig, arch: str = "dflash", options=None):
 def convert_drafter(drafter, arch: str, options=None):
     """A drafter of architecture ``arch`` that keeps ``drafter``'s weights and starts its own parameters (named
     ``<arch>_*``) at their init; for ReTrace that init computes exactly what ``drafter`` computes. Bound to the same
-    target, on the same device."""
+    target, on the same device and in the same dtype."""
     cls = resolve_drafter(arch)
     model = cls(cls.config_from_backbone(drafter.config, options))
     missing, unexpected = model.load_state_dict(drafter.state_dict(), strict=False)
@@ -77,7 +75,8 @@ def convert_drafter(drafter, arch: str, options=None):
     if unexpected or new:
         raise SpecdraftError(f"a {drafter.arch_name!r} drafter cannot become a {arch!r} drafter: missing {new[:5]}, "
                              f"unexpected {unexpected[:5]}")
-    return model.to(drafter.fc.weight.device).bind_target(*drafter.borrowed)
+    w = drafter.fc.weight
+    return model.to(device=w.device, dtype=w.dtype).bind_target(*drafter.borrowed)
 
 
 def save_drafter(drafter, out_dir: str | Path, extra_config: dict | None = None) -> Path:
@@ -118,29 +117,3 @@ def load_drafter(path: str | Path, target: TargetLM):
     p = target.lm_head.weight
     model = model.to(device=p.device, dtype=p.dtype).eval().requires_grad_(False)
     return model.bind_target(target.model.embed_tokens, target.lm_head)
-
-
-def init_drafter(target_dir: str | Path, out_dir: str | Path, num_layers: int = 5, block_size: int = 16,
-                 mask_token_id: int | None = None, seed: int = 0) -> Path:
-    """Write a freshly initialised drafter sized for the target at ``target_dir``."""
-    target_dir = Path(target_dir)
-    args = read_target_args(target_dir)
-    if mask_token_id is None:
-        mask_token_id = tokenizer_mask_id(target_dir, args.vocab_size)
-    torch.manual_seed(seed)
-    drafter = build_drafter(drafter_config_for_target(args, mask_token_id, num_layers, block_size))
-    return save_drafter(drafter, out_dir)
-
-
-def tokenizer_mask_id(target_dir: Path, vocab_size: int) -> int:
-    """The tokenizer's mask token (DFlash needs one); refuses a tokenizer larger than the target vocabulary."""
-    try:
-        tok = AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=False)
-    except (OSError, ValueError) as e:
-        raise SpecdraftError(f"no usable tokenizer in {target_dir} ({e}); pass --mask-token-id") from None
-    if len(tok) > vocab_size:
-        raise SpecdraftError(f"tokenizer has {len(tok)} tokens but the target vocabulary has {vocab_size}: "
-                             "drafter and target would disagree on token ids")
-    if tok.mask_token_id is None:
-        raise SpecdraftError(f"tokenizer in {target_dir} has no mask token; add one or pass --mask-token-id")
-    return int(tok.mask_token_id)

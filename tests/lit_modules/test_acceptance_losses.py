@@ -29,7 +29,7 @@ def test_eal_equals_brute_force_expectation(seed):
     K, V = 4, 3
     logits = torch.randn(K, V) * 2
     y = torch.randint(0, V, (K,))
-    _, E = eal_loss(logits[None], y[None], torch.ones(1, K, dtype=torch.bool))
+    _, E = eal_loss(logits[None], y[None], torch.ones(1, K, dtype=torch.bool), form="log")
     assert E.item() == pytest.approx(_brute_force_expected_accepted(logits.softmax(-1), y.tolist()), rel=1e-5)
 
 
@@ -37,7 +37,7 @@ def test_eal_respects_window_end():
     logits = torch.randn(1, 4, 5)
     y = torch.randint(0, 5, (1, 4))
     mask = torch.tensor([[True, True, False, True]])  # the slot after an invalid one cannot be accepted either
-    _, E = eal_loss(logits, y, mask)
+    _, E = eal_loss(logits, y, mask, form="log")
     q = logits.softmax(-1)[0, torch.arange(4), y[0]]
     assert E.item() == pytest.approx(float(q[0] + q[0] * q[1]), rel=1e-5)
 
@@ -46,8 +46,8 @@ def test_wtv_with_target_sharpened_to_zero_temperature_equals_eal():
     torch.manual_seed(3)
     d, t = torch.randn(2, 3, 5, 11), torch.randn(2, 3, 5, 11)
     mask = torch.ones(2, 3, 5, dtype=torch.bool)
-    l_eal, e_eal = eal_loss(d, t.argmax(-1), mask)
-    l_wtv, e_wtv = wtv_loss(d, t, mask, temperature=1.0, target_temperature=0.0)
+    l_eal, e_eal = eal_loss(d, t.argmax(-1), mask, form="log")
+    l_wtv, e_wtv = wtv_loss(d, t, mask, temperature=1.0, target_temperature=0.0, form="log")
     torch.testing.assert_close(e_wtv, e_eal, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(l_wtv, l_eal, rtol=1e-5, atol=1e-6)
 
@@ -72,7 +72,7 @@ def test_wtv_equals_product_of_alphas():
     torch.manual_seed(6)
     d, t = torch.randn(1, 3, 6), torch.randn(1, 3, 6)
     a = acceptance_alpha(d, t)[0]
-    _, E = wtv_loss(d, t, torch.ones(1, 3, dtype=torch.bool))
+    _, E = wtv_loss(d, t, torch.ones(1, 3, dtype=torch.bool), form="log")
     assert E.item() == pytest.approx(float(a[0] + a[0] * a[1] + a[0] * a[1] * a[2]), rel=1e-5)
 
 
@@ -84,17 +84,17 @@ def test_two_token_toy_gradients_are_finite_and_point_toward_the_target(loss_nam
     y = torch.tensor([[0, 0]])
     mask = torch.ones(1, 2, dtype=torch.bool)
     if loss_name == "eal":
-        loss, _ = eal_loss(z, y, mask)
+        loss, _ = eal_loss(z, y, mask, form="log")
     elif loss_name == "eal_linear":
         loss, _ = eal_loss(z, y, mask, form="linear")
     elif loss_name == "eal_log_len":
         loss, _ = eal_loss(z, y, mask, form="log_len")
     elif loss_name == "wtv":
-        loss, _ = wtv_loss(z, t_logits, mask)
+        loss, _ = wtv_loss(z, t_logits, mask, form="log")
     elif loss_name == "wtv_log_len":
         loss, _ = wtv_loss(z, t_logits, mask, form="log_len")
     elif loss_name == "wtv_stopgrad":
-        loss, _ = wtv_loss(z, t_logits, mask, variant="stopgrad")
+        loss, _ = wtv_loss(z, t_logits, mask, variant="stopgrad", form="log")
     else:
         loss = tv_hybrid_loss(z, t_logits, mask, torch.ones(2))
     loss.backward()
@@ -111,10 +111,10 @@ def test_stopgrad_variant_has_the_gradient_of_linear_E():
     d = torch.randn(2, 4, 6, requires_grad=True)
     t = torch.randn(2, 4, 6)
     mask = torch.ones(2, 4, dtype=torch.bool)
-    wtv_loss(d, t, mask, variant="stopgrad")[0].backward()
+    wtv_loss(d, t, mask, variant="stopgrad", form="log")[0].backward()
     g1 = d.grad.clone()
     d.grad = None
-    _, E = wtv_loss(d, t, mask)
+    _, E = wtv_loss(d, t, mask, form="log")
     (-E.mean()).backward()
     torch.testing.assert_close(g1, d.grad, rtol=1e-4, atol=1e-6)
 
@@ -142,7 +142,7 @@ def test_log_len_form_is_minus_log_E_with_full_strength_gradient_on_slot_one():
         (W[k] / E.detach()[0] * torch.nn.functional.cross_entropy(zk[None], y[0, k:k + 1])).backward()
         torch.testing.assert_close(z.grad[0, k], zk.grad, rtol=1e-4, atol=1e-7)
     z.grad = None
-    eal_loss(z, y, mask)[0].backward()  # the default -log(1+E): slot 1's gradient is E/(1+E) times as strong
+    eal_loss(z, y, mask, form="log")[0].backward()  # -log(1+E): slot 1's gradient is E/(1+E) times as strong
     assert z.grad[0, 0].norm() < 0.5 * z1.grad.norm()
 
 
@@ -187,7 +187,7 @@ def test_greedy_eal_is_weighted_ce_on_slots_up_to_the_first_rejection():
     z[0, torch.arange(K), y[0]] += 10  # every slot right ...
     z[0, 2, y[0, 2]] -= 20  # ... except slot 3: n = 2, and slots 4-6 would be accepted if slot 3 were fixed
     z.requires_grad_()
-    loss, _ = eal_loss(z, y, torch.ones(1, K, dtype=torch.bool), variant="greedy")
+    loss, _ = eal_loss(z, y, torch.ones(1, K, dtype=torch.bool), variant="greedy", form="log")
     loss.backward()
     logq = z.detach().log_softmax(-1)[0, torch.arange(K), y[0]]
     W = torch.tensor([2.0, 1.0, 4.0, 0.0, 0.0, 0.0])  # slot 3 unlocks itself and the 3 hits after it
@@ -195,4 +195,4 @@ def test_greedy_eal_is_weighted_ce_on_slots_up_to_the_first_rejection():
     assert z.grad[0, 3:].abs().sum() == 0  # past the first rejection greedy verification never looks
     assert z.grad[0, 2, y[0, 2]] < 0 and z.grad[0, 2].norm() > z.grad[0, 0].norm()  # the rejected slot, hardest
     with pytest.raises(ValueError, match="unknown EAL variant"):
-        eal_loss(z, y, torch.ones(1, K, dtype=torch.bool), variant="nope")
+        eal_loss(z, y, torch.ones(1, K, dtype=torch.bool), variant="nope", form="log")

@@ -13,8 +13,7 @@ from specdraft.lit_modules.retrace_step import ReTraceTraining, verify_blocks, v
 from specdraft.lit_modules.stage_table import Objective
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.kv_cache import cached_attention_mask
-from tests.helpers import make_drafter, make_target
-from tests.runtime.test_retrace import retrace_from
+from tests.helpers import make_drafter, make_target, retrace_from
 
 
 def test_visible_prefix_limits_each_query_to_its_own_context():

@@ -8,6 +8,7 @@ from transformers import AutoTokenizer
 
 from specdraft.lit_modules.data import tokenize_conversation
 from specdraft.pipeline.cli import main
+from specdraft.pipeline.tokenizer import format_chat
 from specdraft.runtime import batch_job
 from specdraft.runtime.batch_job import Request, done_ids, read_requests
 from specdraft.runtime.decode import GenerationConfig, RowResult
@@ -123,3 +124,11 @@ def test_training_data_and_decode_encode_the_same_prompt_ids(tiny_world, tmp_pat
     monkeypatch.setattr(batch_job, "generate", engine)
     batch_job.run_batch_job([Request("a", messages, 1)], tmp_path / "out.jsonl", tok, None, GenerationConfig(), 1)
     assert seen == [trained_prompt] and len(trained_prompt) > 5
+
+
+def test_the_worlds_corpus_text_is_what_the_chat_template_renders(tiny_world):
+    tok = AutoTokenizer.from_pretrained(str(tiny_world.target_dir))
+    user = [{"role": "user", "content": "What is 2 + 2?\nShow the steps."}]
+    both = user + [{"role": "assistant", "content": "2 + 2 = 4."}]
+    assert format_chat(user[0]["content"]) == tok.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+    assert format_chat(user[0]["content"], "2 + 2 = 4.") == tok.apply_chat_template(both, tokenize=False)

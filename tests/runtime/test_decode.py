@@ -3,20 +3,13 @@ batch 8), batch == one row at a time, and a chi-square goodness-of-fit test of s
 
 import pytest
 import torch
-from scipy import stats
 
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.drafter import Drafter
 from specdraft.runtime.drafter_io import convert_drafter
 from specdraft.runtime.sampling import SamplingParams
-from tests.helpers import make_drafter, make_target
+from tests.helpers import PROMPTS, ar, chi2_pvalue, exact_two_token_dist, make_drafter, make_target
 from tests.runtime.stub_drafter import OracleStubDrafter, random_corruption
-
-PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4], [12, 13], [20, 21, 22, 23, 24], [30], [31, 32, 33, 34], [40, 41]]
-
-
-def ar(target, prompts, max_new, **kw):
-    return [r.tokens for r in generate(target, prompts, GenerationConfig(max_new_tokens=max_new, **kw))]
 
 
 @pytest.mark.parametrize("corrupt,expect", [
@@ -78,24 +71,6 @@ def test_stop_token_per_row():
         assert r.finish_reason == ("stop" if stop in f else "length")
 
 
-def _exact_two_token_dist(target, prompt, V):
-    """p(t1, t2 | prompt) by enumeration with the target alone (T=1)."""
-    with torch.no_grad():
-        p1 = target(torch.tensor([prompt])).logits[0, -1].softmax(-1)
-        seqs = torch.tensor([prompt + [t] for t in range(V)])
-        p2 = target(seqs).logits[:, -1].softmax(-1)  # [V, V]
-    return (p1[:, None] * p2).flatten()
-
-
-def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    n = counts.sum().item()
-    exp = probs * n
-    big = exp >= 5
-    obs = torch.cat([counts[big], counts[~big].sum()[None]])
-    ex = torch.cat([exp[big], exp[~big].sum()[None]])
-    return float(stats.chisquare(obs.numpy(), ex.numpy() * obs.sum().item() / ex.sum().item()).pvalue)
-
-
 @pytest.mark.parametrize("draft_sampling", ["sample", "greedy"])
 def test_sampled_output_follows_target_distribution(draft_sampling):
     V, N = 6, 6000
@@ -106,13 +81,13 @@ def test_sampled_output_follows_target_distribution(draft_sampling):
     res = generate(target, [prompt] * N, gen, drafter=drafter, generator=torch.Generator().manual_seed(0))
     pairs = torch.tensor([r.tokens[0] * V + r.tokens[1] for r in res])
     counts = torch.bincount(pairs, minlength=V * V).double()
-    probs = _exact_two_token_dist(target, prompt, V).double()
-    assert _chi2_pvalue(counts, probs) > 1e-3
+    probs = exact_two_token_dist(target, prompt, V).double()
+    assert chi2_pvalue(counts, probs) > 1e-3
     assert any(a > 1 for r in res for a in r.accept_lengths), "drafts must sometimes be accepted"
     # the test has power: a sampler off by a 15% uniform mixture is rejected at the same sample size
     biased = 0.85 * probs + 0.15 / (V * V)
     wrong = torch.multinomial(biased, N, replacement=True, generator=torch.Generator().manual_seed(1))
-    assert _chi2_pvalue(torch.bincount(wrong, minlength=V * V).double(), probs) < 1e-3
+    assert chi2_pvalue(torch.bincount(wrong, minlength=V * V).double(), probs) < 1e-3
 
 
 def test_ar_sampling_same_engine_is_target_distribution():
@@ -121,7 +96,7 @@ def test_ar_sampling_same_engine_is_target_distribution():
     gen = GenerationConfig(max_new_tokens=2, sampling=SamplingParams(temperature=1.0))
     res = generate(target, [[1, 2]] * N, gen, generator=torch.Generator().manual_seed(3))
     counts = torch.bincount(torch.tensor([r.tokens[0] * V + r.tokens[1] for r in res]), minlength=V * V).double()
-    assert _chi2_pvalue(counts, _exact_two_token_dist(target, [1, 2], V).double()) > 1e-3
+    assert chi2_pvalue(counts, exact_two_token_dist(target, [1, 2], V).double()) > 1e-3
 
 
 def test_empty_prompt_rejected(target):

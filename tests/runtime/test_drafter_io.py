@@ -8,7 +8,8 @@ import torch
 from safetensors import safe_open
 
 from specdraft.errors import SpecdraftError
-from specdraft.runtime.drafter_io import check_compatible, init_drafter, load_drafter, read_drafter_config, save_drafter
+from specdraft.pipeline.drafter_init import init_drafter
+from specdraft.runtime.drafter_io import check_compatible, load_drafter, read_drafter_config, save_drafter
 from specdraft.runtime.models.dflash import build_target_layer_ids
 from tests.helpers import make_drafter, make_target
 

@@ -5,8 +5,7 @@ import torch
 
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.sampling import SamplingParams
-from tests.helpers import make_drafter, make_target, requires_cuda
-from tests.runtime.test_decode import PROMPTS
+from tests.helpers import PROMPTS, make_drafter, make_target, requires_cuda
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 

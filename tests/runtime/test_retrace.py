@@ -8,20 +8,9 @@ import torch
 
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.drafter_io import load_drafter, save_drafter
-from specdraft.runtime.models.retrace import ReTraceConfig, ReTraceDrafter, ReTraceOptions, build_prior, verify_stats
+from specdraft.runtime.models.retrace import build_prior, verify_stats
 from specdraft.runtime.sampling import SamplingParams
-from tests.helpers import make_drafter, make_target
-from tests.runtime.test_decode import PROMPTS, _chi2_pvalue, _exact_two_token_dist, ar
-
-
-def retrace_from(backbone, active: bool, seed: int = 0, **opts):
-    torch.manual_seed(seed)
-    r = ReTraceDrafter(ReTraceConfig.from_dflash(backbone.config, ReTraceOptions(**opts)))
-    r.load_state_dict(backbone.state_dict(), strict=False)
-    if active:  # a "trained" fusion: open gates, non-zero output projection
-        torch.nn.init.normal_(r.retrace_gate_out.weight, std=0.5)  # [W_g ; W_o], W_o no longer zero
-        torch.nn.init.zeros_(r.retrace_gate_out.bias)
-    return r.bind_target(*backbone._borrowed).eval()
+from tests.helpers import PROMPTS, ar, chi2_pvalue, exact_two_token_dist, make_drafter, make_target, retrace_from
 
 
 def test_fusion_layout_sizes_and_exports_written_before_it_was_configurable(tmp_path):
@@ -146,4 +135,4 @@ def test_sampled_output_with_active_fusion_follows_the_target_distribution():
     res = generate(target, [prompt] * N, gen, drafter=r, generator=torch.Generator().manual_seed(0))
     assert any(used)
     counts = torch.bincount(torch.tensor([x.tokens[0] * V + x.tokens[1] for x in res]), minlength=V * V).double()
-    assert _chi2_pvalue(counts, _exact_two_token_dist(target, prompt, V).double()) > 1e-3
+    assert chi2_pvalue(counts, exact_two_token_dist(target, prompt, V).double()) > 1e-3

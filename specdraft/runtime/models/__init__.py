@@ -1,4 +1,5 @@
-"""Target forward and drafters (plain nn.Modules; importing this package registers every drafter)."""
+"""Target forward and drafters (plain nn.Modules). Importing this package registers every drafter architecture: the
+import line below is the one list of them."""
 
 from specdraft.runtime.models import dflash, retrace  # noqa: F401  (registers "dflash", "retrace")
 from specdraft.runtime.models.registry import available_drafters, register_drafter, resolve_drafter

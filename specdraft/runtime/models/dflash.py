@@ -1,12 +1,11 @@
 """DFlash block-diffusion drafter (Chen, Liang, Liu, "DFlash", arXiv:2602.06036, §4.1 and A.3).
 
-A block ``[anchor, MASK x K]`` (``K = Bk - 1`` draft slots) is denoised in ONE forward pass. Target hidden states of the committed context
-(outputs of ``target_layer_ids``) are fused once, ``H_t = hidden_norm(fc([H_l1; ...; H_ln]))``, and injected into the
-K/V of every draft layer (KV injection): queries come from the block only, keys/values are ``[ctx ; block]``,
-attention is non-causal over the block, positions are absolute. The drafter owns no embedding and no LM head: it
-borrows the (frozen) target's. Weight names and ``config.json`` keys follow z-lab/dflash so checkpoints move both
-ways.
-"""
+A block ``[anchor, MASK x K]`` (``K = Bk - 1`` draft slots) is denoised in ONE forward pass. Target hidden states of the
+committed context (outputs of ``target_layer_ids``) are fused once, ``H_t = hidden_norm(fc([H_l1; ...; H_ln]))``, and
+injected into the K/V of every draft layer (KV injection): queries come from the block only, keys/values are ``[ctx ;
+block]``, attention is non-causal over the block, positions are absolute. The drafter owns no embedding and no LM head:
+it borrows the (frozen) target's. Weight names and ``config.json`` keys follow z-lab/dflash so checkpoints move both
+ways."""
 
 from __future__ import annotations
 
@@ -129,11 +128,13 @@ class DraftLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-@register_drafter("dflash")
+@register_drafter("dflash", hf_names=("DFlashDraftModel",))
 class DFlashDrafter(nn.Module):
     """The DFlash drafter. Call :meth:`bind_target` before use (it borrows the target's embedding and LM head)."""
 
     config_class = DFlashConfig
+    options_class = None
+    """The dataclass of this architecture's own options (``drafter.<arch>`` in the pipeline), or None."""
     wants_verify_context = False
     """Whether :meth:`next_round_state` reads the fused context of the verify pass's rejected slots too."""
 

@@ -30,7 +30,7 @@ exact replay of the serving verify pass.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 import torch
 import torch.nn.functional as F
@@ -38,16 +38,17 @@ from torch import nn
 
 from specdraft.errors import OptionError, check_range
 from specdraft.runtime.models.dflash import DFlashConfig, DFlashDrafter
-from specdraft.runtime.models.registry import HF_ARCHITECTURES, register_drafter
+from specdraft.runtime.models.registry import register_drafter
 
 N_SCALARS = 4  # agreement, p_target(draft), target entropy, slot / block
+Alignment = Literal["hard", "soft"]
 
 
 @dataclass
 class ReTraceOptions:
     """ReTrace's architecture options (``drafter.retrace.*``), saved in the drafter's ``retrace_config``."""
 
-    alignment: Literal["hard", "soft"] = "hard"
+    alignment: Alignment = "hard"
     """How the rejected suffix lands on the next block: hard (shift by ``n + 1``) or soft (a Gaussian over offsets
     with a learnable width)."""
     use_correction: bool = True
@@ -64,8 +65,8 @@ class ReTraceOptions:
     argmax of ``lm_head(h)``, so ``e(d)`` restates part of ``h``; it costs ``D * W`` parameters and a lookup."""
 
     def __post_init__(self):
-        if self.alignment not in ("hard", "soft"):
-            raise OptionError("alignment", f"must be hard or soft, got {self.alignment!r}")
+        if self.alignment not in get_args(Alignment):
+            raise OptionError("alignment", f"must be one of {', '.join(get_args(Alignment))}, got {self.alignment!r}")
         check_range("refiner_width", self.refiner_width, 0)
 
 
@@ -167,9 +168,10 @@ def _gather_slots(prior: Prior, src: torch.Tensor) -> Prior:
     return Prior(take(prior.hidden), take(prior.signals), prior.valid, prior.shift)
 
 
-@register_drafter("retrace")
+@register_drafter("retrace", hf_names=("ReTraceDraftModel",))
 class ReTraceDrafter(DFlashDrafter):
     config_class = ReTraceConfig
+    options_class = ReTraceOptions
     wants_verify_context = True  # the refiner reads the target's features at the rejected slots
 
     @classmethod
@@ -276,5 +278,3 @@ class ReTraceDrafter(DFlashDrafter):
         return build_prior(hidden, draft_tokens, num_accepted, stats, target_context, self.embed,
                            self.config.retrace.embed_drafted)
 
-
-HF_ARCHITECTURES["ReTraceDraftModel"] = "retrace"
