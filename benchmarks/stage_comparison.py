@@ -39,6 +39,7 @@ from pathlib import Path
 
 from specdraft.lit_modules.stage_table import STAGES
 from specdraft.pipeline import stages
+from specdraft.pipeline.bench import ratio_interval
 from specdraft.pipeline.config import load_config
 
 VARIANTS = {
@@ -152,12 +153,16 @@ def main() -> None:
     report = stages.bench(cfg, world)
     rows = report["results"]
 
-    def tau(stage, suite, temp):
+    def row(stage, suite, temp):
         for r in rows:
             if (r["stage"] == stage and r["suite"] == suite and r["temperature"] == temp
                     and r["batch_size"] == args.batch_size):
-                return r["tau"]
+                return r
         return None
+
+    def tau(stage, suite, temp):
+        r = row(stage, suite, temp)
+        return r["tau"] if r else None
 
     suites = sorted({r["suite"] for r in rows})
     pairs = [(a, "sft", 0.0) for a in ("eal", "eal-mix", "eal-len", "eal-greedy", "eal-len-mix")]
@@ -174,9 +179,11 @@ def main() -> None:
     for a, b, t in pairs:
         if a in names and b in names:
             per = {s: (tau(a, s, t) / tau(b, s, t)) for s in suites if tau(a, s, t) and tau(b, s, t)}
+            # paired bootstrap over the suite's prompts: both drafters decoded the same ones
+            ci = {s: ratio_interval(row(a, s, t)["per_prompt"], row(b, s, t)["per_prompt"]) for s in per}
             mean = sum(per.values()) / max(len(per), 1)
-            summary["ratios"][f"{a}/{b} T={t:g}"] = {"per_suite": per, "mean": mean}
-            per_suite = ", ".join(f"{s} {v:.3f}" for s, v in per.items())
+            summary["ratios"][f"{a}/{b} T={t:g}"] = {"per_suite": per, "per_suite_ci95": ci, "mean": mean}
+            per_suite = ", ".join(f"{s} {v:.3f} ({ci[s][0]:.3f}-{ci[s][1]:.3f})" for s, v in per.items())
             print(f"tau {a}/{b} at T={t:g}: {per_suite} (mean {mean:.3f})")
     (out / "stage_comparison.json").write_text(json.dumps(summary, indent=2))
     print(f"wrote {out / 'stage_comparison.json'} and {out / 'bench'}")

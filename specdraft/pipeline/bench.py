@@ -1,6 +1,7 @@
 """``specdraft bench``: methods x held-out suites x temperatures x batch sizes, AR measured interleaved in-process.
 
-Metrics: ``tau`` = mean tokens committed per target verify round (bonus included);
+Metrics: ``tau`` = mean tokens emitted per target verify round (bonus included; a round cut short by a stop token
+or the length cap counts what it emitted), with a 95 % bootstrap interval over prompts;
 ``acceptance_rate`` = accepted drafts / drafted; ``per_position_acceptance[k]`` = share of rounds whose first
 ``k + 1`` drafts were all accepted; ``tokens_per_s``; ``speedup`` = tokens/s over AR's, from the same interleaved
 run; ``target_distinct2`` = distinct-bigram ratio of AR outputs (flags degenerate loops that would inflate tau).
@@ -14,6 +15,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import AutoTokenizer
 
@@ -46,6 +48,41 @@ def summarize(results, block_size: int) -> dict:
     else:
         out["acceptance_rate"], out["per_position_acceptance"] = 0.0, []
     return out
+
+
+def per_prompt_counts(results, num_prompts: int) -> list[list[int]]:
+    """``[emitted tokens, rounds]`` per prompt, summed over repeats (``results`` lists each repeat's prompts in
+    order)."""
+    out = [[0, 0] for _ in range(num_prompts)]
+    for i, r in enumerate(results):
+        out[i % num_prompts][0] += sum(r.accept_lengths)
+        out[i % num_prompts][1] += len(r.accept_lengths)
+    return out
+
+
+def _bootstrap(stat, n: int, n_boot: int, seed: int) -> np.ndarray:
+    idx = np.random.default_rng(seed).integers(0, n, size=(n_boot, n))  # prompts resampled with replacement
+    return np.array([stat(i) for i in idx])
+
+
+def tau_interval(per_prompt: list[list[int]], n_boot: int = 1000, seed: int = 0) -> list[float]:
+    """95 % bootstrap interval of tau (emitted / rounds) over prompts."""
+    a = np.asarray(per_prompt, dtype=float)  # [P, 2]
+    if len(a) == 0 or a[:, 1].sum() == 0:
+        return [float("nan"), float("nan")]
+    taus = _bootstrap(lambda i: a[i, 0].sum() / max(a[i, 1].sum(), 1), len(a), n_boot, seed)
+    return [float(v) for v in np.percentile(taus, [2.5, 97.5])]
+
+
+def ratio_interval(num: list[list[int]], den: list[list[int]], n_boot: int = 1000, seed: int = 0) -> list[float]:
+    """95 % paired bootstrap interval of tau(num) / tau(den), both measured on the same prompts."""
+    a, c = np.asarray(num, dtype=float), np.asarray(den, dtype=float)
+    if len(a) != len(c) or len(a) == 0:
+        return [float("nan"), float("nan")]
+
+    def ratio(i):
+        return (a[i, 0].sum() / max(a[i, 1].sum(), 1)) / (c[i, 0].sum() / max(c[i, 1].sum(), 1))
+    return [float(v) for v in np.percentile(_bootstrap(ratio, len(a), n_boot, seed), [2.5, 97.5])]
 
 
 def with_bench_prompts(cfg: RunConfig, world):
@@ -82,21 +119,32 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
         loaded[f"{drafter.arch_name}:{st}"] = (drafter, drafter.arch_name, st, str(d))
     dev = tgt.lm_head.weight.device
 
+    d = cfg.decode
+    settings = {"top_k": d.top_k, "top_p": d.top_p, "draft_sampling": d.draft_sampling, "repeats": b.repeats,
+                "seed": b.seed}
+    methods = ["ar", *loaded]
+    suites = {s: suite_prompts(world, s, b.num_prompts, tok, cfg.data.enable_thinking) for s in b.suites}
+    for suite in [s for s, p in suites.items() if not p]:
+        log(f"bench: no held-out prompts for suite {suite!r}; skipped")
+    warm = next((p[:max(b.batch_sizes)] for p in suites.values() if p), None)
+    if warm is not None:  # one untimed run per method: first-call costs (allocations, lazy init) stay out of tok/s
+        for method in methods:
+            generate(tgt, warm, GenerationConfig(max_new_tokens=8, stop_token_ids=stops),
+                     drafter=loaded[method][0] if method != "ar" else None)
     rows = []
-    for suite in b.suites:
-        prompts = suite_prompts(world, suite, b.num_prompts, tok, cfg.data.enable_thinking)
+    for suite, prompts in suites.items():
         if not prompts:
-            log(f"bench: no held-out prompts for suite {suite!r}; skipped")
             continue
         for temp in b.temperatures:
             for bs in b.batch_sizes:
                 acc = defaultdict(lambda: {"tokens": 0, "seconds": 0.0, "results": []})
                 gen = GenerationConfig(max_new_tokens=b.max_new_tokens, stop_token_ids=stops,
-                                       sampling=SamplingParams(temperature=temp))
+                                       sampling=SamplingParams(temp, d.top_k, d.top_p), draft_sampling=d.draft_sampling)
                 for rep in range(b.repeats):
-                    for i in range(0, len(prompts), bs):
+                    for j, i in enumerate(range(0, len(prompts), bs)):
                         batch = prompts[i:i + bs]
-                        for method in ["ar", *loaded]:  # interleaved: AR and each drafter on the same batch
+                        # interleaved on the same batch, the order alternating so no method always runs first
+                        for method in (methods if (rep + j) % 2 == 0 else methods[::-1]):
                             drafter = loaded[method][0] if method != "ar" else None
                             g = torch.Generator(device=dev).manual_seed(b.seed + 1000 * rep + i)
                             t0 = time.perf_counter()
@@ -108,15 +156,17 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
                             a["results"].extend(res)
                 ar_tps = acc["ar"]["tokens"] / acc["ar"]["seconds"]
                 d2 = distinct2([r.tokens for r in acc["ar"]["results"]])
-                for method in ["ar", *loaded]:
+                for method in methods:
                     a = acc[method]
                     block = loaded[method][0].block_size if method != "ar" else 1
                     tps = a["tokens"] / a["seconds"]
                     _, m_name, stage, ddir = loaded.get(method, (None, "ar", "", ""))
+                    per_prompt = per_prompt_counts(a["results"], len(prompts))
                     row = {"method": m_name, "drafter": ddir, "stage": stage, "suite": suite,
                            "temperature": temp, "batch_size": bs, **summarize(a["results"], block),
-                           "tokens_per_s": tps, "speedup": tps / ar_tps, "target_distinct2": d2,
-                           "num_prompts": len(prompts), "tokens": a["tokens"]}
+                           "tau_ci95": tau_interval(per_prompt, seed=b.seed), "tokens_per_s": tps,
+                           "speedup": tps / ar_tps, "target_distinct2": d2, "num_prompts": len(prompts),
+                           "tokens": a["tokens"], **settings, "per_prompt": per_prompt}
                     rows.append(row)
                     if method != "ar":
                         log(f"bench: {suite:9s} T={temp:g} bs={bs}: {method} tau {row['tau']:.2f}, "
@@ -138,11 +188,13 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
 def write_reports(rows: list[dict], out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps({"results": rows}, indent=2))
-    lines = ["| method | stage | suite | T | bs | tau | accept rate | tok/s | speedup | distinct2 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | stage | suite | T | bs | prompts x repeats | tau (95% CI) | accept rate | tok/s | speedup "
+             "| distinct2 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        lo, hi = r["tau_ci95"]
         lines.append(f"| {r['method']} | {r['stage'] or '-'} | {r['suite']} | {r['temperature']:g} | {r['batch_size']} "
-                     f"| {r['tau']:.2f} | {r['acceptance_rate']:.3f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x "
+                     f"| {r['num_prompts']} x {r['repeats']} | {r['tau']:.2f} ({lo:.2f}-{hi:.2f}) "
+                     f"| {r['acceptance_rate']:.3f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x "
                      f"| {r['target_distinct2']:.2f} |")
     md = "\n".join(lines)
     (out_dir / "bench.md").write_text(md + "\n")

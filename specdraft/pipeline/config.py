@@ -42,8 +42,9 @@ class TinyTargetConfig:
     max_steps: int = 700
     lr: float = 2e-3
     warmup_steps: int = 40
-    max_minutes: float = 6.0
-    """Wall-clock cap on target training; stops early (and says so) when reached."""
+    max_minutes: float = 0.0
+    """Wall-clock cap on target training (0 = none); stops early (and says so) when reached. A cap makes the target
+    depend on the machine's speed; the demo sets none, so its world is the same everywhere."""
     seed: int = 0
 
     def __post_init__(self):
@@ -75,6 +76,9 @@ class DataConfig:
     """Held-out benchmark prompts per domain (math, code, dialogue)."""
     prompts_file: str = ""
     """Instead of the tiny world's prompts: a JSONL of {id, prompt|messages} to regenerate responses for."""
+    bench_dir: str = ""
+    """Held-out suites for an external target: a directory of ``<suite>.jsonl`` request files (math, code,
+    dialogue); ``specdraft data`` checks them and copies them to ``<work_dir>/bench_prompts/`` for bench."""
     max_new_tokens: int = 160
     temperature: float = 0.0
     """Sampling temperature of the regeneration (0 = greedy)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import torch
@@ -18,7 +19,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from specdraft.errors import SpecdraftError
-from specdraft.pipeline.config import RunConfig
+from specdraft.pipeline.config import SUITES, RunConfig
 from specdraft.pipeline.jsonl import write_jsonl
 from specdraft.pipeline.tokenizer import stop_token_ids
 from specdraft.pipeline.tracking import Tracker
@@ -72,6 +73,19 @@ def _record_sampling(data_dir: Path, cfg: RunConfig) -> None:
     path.write_text(json.dumps(record))
 
 
+def copy_bench_suites(src: Path, dst: Path, log=print) -> None:
+    """Check the held-out suites in ``src`` (``<suite>.jsonl`` request files) and copy them to ``dst``."""
+    found = [s for s in SUITES if (src / f"{s}.jsonl").is_file()]
+    if not found:
+        raise SpecdraftError(f"config key 'data.bench_dir': {src} holds none of "
+                             f"{', '.join(s + '.jsonl' for s in SUITES)}")
+    dst.mkdir(parents=True, exist_ok=True)
+    for s in found:
+        n = len(read_requests(src / f"{s}.jsonl", warn_stderr))
+        shutil.copy(src / f"{s}.jsonl", dst / f"{s}.jsonl")
+        log(f"data: held-out suite {s}: {n} prompts -> {dst / (s + '.jsonl')}")
+
+
 def regenerate(cfg: RunConfig, world: World, tracker: Tracker, log=print) -> Path:
     """Write ``<work_dir>/data/train.jsonl`` (ShareGPT style) and return its path."""
 
@@ -87,6 +101,8 @@ def regenerate(cfg: RunConfig, world: World, tracker: Tracker, log=print) -> Pat
                              "when target.path points at an external checkpoint")
     requests = read_requests(prompts_path, warn_stderr)
     _record_sampling(data_dir, cfg)
+    if cfg.data.bench_dir:
+        copy_bench_suites(Path(cfg.data.bench_dir), cfg.work_path / "bench_prompts", log)
 
     target = load_target(world.target_dir, dtype=cfg.target.dtype, device=cfg.target.device)
     tokenizer = AutoTokenizer.from_pretrained(str(world.target_dir), trust_remote_code=False)
@@ -97,7 +113,7 @@ def regenerate(cfg: RunConfig, world: World, tracker: Tracker, log=print) -> Pat
     bar = tqdm(total=len(requests), desc="data: regenerating responses", unit="req")
     stats = run_batch_job(requests, raw, tokenizer, target, gen, cfg.data.batch_size, generator=generator,
                           enable_thinking=cfg.data.enable_thinking, progress=lambda n, s: bar.update(n))
-    bar.update(stats["skipped_done"])
+    bar.update(stats["skipped_done"] + stats["rejected"])
     bar.close()
 
     completions = {}

@@ -1,12 +1,33 @@
-"""Glue between Lightning and our tracker."""
+"""Glue between Lightning and our tracker, and the Lightning messages a user should not have to read past."""
 
 from __future__ import annotations
+
+import logging
+import warnings
 
 import lightning as L
 
 from specdraft.pipeline.tracking import Tracker
 
 EVAL_PREFIXES = ("eval/", "val/")
+
+EXPECTED_WARNINGS = (
+    r".*`validation_step` but have no `val_dataloader`.*",  # the tiny target trains without a validation loop
+    r".*module\(s\) in eval mode.*",  # the frozen target and GRPO reference stay in eval mode on purpose
+    r".*Checkpoint directory .* exists and is not empty.*",  # a rerun resumes from it
+    r".*resuming from a checkpoint that ended before the epoch ended.*",  # our sampler replays the exact position
+    r".*does not have many workers.*",  # the data are in memory; workers would only copy them
+    r".*LeafSpec.*is deprecated.*",  # Lightning's own use of a torch API
+    r".*weights_only.*",  # our checkpoints hold tensors and plain containers, loaded with weights_only=True
+)
+
+
+def quiet_lightning() -> None:
+    """Silence what Lightning says about choices made on purpose (the litlogger tip, the warnings in
+    :data:`EXPECTED_WARNINGS`); progress bars, errors and any other warning still show."""
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
+    for message in EXPECTED_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
 
 
 class TrackerCallback(L.Callback):

@@ -17,7 +17,7 @@ from specdraft.pipeline.data import regenerate
 from specdraft.pipeline.tokenizer import stop_token_ids
 from specdraft.pipeline.tracking import Tracker, make_tracker
 from specdraft.pipeline.train import train_drafter
-from specdraft.pipeline.world import World, build_or_load_world, cached_world, world_dir
+from specdraft.pipeline.world import build_or_load_world, cached_world, external_world, world_dir
 from specdraft.runtime.batch_job import read_requests, run_batch_job, shard_for_rank, warn_stderr
 from specdraft.runtime.decode import GenerationConfig
 from specdraft.runtime.drafter_io import check_compatible, load_drafter, read_drafter_config
@@ -63,10 +63,7 @@ def target(cfg: RunConfig):
 def existing_world(cfg: RunConfig):
     """The target this config points at, without building anything."""
     if cfg.target.path:
-        p = Path(cfg.target.path)
-        if not p.is_dir():
-            raise SpecdraftError(f"config key 'target.path': {p} does not exist")
-        return World(p, None, None, {})
+        return external_world(cfg)
     world = cached_world(cfg)
     if world is None:
         raise SpecdraftError(f"no tiny target built for this config yet in {world_dir(cfg)}; "
@@ -119,11 +116,12 @@ def decode(cfg: RunConfig, input_path: Path, output_path: Path):
         stats = run_batch_job(requests, output_path, tok, tgt, gen, d.batch_size, drafter=drafter, generator=g,
                               enable_thinking=cfg.data.enable_thinking,
                               progress=lambda n, s: bar.update(n))
-        bar.update(stats["skipped_done"])
+        bar.update(stats["skipped_done"] + stats["rejected"])
         bar.close()
         tps = stats["tokens"] / stats["seconds"] if stats["seconds"] else 0.0
         tr.log_metrics({"decode/tau": stats["tau"], "decode/tokens_per_s": tps, "decode/requests": stats["requests"]})
-        log(f"decode: {stats['requests']} requests ({stats['skipped_done']} already done) -> {output_path}; "
+        log(f"decode: {stats['requests']} requests ({stats['skipped_done']} already done, {stats['rejected']} "
+            f"skipped) -> {output_path}; "
             f"tau {stats['tau']:.2f}, {tps:.1f} tok/s")
         return stats
 

@@ -20,7 +20,7 @@ from specdraft.lit_modules.features import OfflineFeatures, build_offline_cache
 from specdraft.lit_modules.stage_table import STAGES, Objective
 from specdraft.pipeline.config import RunConfig
 from specdraft.pipeline.data import regenerated_temperature
-from specdraft.pipeline.lightning_utils import TrackerCallback
+from specdraft.pipeline.lightning_utils import TrackerCallback, quiet_lightning
 from specdraft.pipeline.tokenizer import stop_token_ids
 from specdraft.pipeline.tracking import Tracker
 from specdraft.runtime.batch_job import read_requests
@@ -145,6 +145,7 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
                                                   enable_version_counter=False)
     cuda = torch.cuda.is_available()
     precision = t.precision if t.precision != "auto" else ("bf16-mixed" if cuda else "32-true")
+    quiet_lightning()
     trainer = L.Trainer(
         max_steps=total, max_epochs=-1 if t.max_steps > 0 else t.epochs,
         max_time={"minutes": t.max_minutes} if t.max_minutes else None,

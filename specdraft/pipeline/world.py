@@ -22,14 +22,14 @@ from specdraft.lit_modules.lm import CausalLMModule
 from specdraft.pipeline.config import RunConfig
 from specdraft.pipeline.corpora import DOMAINS, Doc, build_corpus
 from specdraft.pipeline.jsonl import write_jsonl
-from specdraft.pipeline.lightning_utils import TrackerCallback
+from specdraft.pipeline.lightning_utils import TrackerCallback, quiet_lightning
 from specdraft.pipeline.tokenizer import format_chat, stop_token_ids, train_tokenizer
 from specdraft.pipeline.tracking import Tracker
 from specdraft.runtime.chat import encode_chat
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.load import load_target, read_target_args
 
-WORLD_VERSION = 1
+WORLD_VERSION = 2  # 2: the target trains in fp32 on a CPU (bf16 autocast before)
 
 
 @dataclass
@@ -41,6 +41,12 @@ class World:
     bench_dir: Path | None
     """Held-out ``decode`` JSONL files, one per domain (``<domain>.jsonl``)."""
     report: dict
+
+
+def target_precision() -> str:
+    """bf16 autocast on CUDA; fp32 on a CPU, where bf16 autocast without native bf16 units runs tens of times slower
+    (and a wall-clock cap would then leave the target barely trained)."""
+    return "bf16-mixed" if torch.cuda.is_available() else "32-true"
 
 
 def world_hash(cfg: RunConfig) -> str:
@@ -69,7 +75,7 @@ def cached_world(cfg: RunConfig) -> World | None:
 
 def build_or_load_world(cfg: RunConfig, tracker: Tracker, log=print) -> World:
     if cfg.target.path:
-        return _external_world(cfg)
+        return external_world(cfg)
     world = cached_world(cfg)
     if world is not None:
         log(f"target: reusing cached tiny world {world_dir(cfg)}")
@@ -77,8 +83,9 @@ def build_or_load_world(cfg: RunConfig, tracker: Tracker, log=print) -> World:
     return _build_world(cfg, world_dir(cfg), tracker, log)
 
 
-def _external_world(cfg: RunConfig) -> World:
-    """Check a user's checkpoint without loading its weights: config readable, weights and tokenizer present."""
+def external_world(cfg: RunConfig) -> World:
+    """Check a user's checkpoint without loading its weights: config readable, weights and tokenizer present. When
+    ``target.path`` is the target of a world specdraft built, its held-in prompts and held-out suites come along."""
     path = Path(cfg.target.path)
     try:
         args = read_target_args(path)
@@ -88,8 +95,11 @@ def _external_world(cfg: RunConfig) -> World:
         raise SpecdraftError(f"config key 'target.path': no safetensors weights in {path}")
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         raise SpecdraftError(f"config key 'target.path': no tokenizer files in {path}")
-    return World(path, None, None, {"target": str(path), "model_type": args.model_type,
-                                    "layers": args.num_hidden_layers, "vocab_size": args.vocab_size})
+    wdir = path.parent
+    built = (wdir / "report.json").is_file() and (wdir / "bench").is_dir()
+    return World(path, wdir / "heldin_prompts.jsonl" if built else None, wdir / "bench" if built else None,
+                 {"target": str(path), "model_type": args.model_type, "layers": args.num_hidden_layers,
+                  "vocab_size": args.vocab_size})
 
 
 def _pack(tokenizer, docs: list[Doc], seq_len: int) -> torch.Tensor:
@@ -129,9 +139,10 @@ def _build_world(cfg: RunConfig, wdir: Path, tracker: Tracker, log) -> World:
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(train), batch_size=tiny.batch_size,
                                          shuffle=True, drop_last=True,
                                          generator=torch.Generator().manual_seed(tiny.seed))
+    quiet_lightning()
     trainer = L.Trainer(max_steps=tiny.max_steps, max_time={"minutes": tiny.max_minutes} if tiny.max_minutes else None,
                         accelerator="auto", devices=1, logger=False, enable_checkpointing=False,
-                        gradient_clip_val=1.0, precision="bf16-mixed",
+                        gradient_clip_val=1.0, precision=target_precision(),
                         callbacks=[TrackerCallback(tracker, prefix="target/"),
                                    L.pytorch.callbacks.TQDMProgressBar(refresh_rate=10)], enable_model_summary=False,
                         log_every_n_steps=10)

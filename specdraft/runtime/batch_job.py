@@ -9,6 +9,7 @@ Under ``torchrun`` the input is sharded by rank and each rank writes ``<output>.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -27,6 +28,8 @@ class Request:
     id: str
     messages: list[dict]
     line: int
+    prompt: str | None = None
+    """The plain text of a ``prompt`` request (None for ``messages``)."""
 
 
 def parse_request(obj: dict, line: int) -> Request:
@@ -45,7 +48,7 @@ def parse_request(obj: dict, line: int) -> Request:
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in messages):
             raise ValueError("'messages' must be a non-empty list of {role, content} objects")
-    return Request(str(obj["id"]), messages, line)
+    return Request(str(obj["id"]), messages, line, obj.get("prompt"))
 
 
 def read_requests(path: str | Path, warn: Callable[[str], None]) -> list[Request]:
@@ -104,22 +107,64 @@ def shard_for_rank(requests: list[Request], output: Path) -> tuple[list[Request]
     return requests[rank::world], output.with_name(output.name + f".rank{rank}")
 
 
+def warn_stderr(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+def encode_requests(requests: list[Request], tokenizer, context: int | None, enable_thinking: bool = False,
+                    warn: Callable[[str], None] = warn_stderr) -> list[tuple[Request, list[int]]]:
+    """Token ids of each request that can be decoded; every other one is reported through ``warn`` by id and line.
+
+    Without a chat template (a base model) ``prompt`` requests are encoded as plain text and ``messages`` requests
+    are refused; a prompt that does not fit the target's ``context`` is refused (nothing is truncated)."""
+    templated = bool(getattr(tokenizer, "chat_template", None))
+    if not templated:
+        warn("the tokenizer has no chat template: 'prompt' requests are encoded as plain text")
+    out = []
+    for r in requests:
+        if templated:
+            ids = encode_chat(tokenizer, r.messages, enable_thinking=enable_thinking)
+        elif r.prompt is not None:
+            ids = list(tokenizer(r.prompt)["input_ids"])
+        else:
+            warn(f"request {r.id!r} (line {r.line}): skipped: 'messages' needs a chat template and this tokenizer "
+                 "has none; send the text as 'prompt'")
+            continue
+        if context is not None and len(ids) >= context:
+            warn(f"request {r.id!r} (line {r.line}): skipped: its prompt is {len(ids)} tokens, the target's context "
+                 f"is {context}")
+            continue
+        out.append((r, ids))
+    return out
+
+
 def run_batch_job(requests: list[Request], output: Path, tokenizer, target, gen: GenerationConfig, batch_size: int,
-                  drafter=None, generator=None, enable_thinking: bool = False, progress=None) -> dict:
-    """Decode ``requests`` (skipping ids already in ``output``) and append results. Returns job stats."""
+                  drafter=None, generator=None, enable_thinking: bool = False, progress=None,
+                  warn: Callable[[str], None] = warn_stderr) -> dict:
+    """Decode ``requests`` (skipping ids already in ``output``) and append results. Returns job stats.
+
+    A request that cannot be decoded (see :func:`encode_requests`) is reported and skipped; the others are written.
+    Generation stops at the target's context (``max_position_embeddings``) for every row."""
     output.parent.mkdir(parents=True, exist_ok=True)
     _repair_torn_tail(output)
     finished = done_ids(output)
     todo = [r for r in requests if r.id not in finished]
-    encoded = [(r, encode_chat(tokenizer, r.messages, enable_thinking=enable_thinking)) for r in todo]
+    context = getattr(getattr(target, "args", None), "max_position_embeddings", None)
+    encoded = encode_requests(todo, tokenizer, context, enable_thinking, warn)
     encoded.sort(key=lambda x: len(x[1]))  # similar lengths per batch
-    stats = {"requests": len(todo), "skipped_done": len(requests) - len(todo), "tokens": 0, "rounds": 0,
-             "seconds": 0.0}
+    stats = {"requests": len(encoded), "rejected": len(todo) - len(encoded), "skipped_done": len(requests) - len(todo),
+             "tokens": 0, "rounds": 0, "seconds": 0.0}
     start = time.perf_counter()
     for i in range(0, len(encoded), batch_size):
         chunk = encoded[i:i + batch_size]
         t0 = time.perf_counter()
-        results = generate(target, [ids for _, ids in chunk], gen, drafter=drafter, generator=generator)
+        chunk_gen = gen
+        if context is not None:  # no row generates past the context the target was trained for
+            cap = gen.max_new_tokens
+            caps = [cap] * len(chunk) if isinstance(cap, int) else list(cap)
+            chunk_gen = dataclasses.replace(gen, max_new_tokens=[min(c, context - len(ids))
+                                                                 for c, (_, ids) in zip(caps, chunk)])
+        results = generate(target, [ids for _, ids in chunk], chunk_gen, drafter=drafter, generator=generator)
         rows = []
         for (req, _), res in zip(chunk, results):
             rows.append({"id": req.id, "completion": tokenizer.decode(res.tokens, skip_special_tokens=True),
@@ -138,7 +183,3 @@ def run_batch_job(requests: list[Request], output: Path, tokenizer, target, gen:
     stats["seconds"] = time.perf_counter() - start
     stats["tau"] = stats.pop("committed", 0) / max(stats["rounds"], 1)
     return stats
-
-
-def warn_stderr(msg: str) -> None:
-    print(msg, file=sys.stderr)

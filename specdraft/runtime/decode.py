@@ -38,7 +38,8 @@ class RowResult:
     tokens: list[int]
     """Generated tokens (stop token excluded)."""
     accept_lengths: list[int]
-    """Tokens committed per target verify round (accepted drafts + 1)."""
+    """Tokens emitted per target verify round: accepted drafts + 1, or fewer when a stop token or the length cap
+    ended the row inside the round (a stop token counts). ``1 + sum == len(tokens) + (finish_reason == "stop")``."""
     finish_reason: str
     time_s: float
 
@@ -111,19 +112,22 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
     accept_lengths: list[list[int]] = [[] for _ in range(B)]
     results: list[RowResult | None] = [None] * B
 
-    def emit(row: int, new_tokens: list[int]) -> bool:
-        """Append committed tokens to a row; True when the row is finished."""
-        for t in new_tokens:
+    def emit(row: int, new_tokens: list[int]) -> int:
+        """Append committed tokens to a row until a stop token or its cap; returns how many it emitted (a stop token
+        counts: it was generated) and records the row's result when it is finished."""
+        for i, t in enumerate(new_tokens):
             if t in stop:
                 results[row] = RowResult(generated[row], accept_lengths[row], "stop", time.perf_counter() - start)
-                return True
+                return i + 1
             generated[row].append(t)
             if len(generated[row]) >= max_new[row]:
                 results[row] = RowResult(generated[row], accept_lengths[row], "length", time.perf_counter() - start)
-                return True
-        return False
+                return i + 1
+        return len(new_tokens)
 
-    done = [emit(r, [t]) for r, t in enumerate(first.tolist())]
+    for r, t in enumerate(first.tolist()):
+        emit(r, [t])
+    done = [res is not None for res in results]
     keep = [i for i, d in enumerate(done) if not d]
     _compact(state, tcache, dcache, keep, B)
 
@@ -134,25 +138,14 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
             blk[:, 0] = state.anchor
             hidden = drafter.draft_hidden(dcache, drafter.block_embeds(blk, state.draft_state))  # [b, Bk, D]
             draft_logits = drafter.logits(hidden[:, 1:])  # [b, K, V]
-            if params.greedy or config.draft_sampling == "greedy":
-                draft_tokens = draft_logits.argmax(-1)  # [b, K]
-                draft_probs = None
-            else:
-                draft_probs = logits_to_probs(draft_logits, params)  # [b, K, V]
-                draft_tokens = sample_from_probs(draft_probs, generator)
+            draft_tokens, draft_probs = propose(draft_logits, params, config.draft_sampling, generator)
             verify_in = torch.cat([state.anchor[:, None], draft_tokens], dim=1)  # [b, Bk]
         else:
             draft_tokens = state.anchor.new_zeros(b, 0)
             draft_logits = hidden = draft_probs = None
             verify_in = state.anchor[:, None]  # [b, 1]
         out = target(verify_in, cache=tcache, feature_layers=feature_layers)
-        if params.greedy:
-            n_acc, nxt = accept_greedy(draft_tokens, out.logits)
-        else:
-            if draft_probs is None:  # deterministic drafts: q is the one-hot of the drafted token
-                draft_probs = torch.nn.functional.one_hot(draft_tokens, out.logits.shape[-1]).float()
-            n_acc, nxt = accept_speculative_sampling(draft_tokens, draft_probs,
-                                                     logits_to_probs(out.logits, params), generator)
+        n_acc, nxt = verify_round(draft_tokens, draft_probs, out.logits, params, generator)  # [b], [b]
         if observer is not None:
             observer(RoundRecord(state.rows, draft_tokens, draft_logits, hidden, n_acc, nxt, out.logits))
         tcache.crop(tcache.lengths + n_acc + 1)  # anchor + accepted drafts are now committed
@@ -164,11 +157,32 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
         keep = []
         for i, (row, a, d, t) in enumerate(zip(state.rows.tolist(), n_acc.tolist(), draft_tokens.tolist(),
                                                nxt.tolist())):
-            accept_lengths[row].append(a + 1)
-            if not emit(row, d[:a] + [t]):
+            accept_lengths[row].append(emit(row, d[:a] + [t]))  # what the round emitted (a + 1 unless cut short)
+            if results[row] is None:
                 keep.append(i)
         _compact(state, tcache, dcache, keep, b)
     return results  # type: ignore[return-value]
+
+
+def propose(draft_logits: torch.Tensor, params: SamplingParams, draft_sampling: str = "sample",
+            generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Draft tokens ``[b, K]`` from the drafter's logits ``[b, K, V]`` and the distribution ``q`` they were drawn from
+    (``[b, K, V]``, processed exactly as the target's will be), or ``None`` for deterministic (argmax) drafts."""
+    if params.greedy or draft_sampling == "greedy":
+        return draft_logits.argmax(-1), None
+    q = logits_to_probs(draft_logits, params)
+    return sample_from_probs(q, generator), q
+
+
+def verify_round(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
+                 params: SamplingParams, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(num_accepted [b], next_token [b])`` for drafts ``[b, K]`` against the verify logits ``[b, K + 1, V]``:
+    greedy verification at T=0, speculative sampling otherwise (deterministic drafts verify as ``q = one_hot``)."""
+    if params.greedy:
+        return accept_greedy(draft_tokens, target_logits)
+    if draft_probs is None:
+        draft_probs = torch.nn.functional.one_hot(draft_tokens, target_logits.shape[-1]).float()
+    return accept_speculative_sampling(draft_tokens, draft_probs, logits_to_probs(target_logits, params), generator)
 
 
 def _compact(state: _State, tcache, dcache, keep: list[int], current: int) -> None:

@@ -34,14 +34,22 @@ def load_safetensors_dir(path: str | Path, prefix_filter: str | None = None) -> 
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise SpecdraftError(f"cannot read {index}: {e!r}") from None
     elif (path / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
         raise SpecdraftError(f"no model.safetensors or model.safetensors.index.json in {path}")
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        for k, v in load_file(str(path / f)).items():
+        try:
+            tensors = load_file(str(path / f))
+        except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
+            raise SpecdraftError(f"cannot read weights file {path / f}: {str(e).splitlines()[0] if str(e) else e!r} "
+                                 "(truncated or corrupt? re-copy the checkpoint)") from None
+        for k, v in tensors.items():
             if prefix_filter is None or k.startswith(prefix_filter):
                 state[k] = v
     return state
@@ -70,7 +78,11 @@ def load_target(path: str | Path, dtype: str = "auto", device: str = "auto") -> 
              if not k.endswith("rotary_emb.inv_freq")}  # older checkpoints carry RoPE buffers
     if args.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    model.load_state_dict(state, strict=True, assign=True)
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as e:
+        raise SpecdraftError(f"the weights in {path} do not match its config.json: "
+                             f"{str(e).splitlines()[0]}") from None
     if args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling)  # built on meta above

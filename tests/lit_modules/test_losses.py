@@ -41,3 +41,20 @@ def test_masked_slots_do_not_contribute():
     logits2 = logits.clone()
     logits2[0, 1] = 100.0 * torch.randn(5)
     assert torch.allclose(a, decayed_ce(logits2, labels, torch.tensor([[True, False]]), w))
+
+
+def test_forward_kl_is_kl_p_target_q_draft_as_torch_computes_it():
+    """Direction and scale pinned against ``F.kl_div`` (``kl_div(log q, p) = KL(p || q)``): the reverse direction
+    KL(q || p), a missing temperature or an unweighted mean all give a different number."""
+    torch.manual_seed(3)
+    d, t = torch.randn(2, 3, 4, 11), torch.randn(2, 3, 4, 11) * 2  # [B, N, K, V]
+    mask = torch.rand(2, 3, 4) > 0.2
+    w = torch.tensor([1.0, 0.6, 0.3, 0.1])
+    T = 0.7
+    logq, logp = F.log_softmax(d / T, -1), F.log_softmax(t / T, -1)
+    per_slot = F.kl_div(logq, logp, log_target=True, reduction="none").sum(-1)  # [B, N, K] = KL(p || q)
+    expected = (per_slot * w * mask).sum() / (w * mask).sum()
+    got = forward_kl(d, t, mask, w, temperature=T)
+    torch.testing.assert_close(got, expected)
+    reverse = (F.kl_div(logp, logq, log_target=True, reduction="none").sum(-1) * w * mask).sum() / (w * mask).sum()
+    assert (got - reverse).abs() > 0.05  # the test can tell the directions apart on these logits

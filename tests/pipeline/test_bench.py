@@ -1,8 +1,21 @@
+import random
+import shutil
 from types import SimpleNamespace
 
 import pytest
 
-from specdraft.pipeline.bench import distinct2, summarize, write_reports
+from specdraft.errors import SpecdraftError
+from specdraft.pipeline.bench import (
+    distinct2,
+    per_prompt_counts,
+    ratio_interval,
+    summarize,
+    tau_interval,
+    write_reports,
+)
+from specdraft.pipeline.config import load_config
+from specdraft.pipeline.data import copy_bench_suites
+from specdraft.pipeline.stages import existing_world
 
 
 def test_summarize_tau_rates_and_per_position():
@@ -26,8 +39,50 @@ def test_distinct2_flags_loops():
 def test_reports_written(tmp_path):
     row = {"method": "dflash", "stage": "sft", "suite": "math", "temperature": 0.0, "batch_size": 1, "tau": 3.0,
            "acceptance_rate": 0.5, "per_position_acceptance": [0.8], "tokens_per_s": 100.0, "speedup": 2.0,
-           "target_distinct2": 0.9}
-    ar = dict(row, method="ar", stage="", tau=1.0, speedup=1.0)
+           "target_distinct2": 0.9, "tau_ci95": [2.5, 3.4], "num_prompts": 24, "repeats": 2}
+    ar = dict(row, method="ar", stage="", tau=1.0, speedup=1.0, tau_ci95=[1.0, 1.0])
     rep = write_reports([ar, row], tmp_path)
-    assert "| dflash | sft | math | 0 | 1 | 3.00 |" in rep["markdown"]
+    assert "| dflash | sft | math | 0 | 1 | 24 x 2 | 3.00 (2.50-3.40) |" in rep["markdown"]
     assert (tmp_path / "bench.png").stat().st_size > 1000 and (tmp_path / "bench.json").is_file()
+
+
+def test_tau_interval_covers_tau_and_narrows_with_more_prompts():
+    rng = random.Random(0)
+    few = [[rng.randint(20, 60), 20] for _ in range(6)]
+    many = [[rng.randint(20, 60), 20] for _ in range(96)]
+    for pp in (few, many):
+        tau = sum(e for e, _ in pp) / sum(r for _, r in pp)
+        lo, hi = tau_interval(pp)
+        assert lo < tau < hi
+    assert (tau_interval(many)[1] - tau_interval(many)[0]) < (tau_interval(few)[1] - tau_interval(few)[0]) / 2
+
+
+def test_paired_ratio_interval_excludes_one_for_a_consistent_gain():
+    base = [[30 + i % 7, 20] for i in range(24)]
+    better = [[e + 4, r] for e, r in base]  # every prompt gains
+    lo, hi = ratio_interval(better, base)
+    assert 1.0 < lo < hi
+    lo, hi = ratio_interval(base, base)
+    assert lo == hi == 1.0
+
+
+def test_per_prompt_counts_pool_repeats():
+    res = [SimpleNamespace(accept_lengths=a) for a in ([3, 1], [2], [4], [1, 1])]  # 2 prompts x 2 repeats
+    assert per_prompt_counts(res, 2) == [[3 + 1 + 4, 3], [2 + 1 + 1, 3]]
+
+
+def test_bench_finds_the_suites_of_a_specdraft_world_given_as_target_path(tiny_world, tmp_path):
+    root = tmp_path / "world"
+    shutil.copytree(tiny_world.target_dir, root / "target")
+    shutil.copytree(tiny_world.bench_dir, root / "bench")
+    cfg = load_config(None, [f"target.path={root / 'target'}", f"work_dir={tmp_path / 'w'}"])
+    assert existing_world(cfg).bench_dir is None  # not a world specdraft built: no report.json
+    (root / "report.json").write_text("{}")
+    assert existing_world(cfg).bench_dir == root / "bench"
+
+
+def test_data_copies_held_out_suites_given_for_an_external_target(tiny_world, tmp_path):
+    copy_bench_suites(tiny_world.bench_dir, tmp_path / "bench_prompts", log=lambda m: None)
+    assert (tmp_path / "bench_prompts" / "math.jsonl").read_text() == (tiny_world.bench_dir / "math.jsonl").read_text()
+    with pytest.raises(SpecdraftError, match="data.bench_dir"):
+        copy_bench_suites(tmp_path / "nothing", tmp_path / "x")

@@ -114,3 +114,14 @@ def test_export_name_places_the_export_and_what_decode_and_bench_read():
     cfg = load_config(None, ["work_dir=w", "train.stage=eal", "train.export_name=eal-len"])
     assert cfg.train.export == "eal-len" and default_drafter_dir(cfg) == Path("w/drafter/eal-len")
     assert default_drafter_dir(load_config(None, ["work_dir=w", "train.stage=eal"])) == Path("w/drafter/eal")
+
+
+def test_overrides_are_accepted_after_the_options(capsys, tmp_path):
+    args = ["decode", str(CONFIGS[0]), "decode.batch_size=3", "--input", "a.jsonl", "--output", "b.jsonl",
+            "decode.max_new_tokens=7", "--print-config"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "batch_size: 3" in out and "max_new_tokens: 7" in out
+    with pytest.raises(SystemExit):
+        main(["decode", str(CONFIGS[0]), "--input", "a", "--output", "b", "--bogus"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err

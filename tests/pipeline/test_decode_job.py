@@ -2,6 +2,7 @@
 resume without duplicates or losses, vocab mismatch refused before compute."""
 
 import json
+import shutil
 
 import pytest
 from transformers import AutoTokenizer
@@ -132,3 +133,60 @@ def test_the_worlds_corpus_text_is_what_the_chat_template_renders(tiny_world):
     both = user + [{"role": "assistant", "content": "2 + 2 = 4."}]
     assert format_chat(user[0]["content"]) == tok.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
     assert format_chat(user[0]["content"], "2 + 2 = 4.") == tok.apply_chat_template(both, tokenize=False)
+
+
+def _target_copy(world, tmp_path, **config_updates):
+    """A copy of the world's target whose config.json gets ``config_updates``."""
+    t = tmp_path / "target-copy"
+    shutil.copytree(world.target_dir, t)
+    cfg = json.loads((t / "config.json").read_text())
+    (t / "config.json").write_text(json.dumps({**cfg, **config_updates}))
+    return t
+
+
+def test_base_model_without_chat_template_decodes_prompts_as_plain_text(tiny_world, drafter_dir, tmp_path, capsys):
+    t = _target_copy(tiny_world, tmp_path)
+    (t / "chat_template.jinja").unlink(missing_ok=True)
+    tok_cfg = json.loads((t / "tokenizer_config.json").read_text())
+    tok_cfg.pop("chat_template", None)
+    (t / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    assert not AutoTokenizer.from_pretrained(str(t)).chat_template
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write(inp, ['{"id": "a", "prompt": "Mia has 3 apples."}',
+                 '{"id": "m", "messages": [{"role": "user", "content": "Tom has 5 coins."}]}'])
+    args = _args(tiny_world, drafter_dir, tmp_path, f"target.path={t}")
+    assert main(["decode", *args, "--input", str(inp), "--output", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "no chat template" in err and "'m' (line 2)" in err and "Traceback" not in err
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["a"]
+
+
+def test_a_corrupt_checkpoint_is_one_line_naming_the_file_and_nothing_is_written(tiny_world, drafter_dir, tmp_path,
+                                                                                  capsys):
+    bad = tmp_path / "bad-drafter"
+    shutil.copytree(drafter_dir, bad)
+    weights = bad / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # a truncated copy
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write(inp, ['{"id": "a", "prompt": "Mia has 3 apples."}'])
+    assert main(["decode", *_args(tiny_world, bad, tmp_path), "--input", str(inp), "--output", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(weights) in err[0] and "Traceback" not in err[0]
+    assert not out.exists()
+
+
+def test_a_prompt_longer_than_the_targets_context_is_reported_and_the_others_written(tiny_world, drafter_dir,
+                                                                                      tmp_path, capsys):
+    t = _target_copy(tiny_world, tmp_path, max_position_embeddings=40)
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write(inp, ['{"id": "short", "prompt": "Mia has 3 apples."}',
+                 '{"id": "long", "prompt": "' + "Tom has 5 coins and gives 2 away. " * 12 + '"}'])
+    args = _args(tiny_world, drafter_dir, tmp_path, f"target.path={t}", "decode.max_new_tokens=30")
+    assert main(["decode", *args, "--input", str(inp), "--output", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "'long' (line 2)" in err and "context is 40" in err
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["short"]
+    prompt_len = len(AutoTokenizer.from_pretrained(str(t)).apply_chat_template(
+        [{"role": "user", "content": "Mia has 3 apples."}], add_generation_prompt=True, tokenize=True)["input_ids"])
+    assert prompt_len + rows[0]["num_tokens"] <= 40  # generation stops at the context

@@ -1,5 +1,6 @@
 """DFlash drafter directories: z-lab weight names and config keys, round trips, and refusals before compute."""
 
+import dataclasses
 import json
 import shutil
 
@@ -9,9 +10,16 @@ from safetensors import safe_open
 
 from specdraft.errors import SpecdraftError
 from specdraft.pipeline.drafter_init import init_drafter
-from specdraft.runtime.drafter_io import check_compatible, load_drafter, read_drafter_config, save_drafter
-from specdraft.runtime.models.dflash import build_target_layer_ids
-from tests.helpers import make_drafter, make_target
+from specdraft.runtime.drafter_io import (
+    check_compatible,
+    drafter_config_for_target,
+    load_drafter,
+    read_drafter_config,
+    save_drafter,
+)
+from specdraft.runtime.models.dflash import DFlashConfig, build_target_layer_ids
+from specdraft.runtime.models.layers import rope_inv_freq
+from tests.helpers import make_drafter, make_target, tiny_target_args
 
 
 def test_layer_ids_follow_zlab():
@@ -85,3 +93,21 @@ def test_init_drafter_refuses_a_tokenizer_larger_than_the_target(tiny_world, tmp
     (t / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(SpecdraftError, match="tokenizer has .* tokens but the target vocabulary has 100"):
         init_drafter(t, tmp_path / "d")
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}])
+def test_rope_scaling_survives_export_for_both_transformers_spellings(scaling):
+    """transformers 5 reads ``rope_parameters``; 4.x (the reference DFlash code, vLLM, SGLang) reads ``rope_scaling``.
+    Each spelling alone must bring back the same RoPE."""
+    args = dataclasses.replace(tiny_target_args(), rope_theta=5e5, rope_scaling=scaling)
+    cfg = drafter_config_for_target(args, 63, num_layers=1, block_size=4, num_features=2)
+    hf = cfg.to_hf_config()
+    assert hf["rope_scaling"] == scaling
+    v4 = {k: v for k, v in hf.items() if k != "rope_parameters"}
+    v5 = {k: v for k, v in hf.items() if k != "rope_scaling"}
+    for seen in (v4, v5):
+        back = DFlashConfig.from_hf_config(json.loads(json.dumps(seen)))
+        assert back.rope_scaling == scaling and back.rope_theta == 5e5
+        torch.testing.assert_close(rope_inv_freq(8, back.rope_theta, back.rope_scaling),
+                                   rope_inv_freq(8, 5e5, scaling))

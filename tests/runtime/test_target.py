@@ -41,6 +41,28 @@ def test_full_forward_logits_and_features_match_transformers(pair):
     torch.testing.assert_close(out.features[..., 64:], ref.hidden_states[1], atol=1e-5, rtol=1e-5)
 
 
+def test_the_last_layers_feature_is_transformers_post_norm_hidden_state(pair):
+    """The reference DFlash code reads ``hidden_states[N]`` for the last layer id, which transformers returns after
+    the final norm; a drafter trained on either side must see the same features."""
+    hf, ours = pair
+    ids = torch.randint(0, 97, (1, 20))
+    ref = hf(ids, output_hidden_states=True).hidden_states
+    last = ours(ids, feature_layers=(2,)).features  # the 3-layer target's last layer
+    torch.testing.assert_close(last, ref[3], atol=1e-5, rtol=1e-5)
+    assert (last - ours(ids, feature_layers=(1,)).features).abs().max() > 1e-3
+
+
+def test_sliding_window_layers_are_refused_not_run_as_full_attention(tmp_path):
+    hf = _hf("qwen3", True)
+    hf.save_pretrained(str(tmp_path))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.update(use_sliding_window=True, sliding_window=8, layer_types=["full_attention", "sliding_attention",
+                                                                          "full_attention"])
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises((SpecdraftError, ValueError), match="sliding"):
+        load_target(tmp_path, dtype="float32", device="cpu")
+
+
 def test_cached_decode_with_crops_and_ragged_rows_matches_full_forward(pair):
     hf, ours = pair
     torch.manual_seed(1)

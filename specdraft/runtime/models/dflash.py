@@ -64,7 +64,8 @@ class DFlashConfig:
             "head_dim": self.head_dim,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_parameters": rope,
+            "rope_parameters": rope,  # transformers 5
+            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,  # transformers 4.x (vLLM, SGLang)
             "max_position_embeddings": self.max_position_embeddings,
             "attention_bias": False,
             "tie_word_embeddings": False,

@@ -2,8 +2,13 @@
 
 One forward takes tokens, absolute positions, an optional static KV cache with per-row lengths and an optional
 visibility mask among the new tokens (causal by default; a tree mask verifies a prefix tree in one pass). It returns
-logits (all positions or selected ones) and the hidden states of chosen layers. Feature convention (DFlash): layer
-id ``l`` means the OUTPUT of decoder layer ``l``, i.e. ``hidden_states[l + 1]`` in transformers' numbering.
+logits (all positions or selected ones) and the hidden states of chosen layers. Feature convention (DFlash, as the
+reference code reads transformers' ``output_hidden_states``): layer id ``l`` means ``hidden_states[l + 1]``, the
+OUTPUT of decoder layer ``l``, except for the last layer, whose ``hidden_states[N]`` transformers returns after the
+final norm.
+
+Sliding-window attention is not implemented: a checkpoint whose ``layer_types`` hold ``sliding_attention`` layers is
+refused rather than run with full attention.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ class TargetArgs:
     rope_scaling: dict | None = field(default=None, hash=False)
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    max_position_embeddings: int | None = None
+    """The context the target was trained for (None: not stated)."""
 
     @property
     def qk_norm(self) -> bool:
@@ -50,6 +57,11 @@ class TargetArgs:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported target model_type {model_type!r} "
                              f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        sliding = [i for i, t in enumerate(cfg.get("layer_types") or []) if t != "full_attention"]
+        if sliding and cfg.get("use_sliding_window", True):
+            raise ValueError(f"layers {sliding[:8]} use {cfg['layer_types'][sliding[0]]!r}: sliding-window attention "
+                             "is not implemented, and running those layers with full attention would change the "
+                             "target's outputs")
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
         heads = cfg["num_attention_heads"]
@@ -67,6 +79,7 @@ class TargetArgs:
             rope_scaling=rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            max_position_embeddings=cfg.get("max_position_embeddings"),
         )
 
 
@@ -166,10 +179,11 @@ class TargetLM(nn.Module):
         elif new_mask is not None:
             mask = new_mask[:, None] if new_mask.dim() == 3 else new_mask
         outputs: dict[int, torch.Tensor] = {}
+        last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, i, cache, slots, used, mask)
             if i in feature_layers:
-                outputs[i] = x
+                outputs[i] = self.model.norm(x) if i == last else x  # transformers' hidden_states[N] is normed
         features = torch.cat([outputs[i] for i in feature_layers], dim=-1) if feature_layers else None
         if not return_logits:
             return TargetOutput(logits=torch.empty(0, device=dev), features=features, hidden=self.model.norm(x))

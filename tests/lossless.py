@@ -1,0 +1,381 @@
+"""One losslessness harness for every decoding path, and drafters with controllable acceptance to run it at.
+
+A decoding path (the chain engine with a DFlash or ReTrace drafter, later the tree, the kernels and each backend) is
+lossless when its greedy output equals the target's alone token for token and its sampled output is distributed
+exactly as the target's (Leviathan et al. 2023, arXiv:2211.17192). The harness checks both where bugs hide:
+
+- :func:`check_greedy`: batch 1 and a ragged batch of 8+ rows (different prompt lengths, per-row caps, a stop token
+  inside an accepted run), each against the target alone, and the batch against its rows decoded one at a time
+  (tokens and accept lengths); it also checks that the run exercised full-block, partial and zero acceptance.
+- :func:`sampling_pvalues`: chi-square goodness of fit of the joint distribution of several generated tokens against
+  the target's exact joint distribution, enumerated on a tiny vocabulary with an independent implementation of
+  temperature / top-k / top-p (:func:`reference_probs`). Two tables: the first tokens (the prefill token and the
+  first speculative round) and the last tokens (always generated after the first round, by rounds that carry
+  whatever state the drafter keeps).
+
+Its power is shown in ``tests/runtime/test_lossless.py``: it fails on the deliberately wrong rules in
+:data:`WRONG_RULES`.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from specdraft.runtime import decode
+from specdraft.runtime.decode import GenerationConfig, RowResult, generate
+from specdraft.runtime.sampling import SamplingParams, sample_from_probs
+from tests.helpers import chi2_pvalue, make_target
+
+# ---- a reference sampler, written apart from runtime/sampling.py ---------------------------------------------------
+
+
+def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, then top-p (keep the smallest prefix of the sorted tokens whose mass reaches top_p),
+    written row by row with Python loops so it shares no code or trick with the runtime's vectorised version."""
+    flat = logits.double().reshape(-1, logits.shape[-1])
+    out = torch.zeros_like(flat)
+    for r in range(flat.shape[0]):
+        z = (flat[r] / params.temperature).tolist()
+        order = sorted(range(len(z)), key=lambda i: -z[i])
+        keep = order[: params.top_k] if params.top_k > 0 else order
+        m = max(z[i] for i in keep)
+        w = {i: pow(2.718281828459045, z[i] - m) for i in keep}
+        total = sum(w.values())
+        kept, mass = [], 0.0
+        for i in keep:  # descending
+            if mass >= params.top_p:
+                break
+            kept.append(i)
+            mass += w[i] / total
+        norm = sum(w[i] for i in kept)
+        for i in kept:
+            out[r, i] = w[i] / norm
+    return out.view(logits.shape)
+
+
+@torch.no_grad()
+def exact_joint(target, prompt: list[int], length: int, params: SamplingParams) -> torch.Tensor:
+    """``p(t_0 .. t_{length-1} | prompt)`` under the target alone with ``params``, as a ``[V] * length`` tensor,
+    enumerated level by level (one batched forward per level)."""
+    V = target.args.vocab_size
+    prefixes = [[]]
+    probs = torch.ones(1, dtype=torch.float64)
+    for _ in range(length):
+        ids = torch.tensor([prompt + p for p in prefixes])
+        nxt = reference_probs(target(ids).logits[:, -1], params)  # [n, V]
+        probs = (probs[:, None] * nxt).flatten()
+        prefixes = [p + [t] for p in prefixes for t in range(V)]
+    return probs.view(*([V] * length))
+
+
+# ---- drafters with controllable acceptance -----------------------------------------------------------------------
+
+
+class _Rows:
+    """Per-row committed text that follows the engine's compaction (``select_rows``); wraps an inner cache."""
+
+    def __init__(self, history: list[list[int]], inner=None):
+        self.history, self.inner = history, inner
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.history = [self.history[i] for i in rows.tolist()]
+        if self.inner is not None:
+            self.inner.select_rows(rows)
+
+
+class _State:
+    """Cross-round state: the inner drafter's (the history is kept in the cache)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def select(self, rows: torch.Tensor) -> "_State":
+        return _State(self.inner.select(rows) if self.inner is not None else None)
+
+
+class ControlledDrafter:
+    """A :class:`~specdraft.runtime.drafter.Drafter` whose acceptance is set, not learnt.
+
+    It knows the committed text of every row (the prompts it is given plus what the engine commits) and asks the
+    target itself for the continuation: along the target's greedy path, slot ``k`` proposes
+
+    - ``mode="mix"``: ``log(alpha * p_target(. | text, path_<k) + (1 - alpha) * u)`` with ``u`` uniform (or the inner
+      drafter's distribution): a tempered copy of the target, accepted often under sampling;
+    - ``mode="oracle"``: the path token itself with probability ``right`` (else another token), a point mass: greedy
+      acceptance is right with that probability per slot, so full, partial and zero acceptance all occur.
+
+    With ``inner`` (a real DFlash/ReTrace drafter) every engine call also runs the inner drafter: its caches, its
+    ingest, its cross-round state and its hidden states; its distribution is mixed in with weight ``1 - alpha``.
+    """
+
+    def __init__(self, target, prompts: list[list[int]], block_size: int = 4, mode: str = "mix", alpha: float = 0.8,
+                 right: float = 0.85, inner=None, seed: int = 0):
+        self.target, self.prompts, self.mode, self.alpha, self.right, self.inner = (target, prompts, mode, alpha,
+                                                                                    right, inner)
+        self.V = target.args.vocab_size
+        self._block_size = inner.block_size if inner is not None else block_size
+        self.config = inner.config if inner is not None else type("Cfg", (), {"mask_token_id": self.V - 1})()
+        self.seed = seed
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        return self.inner.target_layer_ids if self.inner is not None else (0,)
+
+    def new_cache(self, batch_size: int, max_len: int) -> _Rows:
+        assert batch_size == len(self.prompts), "ControlledDrafter decodes exactly the prompts it was given"
+        inner = self.inner.new_cache(batch_size, max_len) if self.inner is not None else None
+        return _Rows([list(p) for p in self.prompts], inner)
+
+    def ingest(self, cache: _Rows, ctx_features, counts):
+        return self.inner.ingest(cache.inner, ctx_features, counts) if self.inner is not None else None
+
+    def block_embeds(self, block_tokens: torch.Tensor, state):
+        self._anchors = block_tokens[:, 0].tolist()
+        if self.inner is not None:
+            return self.inner.block_embeds(block_tokens, state.inner if state is not None else None)
+        return torch.zeros(*block_tokens.shape, 1)
+
+    @torch.no_grad()
+    def draft_hidden(self, cache: _Rows, block_embeds: torch.Tensor):
+        self._cache = cache
+        inner_hidden = self.inner.draft_hidden(cache.inner, block_embeds) if self.inner is not None else None
+        K = self.block_size - 1
+        texts = [h + [a] for h, a in zip(cache.history, self._anchors)]
+        self._texts = [tuple(t) for t in texts]
+        path_p = []  # per slot: [b, V] target distribution after text + path_<k
+        for _ in range(K):
+            p = _next_probs(self.target, texts)  # [b, V]
+            path_p.append(p)
+            texts = [t + [int(p[i].argmax())] for i, t in enumerate(texts)]
+        self._path_p = torch.stack(path_p, 1)  # [b, K, V]
+        return inner_hidden if inner_hidden is not None else block_embeds
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        p = self._path_p  # [b, K, V]
+        if self.mode == "oracle":
+            tok = p.argmax(-1)  # [b, K]
+            for i in range(tok.shape[0]):
+                for k in range(tok.shape[1]):
+                    # right or wrong as a function of the row's text alone, so a row decodes the same in any batch
+                    u = random.Random(f"{self.seed}/{self._texts[i]}/{k}").random()
+                    if u >= self.right:
+                        tok[i, k] = (tok[i, k] + 1 + int(u * 1e6) % (self.V - 2)) % (self.V - 1)
+            point = torch.nn.functional.one_hot(tok, self.V).float() * 30.0  # [b, K, V]
+            return point + self.inner.logits(hidden).float() if self.inner is not None else point
+        other = torch.full_like(p, 1.0 / self.V)
+        if self.inner is not None:
+            other = self.inner.logits(hidden).float().softmax(-1)
+        return (self.alpha * p + (1 - self.alpha) * other).log()
+
+    def next_round_state(self, state, hidden, draft_tokens, num_accepted, target_logits, target_context):
+        for i, (a, d, n) in enumerate(zip(self._anchors, draft_tokens.tolist(), num_accepted.tolist())):
+            self._cache.history[i] += [a] + d[:n]  # the anchor and the accepted drafts are now committed
+        inner = None
+        if self.inner is not None:
+            inner = self.inner.next_round_state(state.inner if state is not None else None, hidden, draft_tokens,
+                                                num_accepted, target_logits, target_context)
+        return _State(inner)
+
+
+@torch.no_grad()
+def _next_probs(target, texts: list[list[int]]) -> torch.Tensor:
+    """The target's next-token distribution after each text ``[b, V]`` (texts grouped by length, no padding)."""
+    out = torch.empty(len(texts), target.args.vocab_size)
+    by_len: dict[int, list[int]] = {}
+    for i, t in enumerate(texts):
+        by_len.setdefault(len(t), []).append(i)
+    for rows in by_len.values():
+        out[rows] = target(torch.tensor([texts[i] for i in rows])).logits[:, -1].float().softmax(-1)
+    return out
+
+
+# ---- the harness ------------------------------------------------------------------------------------------------
+
+DrafterFactory = Callable[[list[list[int]]], object]
+"""``prompts -> drafter`` (controlled drafters need the prompts; real ones ignore them)."""
+
+
+def acceptance_profile(results: list[RowResult], block_size: int) -> dict:
+    rounds = [a for r in results for a in r.accept_lengths]
+    return {"tau": sum(rounds) / max(len(rounds), 1), "full": sum(a == block_size for a in rounds),
+            "partial": sum(1 < a < block_size for a in rounds), "none": sum(a == 1 for a in rounds),
+            "rounds": len(rounds)}
+
+
+def _ar(target, prompts, caps, stop=()):
+    gen = GenerationConfig(max_new_tokens=caps, stop_token_ids=stop)
+    return [r.tokens for r in generate(target, prompts, gen)]
+
+
+def check_greedy(target, factory: DrafterFactory, prompts: list[list[int]], caps: list[int]) -> dict:
+    """Greedy equality at batch 1 and on the ragged batch ``prompts`` (8+ rows, per-row ``caps``), and again with a
+    stop token that the free run emits inside an accepted run. Returns counts; the caller asserts on them:
+    ``mismatches`` (rows differing from the target alone or from one-row decoding) must be 0."""
+    assert len(prompts) >= 8 and len({len(p) for p in prompts}) > 1 and len(set(caps)) > 1
+    mismatches = 0
+    expected = _ar(target, prompts, caps)
+    for p, cap, exp in zip(prompts[:2], caps, expected):
+        mismatches += generate(target, [p], GenerationConfig(max_new_tokens=cap), drafter=factory([p]))[0].tokens != exp
+    batch = generate(target, prompts, GenerationConfig(max_new_tokens=caps), drafter=factory(prompts))
+    profile = acceptance_profile(batch, factory(prompts[:1]).block_size)
+    mismatches += sum(r.tokens != e for r, e in zip(batch, expected))
+    singles = [generate(target, [p], GenerationConfig(max_new_tokens=c), drafter=factory([p]))[0]
+               for p, c in zip(prompts, caps)]
+    mismatches += sum(r.tokens != s.tokens or r.accept_lengths != s.accept_lengths for r, s in zip(batch, singles))
+    stop = _stop_inside_accepted_run(batch)
+    stopped = generate(target, prompts, GenerationConfig(max_new_tokens=caps, stop_token_ids=(stop,)),
+                       drafter=factory(prompts))
+    expected_stop = _ar(target, prompts, caps, (stop,))
+    mismatches += sum(r.tokens != e for r, e in zip(stopped, expected_stop))
+    return {"mismatches": mismatches, **profile, "stopped_rows": sum(r.finish_reason == "stop" for r in stopped)}
+
+
+def _stop_inside_accepted_run(results: list[RowResult]) -> int:
+    """A token some row emitted as an accepted draft that is neither the first nor the last of its round."""
+    for r in results:
+        pos = 1  # tokens[0] came from the prefill
+        for a in r.accept_lengths:
+            if a >= 3 and pos + 1 < len(r.tokens) and r.tokens[pos + 1] not in r.tokens[:pos + 1]:
+                return r.tokens[pos + 1]
+            pos += a
+    raise AssertionError("no round accepted 2+ drafts: the drafter is too weak for this check")
+
+
+@dataclass
+class SamplingCheck:
+    first: float
+    """p-value of the joint of the first ``first_len`` tokens (prefill token + first speculative round)."""
+    later: float
+    """p-value of the joint of the last ``later_len`` tokens (generated after the first round)."""
+    profile: dict
+
+
+def sampling_pvalues(target, factory: DrafterFactory, params: SamplingParams, n: int = 12000, first_len: int = 3,
+                     later_len: int = 2, draft_sampling: str = "sample", seed: int = 0,
+                     prompt: tuple[int, ...] = (1, 2, 3)) -> SamplingCheck:
+    """Decode ``n`` copies of ``prompt`` (i.i.d. rows) and test two joint distributions against the exact target's.
+
+    The generated length is ``1 + block_size + later_len``: the prefill token and at most ``block_size`` tokens of
+    the first round come before the last ``later_len`` tokens, so those are always emitted by a later round."""
+    prompts = [list(prompt)] * n
+    drafter = factory(prompts)
+    L = 1 + drafter.block_size + later_len
+    gen = GenerationConfig(max_new_tokens=L, sampling=params, draft_sampling=draft_sampling)
+    res = generate(target, prompts, gen, drafter=drafter, generator=torch.Generator().manual_seed(seed))
+    toks = torch.tensor([r.tokens for r in res])  # [n, L]
+    assert toks.shape == (n, L)
+    joint = exact_joint(target, list(prompt), L, params)  # [V] * L
+    V = joint.shape[0]
+    first = joint.sum(dim=tuple(range(first_len, L)))
+    later = joint.sum(dim=tuple(range(L - later_len)))
+
+    def counts(cols):
+        idx = torch.zeros(n, dtype=torch.long)
+        for c in cols:
+            idx = idx * V + toks[:, c]
+        return torch.bincount(idx, minlength=V ** len(cols))
+
+    return SamplingCheck(chi2_pvalue(counts(range(first_len)), first),
+                         chi2_pvalue(counts(range(L - later_len, L)), later),
+                         acceptance_profile(res, drafter.block_size))
+
+
+# ---- deliberately wrong verification rules (the harness must catch each) -------------------------------------------
+
+
+def _wrong_sampling(bonus_shift: bool = False, all_accepted_slots: bool = False):
+    def rule(draft_tokens, draft_probs, target_probs, generator=None):
+        B, K = draft_tokens.shape
+        p = target_probs[:, :K].gather(-1, draft_tokens[..., None])[..., 0]
+        q = draft_probs.gather(-1, draft_tokens[..., None])[..., 0]
+        u = torch.rand(B, K, generator=generator, device=p.device)
+        ok = (u * q <= p).long()
+        n = ok.sum(1) if all_accepted_slots else ok.cumprod(1).sum(1)
+        at = n.clamp(max=K - 1) if bonus_shift else n
+        q_pad = torch.cat([draft_probs, draft_probs.new_zeros(B, 1, draft_probs.shape[-1])], dim=1)
+        rows = torch.arange(B)
+        residual = (target_probs[rows, at] - q_pad[rows, at] * (at == n)[:, None]).clamp_min(0)
+        return n, sample_from_probs(residual / residual.sum(-1, keepdim=True), generator)
+    return rule
+
+
+def _wrong_greedy(bonus_shift: bool = False, all_accepted_slots: bool = False):
+    def rule(draft_tokens, target_logits):
+        t = target_logits.argmax(-1)
+        K = draft_tokens.shape[1]
+        m = (draft_tokens == t[:, :K]).long()
+        n = m.sum(1) if all_accepted_slots else m.cumprod(1).sum(1)
+        at = (n + 1).clamp(max=K) if bonus_shift else n
+        return n, t.gather(1, at[:, None])[:, 0]
+    return rule
+
+
+_verify_round, _propose = decode.verify_round, decode.propose  # the correct rules, before any monkeypatch
+
+
+def _untruncated_target(draft_tokens, draft_probs, target_logits, params, generator=None):
+    """Verifies against the target at the right temperature but without top-k / top-p."""
+    plain = SamplingParams(temperature=params.temperature)
+    return _verify_round(draft_tokens, draft_probs, target_logits, plain, generator)
+
+
+def _drafts_sampled_at_t1(draft_logits, params, draft_sampling, generator=None):
+    """Samples drafts from the raw softmax but hands verification the processed q (a draw/q mismatch)."""
+    tokens, q = _propose(draft_logits, params, draft_sampling, generator)
+    if q is None:
+        return tokens, q
+    return sample_from_probs(draft_logits.float().softmax(-1), generator), q
+
+
+WRONG_RULES: dict[str, list[tuple[object, str, Callable]]] = {
+    "bonus token from the wrong position": [
+        (decode, "accept_greedy", _wrong_greedy(bonus_shift=True)),
+        (decode, "accept_speculative_sampling", _wrong_sampling(bonus_shift=True))],
+    "acceptance not stopping at the first rejection": [
+        (decode, "accept_greedy", _wrong_greedy(all_accepted_slots=True)),
+        (decode, "accept_speculative_sampling", _wrong_sampling(all_accepted_slots=True))],
+    "truncation applied to the draft side only": [(decode, "verify_round", _untruncated_target)],
+    "drafts drawn from another distribution than the q verified": [(decode, "propose", _drafts_sampled_at_t1)],
+}
+"""name -> [(module, attribute, replacement)]: monkeypatch these to break the engine on purpose."""
+
+SAMPLING_SETTINGS = [SamplingParams(0.7, top_k=4, top_p=0.9), SamplingParams(1.0, top_k=4, top_p=0.9),
+                     SamplingParams(1.5, top_k=4, top_p=0.9)]
+RAGGED_PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4], [12, 13], [20, 21, 22, 23, 24], [30], [31, 32, 33, 34],
+                  [40, 41], [9, 8, 7, 6, 5, 4, 3, 2, 1]]
+RAGGED_CAPS = [10, 25, 17, 30, 8, 21, 14, 19, 12]
+
+
+def power_table() -> list[dict]:
+    """What the harness reports for the correct engine and for each wrong rule (``python -m tests.lossless``)."""
+    rows = []
+    for rule in [None, *WRONG_RULES]:
+        saved = [(m, a, getattr(m, a)) for m, a, _ in WRONG_RULES.get(rule, [])]
+        for m, a, wrong in WRONG_RULES.get(rule, []):
+            setattr(m, a, wrong)
+        try:
+            gt = make_target(seed=3, vocab=48)
+            greedy = check_greedy(gt, lambda p, t=gt: ControlledDrafter(t, p, 5, mode="oracle"), RAGGED_PROMPTS,
+                                  RAGGED_CAPS)
+            st = make_target(seed=7, vocab=6, std=0.5)
+            sampled = sampling_pvalues(st, lambda p, t=st: ControlledDrafter(t, p, 4, mode="mix"), SAMPLING_SETTINGS[0])
+        finally:
+            for m, a, f in saved:
+                setattr(m, a, f)
+        rows.append({"rule": rule or "(correct engine)", "greedy_mismatches": greedy["mismatches"],
+                     "greedy_tau": round(greedy["tau"], 2), "p_first": sampled.first, "p_later": sampled.later,
+                     "sampled_tau": round(sampled.profile["tau"], 2)})
+    return rows
+
+
+if __name__ == "__main__":
+    for row in power_table():
+        print(row)
