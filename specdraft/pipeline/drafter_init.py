@@ -9,7 +9,8 @@ import torch
 from transformers import AutoTokenizer
 
 from specdraft.errors import SpecdraftError
-from specdraft.runtime.drafter_io import build_drafter, drafter_config_for_target, save_drafter
+from specdraft.export.hf import export_drafter
+from specdraft.runtime.drafter_io import build_drafter, drafter_config_for_target
 from specdraft.runtime.load import read_target_args
 
 
@@ -22,7 +23,7 @@ def init_drafter(target_dir: str | Path, out_dir: str | Path, num_layers: int = 
         mask_token_id = tokenizer_mask_id(target_dir, args.vocab_size)
     torch.manual_seed(seed)
     drafter = build_drafter(drafter_config_for_target(args, mask_token_id, num_layers, block_size))
-    return save_drafter(drafter, out_dir)
+    return export_drafter(drafter, out_dir)
 
 
 def tokenizer_mask_id(target_dir: Path, vocab_size: int) -> int:

@@ -70,6 +70,7 @@ def test_overfit_one_batch_loss_falls_and_sim_tau_rises(tiny_world):
     _, batch = _batch(tiny_world)
     m = _module(tiny_world)
     opt = torch.optim.AdamW(m.drafter.parameters(), lr=2e-2)
+
     def g():  # the same anchors every step: a fixed batch to memorise
         return torch.Generator().manual_seed(0)
 
@@ -83,7 +84,6 @@ def test_overfit_one_batch_loss_falls_and_sim_tau_rises(tiny_world):
     assert loss1 < 0.5 * loss0
     assert acc[0] > 0.5
     # sim_tau compares drafts with the TARGET's greedy tokens: train on the target's own greedy continuations
-
     prompts = [it["input_ids"][:12] for it in _batch(tiny_world)[0].train_items[:4]]
     gens = generate(m.target, prompts, GenerationConfig(max_new_tokens=40))
     tgt_batch = collate([{"input_ids": p + r.tokens, "loss_mask": [0] * len(p) + [1] * len(r.tokens), "index": i}

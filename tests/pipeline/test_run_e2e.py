@@ -20,6 +20,7 @@ MICRO = [
     "train.max_steps=8", "train.batch_size=4", "train.num_anchors=8", "train.eval_every=4", "train.eval_prompts=1",
     "train.max_seq_len=160",
     "bench.num_prompts=2", "bench.max_new_tokens=16", "bench.batch_sizes=[1,2]",
+    "decode.top_k=20", "decode.top_p=0.9", "decode.draft_sampling=greedy",  # bench serves with the decode settings
 ]
 
 
@@ -42,8 +43,12 @@ def test_run_end_to_end_and_rerun_is_cached(tmp_path, monkeypatch, capsys):
         assert r["tau"] >= 1.0 and r["tokens_per_s"] > 0
         assert len(r["per_position_acceptance"]) == (3 if r["method"] == "dflash" else 0)
         assert r["per_position_acceptance"] == sorted(r["per_position_acceptance"], reverse=True)
+        assert (r["top_k"], r["top_p"], r["draft_sampling"]) == (20, 0.9, "greedy")
+        lo, hi = r["tau_ci95"]
+        assert lo <= r["tau"] <= hi and len(r["per_prompt"]) == r["num_prompts"] == 2
     assert (w / "bench" / "bench.png").stat().st_size > 1000 and "| dflash |" in (w / "bench" / "bench.md").read_text()
     assert "bench:" in out
+    assert "Tip:" not in out and "litlogger" not in out  # Lightning's banner is silenced
 
     # a rerun reuses the cached world and the finished training (resumes with nothing left to do)
     assert main(args) == 0

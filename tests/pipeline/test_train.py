@@ -3,7 +3,9 @@ checkpoint is exported in the HF layout the runtime loads; MLflow gets params, m
 version."""
 
 import json
+import logging
 import shutil
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,7 +18,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.lit_modules.stage_table import Objective
 from specdraft.pipeline import stages
 from specdraft.pipeline.config import load_config
-from specdraft.pipeline.lightning_utils import TrackerCallback
+from specdraft.pipeline.lightning_utils import TrackerCallback, quiet_lightning
 from specdraft.pipeline.tracking import Tracker
 from specdraft.pipeline.train import _best_including_final, data_temperature_note, train_drafter
 from specdraft.runtime.drafter_io import load_drafter
@@ -211,3 +213,14 @@ def test_tracker_logs_each_evaluation_once_at_its_step():
         cb.on_train_batch_end(trainer, None, None, None, 0)
     assert tracker.metrics["eval/sim_tau"] == {300: 4.25} and tracker.metrics["val/loss"] == {300: 2.0}
     assert set(tracker.metrics["train/loss"]) == {300, 310, 320}
+
+
+def test_expected_lightning_messages_are_silenced_and_others_are_not():
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        quiet_lightning()
+        warnings.warn("You defined a `validation_step` but have no `val_dataloader`. Skipping val loop.")
+        warnings.warn("Found 66 module(s) in eval mode at the start of training.")
+        warnings.warn("something a user should see")
+    assert [str(w.message) for w in seen] == ["something a user should see"]
+    assert logging.getLogger("lightning.pytorch.utilities.rank_zero").level == logging.WARNING

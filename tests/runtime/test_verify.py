@@ -4,6 +4,7 @@ import torch
 
 from specdraft.runtime.sampling import SamplingParams, logits_to_probs
 from specdraft.runtime.verify import accept_greedy, accept_speculative_sampling
+from tests.lossless import reference_probs
 
 
 def onehot_logits(tokens, V=10):
@@ -70,3 +71,12 @@ def test_top_k_top_p_truncation():
     assert pp[0, 0] == 1.0  # the top token alone already has >= 50% of the mass
     greedy = logits_to_probs(logits, SamplingParams(temperature=0.0))
     assert greedy.tolist() == [[1.0, 0.0, 0.0, 0.0]]
+
+
+def test_truncation_matches_a_reference_on_unsorted_logits():
+    """Top-k then top-p on logits in random order (a sorted input would hide a missing un-sort), against the
+    harness's loop-by-loop reference."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 9, generator=g) * 2  # [rows, V], unsorted
+    for params in (SamplingParams(0.7, top_k=4, top_p=0.8), SamplingParams(1.3, top_p=0.6), SamplingParams(1.0, 3)):
+        torch.testing.assert_close(logits_to_probs(logits, params).double(), reference_probs(logits, params))
