@@ -39,7 +39,7 @@ from pathlib import Path
 
 from specdraft.lit_modules.stage_table import STAGES
 from specdraft.pipeline import stages
-from specdraft.pipeline.bench import ratio_interval
+from specdraft.pipeline.bench import mean_ratio_interval, ratio_interval
 from specdraft.pipeline.config import load_config
 
 VARIANTS = {
@@ -180,11 +180,13 @@ def main() -> None:
         if a in names and b in names:
             per = {s: (tau(a, s, t) / tau(b, s, t)) for s in suites if tau(a, s, t) and tau(b, s, t)}
             # paired bootstrap over the suite's prompts: both drafters decoded the same ones
-            ci = {s: ratio_interval(row(a, s, t)["per_prompt"], row(b, s, t)["per_prompt"]) for s in per}
-            mean = sum(per.values()) / max(len(per), 1)
-            summary["ratios"][f"{a}/{b} T={t:g}"] = {"per_suite": per, "per_suite_ci95": ci, "mean": mean}
+            pp = {s: (row(a, s, t)["per_prompt"], row(b, s, t)["per_prompt"]) for s in per}
+            ci = {s: ratio_interval(*pp[s]) for s in per}
+            mean, mean_ci = sum(per.values()) / max(len(per), 1), mean_ratio_interval(list(pp.values()))
+            summary["ratios"][f"{a}/{b} T={t:g}"] = {"per_suite": per, "per_suite_ci95": ci, "mean": mean,
+                                                     "mean_ci95": mean_ci}
             per_suite = ", ".join(f"{s} {v:.3f} ({ci[s][0]:.3f}-{ci[s][1]:.3f})" for s, v in per.items())
-            print(f"tau {a}/{b} at T={t:g}: {per_suite} (mean {mean:.3f})")
+            print(f"tau {a}/{b} at T={t:g}: {per_suite} (mean {mean:.3f}, {mean_ci[0]:.3f}-{mean_ci[1]:.3f})")
     (out / "stage_comparison.json").write_text(json.dumps(summary, indent=2))
     print(f"wrote {out / 'stage_comparison.json'} and {out / 'bench'}")
 

@@ -87,6 +87,8 @@ def exact_two_token_dist(target, prompt, V):
 def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
     """Pearson chi-square p-value of ``counts`` against ``probs`` (cells expected below ``min_expected`` pooled)."""
     counts, probs = counts.flatten().double(), probs.flatten().double()
+    if counts[probs == 0].sum() > 0:  # an outcome the distribution rules out (e.g. outside top-k / top-p)
+        return 0.0
     exp = probs / probs.sum() * counts.sum()
     big = exp >= min_expected
     obs = torch.cat([counts[big], counts[~big].sum()[None]])

@@ -9,8 +9,8 @@ exactly as the target's (Leviathan et al. 2023, arXiv:2211.17192). The harness c
   (tokens and accept lengths); it also checks that the run exercised full-block, partial and zero acceptance.
 - :func:`sampling_pvalues`: chi-square goodness of fit of the joint distribution of several generated tokens against
   the target's exact joint distribution, enumerated on a tiny vocabulary with an independent implementation of
-  temperature / top-k / top-p (:func:`reference_probs`). Two tables: the first tokens (the prefill token and the
-  first speculative round) and the last tokens (always generated after the first round, by rounds that carry
+  temperature / top-k / top-p (:func:`reference_probs`). Three tables: the first tokens, the first round's last
+  draft slot with its bonus token, and the last tokens (always emitted after the first round, by rounds that carry
   whatever state the drafter keeps).
 
 Its power is shown in ``tests/runtime/test_lossless.py``: it fails on the deliberately wrong rules in
@@ -204,10 +204,14 @@ DrafterFactory = Callable[[list[list[int]]], object]
 
 
 def acceptance_profile(results: list[RowResult], block_size: int) -> dict:
-    rounds = [a for r in results for a in r.accept_lengths]
-    return {"tau": sum(rounds) / max(len(rounds), 1), "full": sum(a == block_size for a in rounds),
-            "partial": sum(1 < a < block_size for a in rounds), "none": sum(a == 1 for a in rounds),
-            "rounds": len(rounds)}
+    """tau (tokens emitted per round) and how many rounds accepted every draft, some, or none (from the drafts
+    accepted, so a round cut short by a stop token or a cap is not counted as a rejection)."""
+    emitted = [a for r in results for a in r.accept_lengths]
+    accepted = [a for r in results for a in r.accepted]
+    K = block_size - 1
+    return {"tau": sum(emitted) / max(len(emitted), 1), "full": sum(a == K for a in accepted),
+            "partial": sum(0 < a < K for a in accepted), "none": sum(a == 0 for a in accepted),
+            "rounds": len(emitted)}
 
 
 def _ar(target, prompts, caps, stop=()):
@@ -252,10 +256,17 @@ def _stop_inside_accepted_run(results: list[RowResult]) -> int:
 @dataclass
 class SamplingCheck:
     first: float
-    """p-value of the joint of the first ``first_len`` tokens (prefill token + first speculative round)."""
+    """p-value of the joint of the first ``first_len`` tokens."""
+    bonus: float
+    """p-value of the joint of tokens ``block_size - 1`` and ``block_size``: the first round's last draft slot and
+    its bonus token (emitted by the first round when it accepts every draft)."""
     later: float
-    """p-value of the joint of the last ``later_len`` tokens (generated after the first round)."""
+    """p-value of the joint of the last ``later_len`` tokens (emitted after the first round)."""
     profile: dict
+
+    @property
+    def min_p(self) -> float:
+        return min(self.first, self.bonus, self.later)
 
 
 def sampling_pvalues(target, factory: DrafterFactory, params: SamplingParams, n: int = 12000, first_len: int = 3,
@@ -274,8 +285,10 @@ def sampling_pvalues(target, factory: DrafterFactory, params: SamplingParams, n:
     assert toks.shape == (n, L)
     joint = exact_joint(target, list(prompt), L, params)  # [V] * L
     V = joint.shape[0]
-    first = joint.sum(dim=tuple(range(first_len, L)))
-    later = joint.sum(dim=tuple(range(L - later_len)))
+    Bk = drafter.block_size
+
+    def marginal(cols):
+        return joint.sum(dim=tuple(i for i in range(L) if i not in cols))
 
     def counts(cols):
         idx = torch.zeros(n, dtype=torch.long)
@@ -283,9 +296,9 @@ def sampling_pvalues(target, factory: DrafterFactory, params: SamplingParams, n:
             idx = idx * V + toks[:, c]
         return torch.bincount(idx, minlength=V ** len(cols))
 
-    return SamplingCheck(chi2_pvalue(counts(range(first_len)), first),
-                         chi2_pvalue(counts(range(L - later_len, L)), later),
-                         acceptance_profile(res, drafter.block_size))
+    tables = [list(range(first_len)), [Bk - 1, Bk], list(range(L - later_len, L))]
+    first, bonus, later = (chi2_pvalue(counts(cols), marginal(cols)) for cols in tables)
+    return SamplingCheck(first, bonus, later, acceptance_profile(res, Bk))
 
 
 # ---- deliberately wrong verification rules (the harness must catch each) -------------------------------------------
@@ -371,8 +384,8 @@ def power_table() -> list[dict]:
             for m, a, f in saved:
                 setattr(m, a, f)
         rows.append({"rule": rule or "(correct engine)", "greedy_mismatches": greedy["mismatches"],
-                     "greedy_tau": round(greedy["tau"], 2), "p_first": sampled.first, "p_later": sampled.later,
-                     "sampled_tau": round(sampled.profile["tau"], 2)})
+                     "greedy_tau": round(greedy["tau"], 2), "p_first": sampled.first, "p_bonus": sampled.bonus,
+                     "p_later": sampled.later, "sampled_tau": round(sampled.profile["tau"], 2)})
     return rows
 
 

@@ -55,7 +55,8 @@ def build_offline_cache(target: TargetLM, target_dir: str | Path, items: dict[st
     out = Path(out_dir)
     manifest_file = out / "manifest.json"
     manifest = {"target": target_fingerprint(target_dir), "layer_ids": list(layer_ids),
-                "splits": {k: len(v) for k, v in items.items()}, "shard_size": SHARD_SIZE, "dtype": "bfloat16"}
+                "splits": {k: len(v) for k, v in items.items()}, "shard_size": SHARD_SIZE, "dtype": "bfloat16",
+                "last_layer": LAST_LAYER_CONVENTION if target.args.num_hidden_layers - 1 in layer_ids else None}
     if manifest_file.is_file():
         check_manifest(json.loads(manifest_file.read_text()), manifest, out)
         return out
@@ -80,8 +81,13 @@ def build_offline_cache(target: TargetLM, target_dir: str | Path, items: dict[st
     return out
 
 
+LAST_LAYER_CONVENTION = "post_norm"
+"""What a feature of the target's last layer holds (transformers' ``hidden_states[N]``), recorded when the layer ids
+include it; caches built before the key existed held the raw layer output there and are refused."""
+
+
 def check_manifest(found: dict, expected: dict, where: Path) -> None:
-    for key in ("target", "layer_ids", "splits"):
+    for key in ("target", "layer_ids", "splits", "last_layer"):
         if found.get(key) != expected.get(key):
             raise SpecdraftError(f"offline feature cache {where} was built for {key}={found.get(key)!r}, not "
                                  f"{expected.get(key)!r}; delete it or point train.features at online")

@@ -23,8 +23,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.pipeline.config import RunConfig
 from specdraft.pipeline.tokenizer import stop_token_ids
 from specdraft.pipeline.tracking import Tracker
-from specdraft.runtime.batch_job import read_requests
-from specdraft.runtime.chat import encode_chat
+from specdraft.runtime.batch_job import encode_requests, read_requests
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.drafter_io import load_drafter
 from specdraft.runtime.load import load_target
@@ -37,14 +36,16 @@ def distinct2(seqs: list[list[int]]) -> float:
 
 
 def summarize(results, block_size: int) -> dict:
-    """tau, acceptance rate and per-position acceptance from per-row accept lengths."""
+    """tau from the tokens each round emitted; acceptance rate and per-position acceptance from the drafts each round
+    accepted (a round cut short by a stop token or the length cap still accepted what it accepted)."""
     lengths = [a for r in results for a in r.accept_lengths]
+    accepted = [a for r in results for a in (getattr(r, "accepted", None) or [n - 1 for n in r.accept_lengths])]
     K = block_size - 1
     rounds = max(len(lengths), 1)
     out = {"tau": sum(lengths) / rounds, "rounds": len(lengths)}
     if K > 0:
-        out["acceptance_rate"] = sum(a - 1 for a in lengths) / (rounds * K)
-        out["per_position_acceptance"] = [sum(1 for a in lengths if a - 1 >= k) / rounds for k in range(1, K + 1)]
+        out["acceptance_rate"] = sum(accepted) / (rounds * K)
+        out["per_position_acceptance"] = [sum(1 for a in accepted if a >= k) / rounds for k in range(1, K + 1)]
     else:
         out["acceptance_rate"], out["per_position_acceptance"] = 0.0, []
     return out
@@ -74,25 +75,42 @@ def tau_interval(per_prompt: list[list[int]], n_boot: int = 1000, seed: int = 0)
     return [float(v) for v in np.percentile(taus, [2.5, 97.5])]
 
 
+def mean_ratio_interval(pairs: list[tuple[list[list[int]], list[list[int]]]], n_boot: int = 1000,
+                        seed: int = 0) -> list[float]:
+    """95 % bootstrap interval of the mean over suites of tau(num) / tau(den): each suite's prompts are resampled,
+    paired (both drafters decoded the same prompts)."""
+    arrays = [(np.asarray(a, dtype=float), np.asarray(c, dtype=float)) for a, c in pairs]
+    if not arrays or any(len(a) != len(c) or len(a) == 0 for a, c in arrays):
+        return [float("nan"), float("nan")]
+    rng = np.random.default_rng(seed)
+    means = []
+    for _ in range(n_boot):
+        ratios = []
+        for a, c in arrays:
+            i = rng.integers(0, len(a), size=len(a))
+            ratios.append((a[i, 0].sum() / max(a[i, 1].sum(), 1)) / (c[i, 0].sum() / max(c[i, 1].sum(), 1)))
+        means.append(np.mean(ratios))
+    return [float(v) for v in np.percentile(means, [2.5, 97.5])]
+
+
 def ratio_interval(num: list[list[int]], den: list[list[int]], n_boot: int = 1000, seed: int = 0) -> list[float]:
     """95 % paired bootstrap interval of tau(num) / tau(den), both measured on the same prompts."""
-    a, c = np.asarray(num, dtype=float), np.asarray(den, dtype=float)
-    if len(a) != len(c) or len(a) == 0:
-        return [float("nan"), float("nan")]
-
-    def ratio(i):
-        return (a[i, 0].sum() / max(a[i, 1].sum(), 1)) / (c[i, 0].sum() / max(c[i, 1].sum(), 1))
-    return [float(v) for v in np.percentile(_bootstrap(ratio, len(a), n_boot, seed), [2.5, 97.5])]
+    return mean_ratio_interval([(num, den)], n_boot, seed)
 
 
 def with_bench_prompts(cfg: RunConfig, world):
-    """``world`` with its held-out suites: the tiny world's own, else ``<work_dir>/bench_prompts/`` if present."""
-    if world.bench_dir is None and (cfg.work_path / "bench_prompts").is_dir():
-        world.bench_dir = cfg.work_path / "bench_prompts"
+    """``world`` with its held-out suites: the tiny world's own, else ``<work_dir>/bench_prompts/`` (where ``specdraft
+    data`` copies ``data.bench_dir``), else ``data.bench_dir`` itself."""
+    for candidate in (cfg.work_path / "bench_prompts", Path(cfg.data.bench_dir) if cfg.data.bench_dir else None):
+        if world.bench_dir is None and candidate is not None and candidate.is_dir():
+            world.bench_dir = candidate
     return world
 
 
-def suite_prompts(world, suite: str, n: int, tokenizer, enable_thinking: bool = False) -> list[list[int]]:
+def suite_prompts(world, suite: str, n: int, tokenizer, enable_thinking: bool = False,
+                  context: int | None = None) -> list[list[int]]:
+    """Token ids of the first ``n`` prompts of a held-out suite, encoded as decode encodes them (plain text for a
+    tokenizer without a chat template; prompts that do not fit ``context`` left out)."""
     if world.bench_dir is None:
         raise SpecdraftError("bench needs held-out suites: the tiny world writes them; for an external target "
                              "put <suite>.jsonl files under <work_dir>/bench_prompts/")
@@ -100,7 +118,7 @@ def suite_prompts(world, suite: str, n: int, tokenizer, enable_thinking: bool = 
     if not path.is_file():
         return []
     reqs = read_requests(path, lambda m: None)[:n]
-    return [encode_chat(tokenizer, r.messages, enable_thinking=enable_thinking) for r in reqs]
+    return [ids for _, ids in encode_requests(reqs, tokenizer, context, enable_thinking, warn=lambda m: None)]
 
 
 def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
@@ -123,15 +141,20 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
     settings = {"top_k": d.top_k, "top_p": d.top_p, "draft_sampling": d.draft_sampling, "repeats": b.repeats,
                 "seed": b.seed}
     methods = ["ar", *loaded]
-    suites = {s: suite_prompts(world, s, b.num_prompts, tok, cfg.data.enable_thinking) for s in b.suites}
+    context = tgt.args.max_position_embeddings
+    suites = {s: suite_prompts(world, s, b.num_prompts, tok, cfg.data.enable_thinking, context) for s in b.suites}
     for suite in [s for s, p in suites.items() if not p]:
         log(f"bench: no held-out prompts for suite {suite!r}; skipped")
     warm = next((p[:max(b.batch_sizes)] for p in suites.values() if p), None)
-    if warm is not None:  # one untimed run per method: first-call costs (allocations, lazy init) stay out of tok/s
+    for temp in b.temperatures if warm is not None else []:
+        # one untimed run per method and sampling setting: first-call costs stay out of tokens/s
+        gen = GenerationConfig(max_new_tokens=8, stop_token_ids=stops, sampling=SamplingParams(temp, d.top_k, d.top_p),
+                               draft_sampling=d.draft_sampling)
         for method in methods:
-            generate(tgt, warm, GenerationConfig(max_new_tokens=8, stop_token_ids=stops),
-                     drafter=loaded[method][0] if method != "ar" else None)
+            generate(tgt, warm, gen, drafter=loaded[method][0] if method != "ar" else None,
+                     generator=torch.Generator(device=dev).manual_seed(b.seed))
     rows = []
+    turn = 0  # the order of methods alternates from one batch to the next across the whole grid
     for suite, prompts in suites.items():
         if not prompts:
             continue
@@ -141,10 +164,11 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
                 gen = GenerationConfig(max_new_tokens=b.max_new_tokens, stop_token_ids=stops,
                                        sampling=SamplingParams(temp, d.top_k, d.top_p), draft_sampling=d.draft_sampling)
                 for rep in range(b.repeats):
-                    for j, i in enumerate(range(0, len(prompts), bs)):
+                    for i in range(0, len(prompts), bs):
                         batch = prompts[i:i + bs]
                         # interleaved on the same batch, the order alternating so no method always runs first
-                        for method in (methods if (rep + j) % 2 == 0 else methods[::-1]):
+                        turn += 1
+                        for method in (methods if turn % 2 else methods[::-1]):
                             drafter = loaded[method][0] if method != "ar" else None
                             g = torch.Generator(device=dev).manual_seed(b.seed + 1000 * rep + i)
                             t0 = time.perf_counter()

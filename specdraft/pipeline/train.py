@@ -23,8 +23,7 @@ from specdraft.pipeline.data import regenerated_temperature
 from specdraft.pipeline.lightning_utils import TrackerCallback, quiet_lightning
 from specdraft.pipeline.tokenizer import stop_token_ids
 from specdraft.pipeline.tracking import Tracker
-from specdraft.runtime.batch_job import read_requests
-from specdraft.runtime.chat import encode_chat
+from specdraft.runtime.batch_job import encode_requests, read_requests
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.drafter_io import (
     build_drafter,
@@ -134,7 +133,8 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
     eval_prompts = []
     if world.bench_dir is not None and (world.bench_dir / "math.jsonl").is_file():
         reqs = read_requests(world.bench_dir / "math.jsonl", lambda m: None)[: t.eval_prompts]
-        eval_prompts = [encode_chat(tokenizer, r.messages, enable_thinking=cfg.data.enable_thinking) for r in reqs]
+        eval_prompts = [ids for _, ids in encode_requests(reqs, tokenizer, target.args.max_position_embeddings,
+                                                          cfg.data.enable_thinking, warn=lambda m: None)]
     ckpt_dir = cfg.checkpoint_dir(t.export)
     best_cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, filename="drafter-best",
                                                   monitor=objective.selection_metric, mode="max", save_last=False,

@@ -53,6 +53,8 @@ def world_hash(cfg: RunConfig) -> str:
     d = cfg.data
     key = {"v": WORLD_VERSION, "tiny": asdict(cfg.target.tiny), "math": d.math_problems, "code": d.code_files,
            "dialogue": d.dialogue, "holdout": d.holdout_prompts}
+    if target_precision() != "32-true":  # a world trained in bf16 (on CUDA) is another world
+        key["precision"] = target_precision()
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
 

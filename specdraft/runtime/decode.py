@@ -42,6 +42,8 @@ class RowResult:
     ended the row inside the round (a stop token counts). ``1 + sum == len(tokens) + (finish_reason == "stop")``."""
     finish_reason: str
     time_s: float
+    accepted: list[int] = field(default_factory=list)
+    """Drafts the target accepted per verify round (what acceptance rates count; not cut by stops or caps)."""
 
     @property
     def tau(self) -> float:
@@ -110,6 +112,7 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
 
     generated: list[list[int]] = [[] for _ in range(B)]
     accept_lengths: list[list[int]] = [[] for _ in range(B)]
+    accepted: list[list[int]] = [[] for _ in range(B)]
     results: list[RowResult | None] = [None] * B
 
     def emit(row: int, new_tokens: list[int]) -> int:
@@ -117,11 +120,13 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
         counts: it was generated) and records the row's result when it is finished."""
         for i, t in enumerate(new_tokens):
             if t in stop:
-                results[row] = RowResult(generated[row], accept_lengths[row], "stop", time.perf_counter() - start)
+                results[row] = RowResult(generated[row], accept_lengths[row], "stop", time.perf_counter() - start,
+                                         accepted[row])
                 return i + 1
             generated[row].append(t)
             if len(generated[row]) >= max_new[row]:
-                results[row] = RowResult(generated[row], accept_lengths[row], "length", time.perf_counter() - start)
+                results[row] = RowResult(generated[row], accept_lengths[row], "length", time.perf_counter() - start,
+                                         accepted[row])
                 return i + 1
         return len(new_tokens)
 
@@ -157,6 +162,7 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
         keep = []
         for i, (row, a, d, t) in enumerate(zip(state.rows.tolist(), n_acc.tolist(), draft_tokens.tolist(),
                                                nxt.tolist())):
+            accepted[row].append(a)
             accept_lengths[row].append(emit(row, d[:a] + [t]))  # what the round emitted (a + 1 unless cut short)
             if results[row] is None:
                 keep.append(i)

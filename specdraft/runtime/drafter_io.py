@@ -15,6 +15,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.runtime.load import load_safetensors_dir
 from specdraft.runtime.models import resolve_drafter
 from specdraft.runtime.models.dflash import DFlashConfig, build_target_layer_ids
+from specdraft.runtime.models.layers import rope_inv_freq
 from specdraft.runtime.models.target import TargetArgs, TargetLM
 
 
@@ -95,12 +96,14 @@ def read_drafter_config(path: str | Path) -> tuple[str, DFlashConfig]:
     f = path / "config.json"
     if not f.is_file():
         raise SpecdraftError(f"drafter path {path} has no config.json")
-    raw = json.loads(f.read_text())
-    arch = (raw.get("architectures") or ["dflash"])[0]
     try:
+        raw = json.loads(f.read_text())
+        arch = (raw.get("architectures") or ["dflash"])[0]
         cls = resolve_drafter(arch)
-        return cls.arch_name, cls.config_class.from_hf_config(raw)
-    except (KeyError, ValueError) as e:
+        cfg = cls.config_class.from_hf_config(raw)
+        rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # an unsupported RoPE type fails here
+        return cls.arch_name, cfg
+    except (KeyError, ValueError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError
         raise SpecdraftError(f"cannot read drafter config {f}: {e}") from None
 
 
@@ -110,7 +113,11 @@ def load_drafter(path: str | Path, target: TargetLM):
     check_compatible(cfg, target.args)
     model = resolve_drafter(arch)(cfg)
     state = load_safetensors_dir(path)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # shapes that do not match the config
+        raise SpecdraftError(f"drafter weights in {path} do not match its config: {str(e).splitlines()[-1].strip()}"
+                             ) from None
     if missing or unexpected:
         raise SpecdraftError(f"drafter weights in {path} do not match its config: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]}")

@@ -61,8 +61,10 @@ def read_target_args(path: str | Path) -> TargetArgs:
     if not path.is_dir():
         raise SpecdraftError(f"target path {path} does not exist (set target.path to a local HF checkpoint directory)")
     try:
-        return TargetArgs.from_hf_config(read_hf_config(path))
-    except (FileNotFoundError, ValueError, KeyError) as e:
+        args = TargetArgs.from_hf_config(read_hf_config(path))
+        rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling)  # an unsupported RoPE type fails here
+        return args
+    except (FileNotFoundError, ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
         raise SpecdraftError(f"cannot read target config in {path}: {e}") from None
 
 

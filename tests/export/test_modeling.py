@@ -1,5 +1,6 @@
 """Exports load through transformers' AutoModel with our own modeling file, and compute what the runtime computes."""
 
+import dataclasses
 import json
 
 import pytest
@@ -9,7 +10,8 @@ from transformers import AutoModel
 from specdraft.export.hf import export_drafter
 from specdraft.lit_modules.blocks import build_blocks
 from specdraft.runtime.models.retrace import build_prior, verify_stats
-from tests.helpers import make_drafter, make_target, retrace_from
+from specdraft.runtime.models.target import TargetLM
+from tests.helpers import make_drafter, make_target, retrace_from, tiny_target_args
 
 
 def _inputs(d, target, S=12, N=2, seed=0):
@@ -23,12 +25,30 @@ def _inputs(d, target, S=12, N=2, seed=0):
     return feats, blk
 
 
-@pytest.mark.parametrize("arch", ["dflash", "retrace"])
-def test_automodel_loads_an_export_and_drafts_the_runtimes_logits(arch, tmp_path):
-    target = make_target(seed=1)
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8}
+
+
+def _target(rope: dict | None):
+    if rope is None:
+        return make_target(seed=1)
+    torch.manual_seed(1)
+    t = TargetLM(dataclasses.replace(tiny_target_args(), rope_theta=5e5, rope_scaling=rope))
+    for p in t.parameters():
+        if p.dim() > 1:
+            torch.nn.init.normal_(p, std=0.3)
+    return t.eval()
+
+
+@pytest.mark.parametrize("arch,options,rope", [
+    ("dflash", {}, None), ("dflash", {}, LLAMA3), ("retrace", {}, None), ("retrace", {"alignment": "soft"}, None),
+    ("retrace", {"embed_drafted": False, "use_correction": False, "refiner_width": 16}, None),
+    ("retrace", {"gate_anchor": True}, LLAMA3)], ids=str)
+def test_automodel_loads_an_export_and_drafts_the_runtimes_logits(arch, options, rope, tmp_path):
+    target = _target(rope)
     d = make_drafter(target, seed=2, block_size=5)
     if arch == "retrace":
-        d = retrace_from(d, active=True)
+        d = retrace_from(d, active=True, **options)
     out = export_drafter(d, tmp_path / "export")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["auto_map"]["AutoModel"] == f"modeling_specdraft.{cfg['architectures'][0]}"
@@ -48,8 +68,11 @@ def test_automodel_loads_an_export_and_drafts_the_runtimes_logits(arch, tmp_path
         if arch == "retrace":  # the fusion a rejected suffix adds to the next block's inputs
             Bk = d.block_size
             hidden, drafts = torch.randn(2, Bk, d.config.hidden_size), torch.randint(0, 60, (2, Bk - 1))
+            with torch.no_grad():
+                d.retrace_log_width.fill_(0.3)  # a trained soft-alignment width travels with the weights too
+                hf.retrace_log_width.fill_(0.3)
             prior = build_prior(hidden, drafts, torch.tensor([1, 0]), verify_stats(torch.randn(2, Bk, 64), drafts),
-                                torch.randn(2, Bk, d.config.hidden_size), d.embed)
+                                torch.randn(2, Bk, d.config.hidden_size), d.embed, d.config.retrace.embed_drafted)
             delta = d.fusion_delta(prior)
             assert delta.abs().max() > 1e-3  # the fusion is active
             torch.testing.assert_close(hf.fusion_delta(*prior), delta, atol=1e-5, rtol=1e-5)

@@ -13,6 +13,7 @@ import lightning as L
 import mlflow
 import pytest
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 
 from specdraft.errors import SpecdraftError
 from specdraft.lit_modules.stage_table import Objective
@@ -223,4 +224,16 @@ def test_expected_lightning_messages_are_silenced_and_others_are_not():
         warnings.warn("Found 66 module(s) in eval mode at the start of training.")
         warnings.warn("something a user should see")
     assert [str(w.message) for w in seen] == ["something a user should see"]
-    assert logging.getLogger("lightning.pytorch.utilities.rank_zero").level == logging.WARNING
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    logger.addHandler(handler)
+    try:
+        logger.setLevel(logging.INFO)  # as Lightning leaves it: its info lines (the litlogger tip among them) print
+        rank_zero_info("GPU available: False")
+        quiet_lightning()
+        rank_zero_info("💡 Tip: For seamless cloud logging and experiment tracking, try installing litlogger")
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in records] == ["GPU available: False"]

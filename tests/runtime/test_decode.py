@@ -143,9 +143,9 @@ def test_tau_counts_what_each_round_emitted_when_a_stop_or_the_cap_cuts_it():
     res = generate(target, prompts, GenerationConfig(max_new_tokens=[8, 13]), drafter=stub)
     assert [r.accept_lengths for r in res] == [[5, 2], [5, 5, 2]]  # 1 + 5 + 2 = 8; 1 + 5 + 5 + 2 = 13
     free = ar(target, prompts[:1], 20)[0]
-    stop = free[3]  # inside the first round's accepted run (tokens 1..5)
-    cut = generate(target, prompts[:1], GenerationConfig(max_new_tokens=20, stop_token_ids=(stop,)),
+    first = next(i for i in range(2, 5) if free[i] not in free[:i])  # inside the first round's run (tokens 1..5)
+    cut = generate(target, prompts[:1], GenerationConfig(max_new_tokens=20, stop_token_ids=(free[first],)),
                    drafter=OracleStubDrafter(target, prompts[:1], 5, lambda r, i: None, 32))[0]
-    first = free.index(stop)
     assert cut.tokens == free[:first] and cut.finish_reason == "stop"
+    assert cut.accept_lengths == [first] and cut.accepted == [4]  # emitted up to the stop; all 4 drafts accepted
     assert 1 + sum(cut.accept_lengths) == len(cut.tokens) + 1  # the stop token counts: it was generated

@@ -111,3 +111,16 @@ def test_rope_scaling_survives_export_for_both_transformers_spellings(scaling):
         assert back.rope_scaling == scaling and back.rope_theta == 5e5
         torch.testing.assert_close(rope_inv_freq(8, back.rope_theta, back.rope_scaling),
                                    rope_inv_freq(8, 5e5, scaling))
+
+
+def test_a_corrupt_or_unsupported_drafter_config_is_one_clear_error(tmp_path):
+    target = make_target()
+    d = save_drafter(make_drafter(target), tmp_path / "d")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(cfg)[:50])  # truncated JSON
+    with pytest.raises(SpecdraftError, match="config.json"):
+        read_drafter_config(d)
+    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SpecdraftError, match="yarn"):
+        read_drafter_config(d)

@@ -47,9 +47,12 @@ def test_the_last_layers_feature_is_transformers_post_norm_hidden_state(pair):
     hf, ours = pair
     ids = torch.randint(0, 97, (1, 20))
     ref = hf(ids, output_hidden_states=True).hidden_states
+    raw = []
+    hook = ours.model.layers[2].register_forward_hook(lambda mod, args, out: raw.append(out))
     last = ours(ids, feature_layers=(2,)).features  # the 3-layer target's last layer
+    hook.remove()
     torch.testing.assert_close(last, ref[3], atol=1e-5, rtol=1e-5)
-    assert (last - ours(ids, feature_layers=(1,)).features).abs().max() > 1e-3
+    assert (last - raw[0]).abs().max() > 1e-2  # the final norm is what makes them agree
 
 
 def test_sliding_window_layers_are_refused_not_run_as_full_attention(tmp_path):

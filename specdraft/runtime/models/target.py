@@ -57,11 +57,14 @@ class TargetArgs:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported target model_type {model_type!r} "
                              f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-        sliding = [i for i, t in enumerate(cfg.get("layer_types") or []) if t != "full_attention"]
+        types = cfg.get("layer_types")
+        if types is None and cfg.get("use_sliding_window") and cfg.get("sliding_window"):
+            types = ["sliding_attention"] * cfg["num_hidden_layers"]  # an older config without layer_types
+        sliding = [i for i, t in enumerate(types or []) if t != "full_attention"]
         if sliding and cfg.get("use_sliding_window", True):
-            raise ValueError(f"layers {sliding[:8]} use {cfg['layer_types'][sliding[0]]!r}: sliding-window attention "
-                             "is not implemented, and running those layers with full attention would change the "
-                             "target's outputs")
+            raise ValueError(f"layers {sliding[:8]} use {types[sliding[0]]!r}: sliding-window attention is not "
+                             "implemented, and running those layers with full attention would change the target's "
+                             "outputs")
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
         heads = cfg["num_attention_heads"]
