@@ -104,8 +104,8 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
     def forward(self, noise_embedding: torch.Tensor, target_hidden: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         if kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
-            raise NotImplementedError("this export keeps no draft KV cache: pass the whole context's target_hidden "
-                                      "(and its positions) every call")
+            raise ValueError("this export keeps no draft KV cache: pass the whole context's target_hidden (and its "
+                             "positions) on every call")
         ctx = self.hidden_norm(self.fc(target_hidden))  # [B, S, D]
         cos, sin = self.rotary_emb(noise_embedding, position_ids)  # [B, S + Q, Dh]
         h = noise_embedding

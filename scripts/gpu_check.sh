@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The one prepared GPU check: every GPU test (`pytest -m gpu`) and the GPU benchmarks, in under ten minutes on one
+# GPU. Run it from the repository root on a machine with CUDA torch and the project's dependencies installed (the
+# device machine reaches no package index: install nothing here). Results go to $OUT (default artifacts/gpu).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+out="${OUT:-artifacts/gpu}"
+mkdir -p "$out"
+py="${PYTHON:-python3}"
+status=0
+
+"$py" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__,
+torch.cuda.get_device_name(0))" | tee "$out/device.txt" || exit 2
+
+# GPU tests: CUDA greedy equality, sampled goodness of fit, bf16 paths (about 1 minute)
+timeout 300 "$py" -m pytest -q -m gpu tests 2>&1 | tee "$out/pytest_gpu.txt" || status=1
+# the losslessness harness on the CPU of this machine too (its CUDA twins are the gpu tests above)
+timeout 240 "$py" -m pytest -q tests/runtime/test_lossless.py 2>&1 | tail -3 | tee "$out/pytest_lossless.txt" \
+  || status=1
+# ReTrace's fusion cost at real Qwen3 shapes in bf16 (about 2 minutes)
+for shape in qwen3-1.7b qwen3-8b; do
+  timeout 180 "$py" benchmarks/fusion_overhead.py --shape "$shape" --device cuda --dtype bfloat16 \
+    > "$out/fusion_overhead_$shape.json" 2> "$out/fusion_overhead_$shape.err" || status=1
+done
+echo "gpu_check: exit $status; results in $out"
+exit $status
