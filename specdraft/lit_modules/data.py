@@ -16,12 +16,23 @@ from datasets import load_dataset
 from torch.utils.data import DataLoader, Sampler
 
 from specdraft.errors import SpecdraftError
-from specdraft.runtime.chat import encode_chat
+from specdraft.runtime.chat import encode_chat, encode_plain, has_chat_template
 
 
 def tokenize_conversation(tokenizer, messages: list[dict],
                           enable_thinking: bool = False) -> tuple[list[int], list[int]]:
-    """``(input_ids, loss_mask)``; the prompt part is byte-identical to what ``decode`` feeds the target."""
+    """``(input_ids, loss_mask)``; the prompt part is byte-identical to what ``decode`` feeds the target.
+
+    Without a chat template (a base model) a single user/assistant turn is encoded as decode encodes a plain-text
+    prompt, followed by the response and the end-of-sequence token; other conversations raise ``ValueError``."""
+    if not has_chat_template(tokenizer):
+        if [m["role"] for m in messages] != ["user", "assistant"]:
+            raise ValueError("a tokenizer without a chat template can encode only one user turn and its response")
+        prompt = encode_plain(tokenizer, messages[0]["content"])
+        response = list(tokenizer(messages[1]["content"], add_special_tokens=False)["input_ids"])
+        response += [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        return prompt + response, [0] * len(prompt) + [1] * len(response)
+
     def render(msgs, gen):
         return encode_chat(tokenizer, msgs, add_generation_prompt=gen, enable_thinking=enable_thinking)
 
@@ -109,7 +120,10 @@ class ShareGPTDataModule(L.LightningDataModule):
             return
         ds = load_dataset("json", data_files=self.data_file, split="train")
         for row in ds:
-            ids, mask = tokenize_conversation(self.tokenizer, row["conversations"], self.enable_thinking)
+            try:
+                ids, mask = tokenize_conversation(self.tokenizer, row["conversations"], self.enable_thinking)
+            except ValueError as e:
+                raise SpecdraftError(f"conversation {row['id']!r} in {self.data_file}: {e}") from None
             ids, mask = ids[: self.max_seq_len], mask[: self.max_seq_len]
             if sum(mask) < 2 * self.block_size:
                 self.dropped += 1

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from specdraft.errors import SpecdraftError
-from specdraft.runtime.chat import encode_chat
+from specdraft.runtime.chat import encode_chat, encode_plain, has_chat_template
 from specdraft.runtime.decode import GenerationConfig, generate
 
 
@@ -117,7 +117,7 @@ def encode_requests(requests: list[Request], tokenizer, context: int | None, ena
 
     Without a chat template (a base model) ``prompt`` requests are encoded as plain text and ``messages`` requests
     are refused; a prompt that does not fit the target's ``context`` is refused (nothing is truncated)."""
-    templated = bool(getattr(tokenizer, "chat_template", None))
+    templated = has_chat_template(tokenizer)
     if not templated:
         warn("the tokenizer has no chat template: 'prompt' requests are encoded as plain text")
     out = []
@@ -125,7 +125,7 @@ def encode_requests(requests: list[Request], tokenizer, context: int | None, ena
         if templated:
             ids = encode_chat(tokenizer, r.messages, enable_thinking=enable_thinking)
         elif r.prompt is not None:
-            ids = list(tokenizer(r.prompt)["input_ids"])
+            ids = encode_plain(tokenizer, r.prompt)
         else:
             warn(f"request {r.id!r} (line {r.line}): skipped: 'messages' needs a chat template and this tokenizer "
                  "has none; send the text as 'prompt'")

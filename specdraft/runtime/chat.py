@@ -8,6 +8,15 @@ exactly those tokens).
 from __future__ import annotations
 
 
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def encode_plain(tokenizer, text: str) -> list[int]:
+    """Token ids of a plain-text prompt, for a tokenizer without a chat template (a base model)."""
+    return list(tokenizer(text)["input_ids"])
+
+
 def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                 enable_thinking: bool = False) -> list[int]:
     """Token ids of ``messages`` rendered by the tokenizer's chat template (``enable_thinking`` reaches templates

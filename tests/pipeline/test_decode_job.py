@@ -190,3 +190,19 @@ def test_a_prompt_longer_than_the_targets_context_is_reported_and_the_others_wri
     prompt_len = len(AutoTokenizer.from_pretrained(str(t)).apply_chat_template(
         [{"role": "user", "content": "Mia has 3 apples."}], add_generation_prompt=True, tokenize=True)["input_ids"])
     assert prompt_len + rows[0]["num_tokens"] <= 40  # generation stops at the context
+
+
+def test_a_base_model_trains_on_the_prompt_ids_its_decode_job_serves(tiny_world, tmp_path, monkeypatch):
+    t = _target_copy(tiny_world, tmp_path)
+    (t / "chat_template.jinja").unlink(missing_ok=True)
+    tok_cfg = json.loads((t / "tokenizer_config.json").read_text())
+    tok_cfg.pop("chat_template", None)
+    (t / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    tok = AutoTokenizer.from_pretrained(str(t))
+    ids, mask = tokenize_conversation(tok, [{"role": "user", "content": "Mia has 3 apples."},
+                                            {"role": "assistant", "content": "She has 3."}])
+    served = batch_job.encode_requests([Request("a", [], 1, "Mia has 3 apples.")], tok, None, warn=lambda m: None)
+    prompt_len = mask.index(1)
+    assert ids[:prompt_len] == served[0][1] and ids[-1] == tok.eos_token_id and all(mask[prompt_len:])
+    with pytest.raises(ValueError, match="chat template"):
+        tokenize_conversation(tok, [{"role": "system", "content": "x"}, {"role": "user", "content": "y"}])
