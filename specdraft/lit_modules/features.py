@@ -8,7 +8,6 @@ for another target or layer set is refused.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -16,18 +15,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdraft.errors import SpecdraftError
+from specdraft.runtime.load import target_fingerprint
 from specdraft.runtime.models.target import TargetLM
 
 SHARD_SIZE = 256
-
-
-def target_fingerprint(target_dir: str | Path) -> str:
-    """Hash of the target's config and weight file names/sizes (cheap; changes when the checkpoint changes)."""
-    d = Path(target_dir)
-    h = hashlib.sha256((d / "config.json").read_bytes())
-    for f in sorted(d.glob("*.safetensors")):
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
-    return h.hexdigest()[:16]
 
 
 POSITION_CHUNK = 256

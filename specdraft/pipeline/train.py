@@ -4,6 +4,7 @@ runtime loads; MLflow logging and model registration."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -32,7 +33,7 @@ from specdraft.runtime.drafter_io import (
     drafter_config_for_target,
     load_drafter,
 )
-from specdraft.runtime.load import load_target
+from specdraft.runtime.load import load_target, target_fingerprint
 
 
 class DecodeEvalCallback(L.Callback):
@@ -162,6 +163,8 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
     # the data stream is a function of the optimizer step alone, so resuming (even mid-epoch) replays nothing
     dm.position_fn = lambda per_epoch: divmod(trainer.global_step * t.accumulate_grad_batches, per_epoch)
     resume = ckpt_dir / "drafter-last.ckpt"
+    check_resumable(ckpt_dir, {"target": target_fingerprint(world.target_dir),
+                               "data": hashlib.sha256(Path(data_file).read_bytes()).hexdigest()[:16]})
     t0 = time.perf_counter()
     trainer.fit(module, datamodule=dm, ckpt_path=str(resume) if resume.is_file() else None, weights_only=True)
     # full state, so a rerun resumes (and finds nothing left to do)
@@ -188,6 +191,19 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
         f"{objective.selection_metric} {best_score:.2f}; exported {out}"
         + (f"; registered model version {version}" if version else ""))
     return out
+
+
+def check_resumable(ckpt_dir: Path, trained_on: dict) -> None:
+    """Record what the checkpoints in ``ckpt_dir`` train on; refuse to resume checkpoints trained on another target
+    or other data (a rerun after the world or the data changed would otherwise export the old drafter)."""
+    record = ckpt_dir / "trained_on.json"
+    if (ckpt_dir / "drafter-last.ckpt").is_file():
+        old = json.loads(record.read_text()) if record.is_file() else None
+        if old != trained_on:
+            raise SpecdraftError(f"{ckpt_dir} holds checkpoints trained on another target or other data (or not "
+                                 "recorded); delete it to train afresh, or set train.export_name to train elsewhere")
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(trained_on))
 
 
 def data_temperature_note(objective: Objective, data_temperature: float | None) -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -53,6 +54,17 @@ def load_safetensors_dir(path: str | Path, prefix_filter: str | None = None) -> 
             if prefix_filter is None or k.startswith(prefix_filter):
                 state[k] = v
     return state
+
+
+def target_fingerprint(target_dir: str | Path) -> str:
+    """Which checkpoint this is, cheaply: its resolved path, ``config.json`` and each weight file's name, size and
+    modification time (a target retrained in place gets a new one; hashing the weights would take minutes)."""
+    d = Path(target_dir).resolve()
+    h = hashlib.sha256(str(d).encode() + (d / "config.json").read_bytes())
+    for f in sorted(d.glob("*.safetensors")):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
 
 
 def read_target_args(path: str | Path) -> TargetArgs:

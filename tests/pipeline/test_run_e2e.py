@@ -2,12 +2,15 @@
 no network (dialogue corpus off), plus the one-line errors a user sees for bad input."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
+from specdraft.errors import SpecdraftError
 from specdraft.pipeline.cli import main
 from specdraft.pipeline.data import regenerated_temperature
+from specdraft.pipeline.train import check_resumable
 
 TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
 MICRO = [
@@ -80,3 +83,32 @@ def test_data_resume_with_another_temperature_is_refused_and_keeps_the_responses
     assert len(err) == 1 and "'data.temperature'" in err[0] and "mix" in err[0]
     assert (data / "regenerated.jsonl").read_text() == raw and regenerated_temperature(data / "train.jsonl") == 0.0
     assert main(args) == 0  # the same settings resume
+
+
+def test_data_from_another_target_is_not_resumed(tmp_path, capsys, tiny_world):
+    """A work dir whose responses another target wrote (e.g. the world was rebuilt) is refused, not mixed."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"hello {i}"}) + "\n" for i in range(2)))
+    other = tmp_path / "other-target"
+    shutil.copytree(tiny_world.target_dir, other)
+    args = ["data", TINY, f"data.prompts_file={prompts}", "data.max_new_tokens=4", "tracking.enabled=false",
+            f"work_dir={tmp_path / 'w'}"]
+    assert main([*args, f"target.path={tiny_world.target_dir}"]) == 0
+    raw = (tmp_path / "w" / "data" / "regenerated.jsonl").read_text()
+    capsys.readouterr()
+    assert main([*args, f"target.path={other}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "another target" in err[0]
+    assert (tmp_path / "w" / "data" / "regenerated.jsonl").read_text() == raw
+
+
+def test_checkpoints_trained_on_other_data_are_not_resumed(tmp_path):
+    ckpt = tmp_path / "checkpoints" / "sft"
+    check_resumable(ckpt, {"target": "a", "data": "1"})
+    (ckpt / "drafter-last.ckpt").write_bytes(b"x")
+    check_resumable(ckpt, {"target": "a", "data": "1"})  # the same run resumes
+    with pytest.raises(SpecdraftError, match="another target or other data"):
+        check_resumable(ckpt, {"target": "a", "data": "2"})
+    (ckpt / "trained_on.json").unlink()
+    with pytest.raises(SpecdraftError, match="not recorded"):
+        check_resumable(ckpt, {"target": "a", "data": "1"})
