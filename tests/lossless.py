@@ -25,8 +25,9 @@ from typing import Callable
 
 import torch
 
-from specdraft.runtime import decode
+from specdraft.runtime import d2sd, decode
 from specdraft.runtime.decode import GenerationConfig, RowResult, generate
+from specdraft.runtime.kv_cache import KVCache
 from specdraft.runtime.sampling import SamplingParams, sample_from_probs
 from tests.helpers import chi2_pvalue, make_target
 
@@ -110,16 +111,20 @@ class ControlledDrafter:
 
     With ``inner`` (a real DFlash/ReTrace drafter) every engine call also runs the inner drafter: its caches, its
     ingest, its cross-round state and its hidden states; its distribution is mixed in with weight ``1 - alpha``.
+
+    As D²SD's second drafter (``draft_branches``) it continues each branch's known tokens; with ``alternative`` the
+    first slot it drafts takes the target's SECOND most likely token (a branch that differs from the first draft's
+    greedy path, which a tree under sampling can then accept).
     """
 
     def __init__(self, target, prompts: list[list[int]], block_size: int = 4, mode: str = "mix", alpha: float = 0.8,
-                 right: float = 0.85, inner=None, seed: int = 0):
+                 right: float = 0.85, inner=None, seed: int = 0, alternative: bool = False):
         self.target, self.prompts, self.mode, self.alpha, self.right, self.inner = (target, prompts, mode, alpha,
                                                                                     right, inner)
         self.V = target.args.vocab_size
         self._block_size = inner.block_size if inner is not None else block_size
         self.config = inner.config if inner is not None else type("Cfg", (), {"mask_token_id": self.V - 1})()
-        self.seed = seed
+        self.seed, self.alternative = seed, alternative
 
     @property
     def block_size(self) -> int:
@@ -139,6 +144,7 @@ class ControlledDrafter:
 
     def block_embeds(self, block_tokens: torch.Tensor, state):
         self._anchors = block_tokens[:, 0].tolist()
+        self._blocks = block_tokens.tolist()
         if self.inner is not None:
             return self.inner.block_embeds(block_tokens, state.inner if state is not None else None)
         return torch.zeros(*block_tokens.shape, 1)
@@ -147,28 +153,63 @@ class ControlledDrafter:
     def draft_hidden(self, cache: _Rows, block_embeds: torch.Tensor):
         self._cache = cache
         inner_hidden = self.inner.draft_hidden(cache.inner, block_embeds) if self.inner is not None else None
-        K = self.block_size - 1
-        texts = [h + [a] for h, a in zip(cache.history, self._anchors)]
-        self._texts = [tuple(t) for t in texts]
-        path_p = []  # per slot: [b, V] target distribution after text + path_<k
-        for _ in range(K):
-            p = _next_probs(self.target, texts)  # [b, V]
-            path_p.append(p)
-            texts = [t + [int(p[i].argmax())] for i, t in enumerate(texts)]
-        self._path_p = torch.stack(path_p, 1)  # [b, K, V]
+        self._path_p, self._texts = self._paths([h + [a] for h, a in zip(cache.history, self._anchors)], [[]] * len(
+            self._anchors))
         return inner_hidden if inner_hidden is not None else block_embeds
 
+    @torch.no_grad()
+    def draft_branches(self, cache: _Rows, block_embeds: torch.Tensor):
+        """D²SD's second draft: ``J`` blocks per row whose leading slots hold known tokens (the rest mask tokens);
+        each continues the target's greedy path after the row's text, the anchor and its known tokens."""
+        self._cache = cache
+        b, J = block_embeds.shape[:2]
+        inner_hidden = self.inner.draft_branches(cache.inner, block_embeds) if self.inner is not None else None
+        mask_id = self.config.mask_token_id
+        blocks = [self._blocks[i * J:(i + 1) * J] for i in range(b)]
+        self._anchors = [rows[0][0] for rows in blocks]
+        texts, known = [], []
+        for h, rows in zip(cache.history, blocks):
+            for blk in rows:
+                n = next((k for k, t in enumerate(blk[1:]) if t == mask_id), len(blk) - 1)
+                texts.append(h + [blk[0]])
+                known.append(blk[1:1 + n])
+        path_p, path_texts = self._paths(texts, known, self.alternative)
+        self._path_p = path_p.view(b, J, *path_p.shape[1:])  # [b, J, K, V]
+        self._texts = path_texts
+        return inner_hidden if inner_hidden is not None else block_embeds
+
+    def _paths(self, texts: list[list[int]], known: list[list[int]], alternative: bool = False):
+        """Per text: ``[K, V]`` target distributions along its greedy path, the first tokens forced to ``known``
+        (one-hot there) and, with ``alternative``, the next one to the target's runner-up (one-hot); and a key per
+        (text, slot) that seeds the oracle's right/wrong draws."""
+        K = self.block_size - 1
+        keys = [tuple(t + kn) for t, kn in zip(texts, known)]
+        path_p = []
+        for k in range(K):
+            p = _next_probs(self.target, texts)  # [n, V]
+            for i, kn in enumerate(known):
+                if k < len(kn):
+                    p[i] = torch.nn.functional.one_hot(torch.tensor(kn[k]), self.V).float()
+                elif alternative and k == len(kn):
+                    p[i] = torch.nn.functional.one_hot(p[i].topk(2).indices[1], self.V).float()
+            path_p.append(p)
+            texts = [t + [int(p[i].argmax())] for i, t in enumerate(texts)]
+        return torch.stack(path_p, 1), keys  # [n, K, V]
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        p = self._path_p  # [b, K, V]
+        p = self._path_p  # [..., K, V]
         if self.mode == "oracle":
-            tok = p.argmax(-1)  # [b, K]
+            tok = p.argmax(-1).flatten(0, -2)  # [n, K]
+            scale = torch.full(tok.shape, 30.0)
             for i in range(tok.shape[0]):
                 for k in range(tok.shape[1]):
                     # right or wrong as a function of the row's text alone, so a row decodes the same in any batch
                     u = random.Random(f"{self.seed}/{self._texts[i]}/{k}").random()
                     if u >= self.right:
                         tok[i, k] = (tok[i, k] + 1 + int(u * 1e6) % (self.V - 2)) % (self.V - 1)
-            point = torch.nn.functional.one_hot(tok, self.V).float() * 30.0  # [b, K, V]
+                        scale[i, k] = 1.5  # a wrong draft is a less confident one (D²SD branches there)
+            point = torch.nn.functional.one_hot(tok.view(p.shape[:-1]), self.V).float() * scale.view(
+                p.shape[:-1])[..., None]  # [..., K, V]
             return point + self.inner.logits(hidden).float() if self.inner is not None else point
         other = torch.full_like(p, 1.0 / self.V)
         if self.inner is not None:
@@ -182,7 +223,7 @@ class ControlledDrafter:
         if self.inner is not None:
             inner = self.inner.next_round_state(state.inner if state is not None else None, hidden, draft_tokens,
                                                 num_accepted, target_logits, target_context)
-        return _State(inner)
+        return _State(inner) if inner is not None else None
 
 
 @torch.no_grad()
@@ -200,7 +241,20 @@ def _next_probs(target, texts: list[list[int]]) -> torch.Tensor:
 # ---- the harness ------------------------------------------------------------------------------------------------
 
 DrafterFactory = Callable[[list[list[int]]], object]
-"""``prompts -> drafter`` (controlled drafters need the prompts; real ones ignore them)."""
+"""``prompts -> drafter`` (controlled drafters need the prompts; real ones ignore them), or ``prompts -> (drafter,
+TreeDrafting)`` for a D²SD path."""
+
+
+def run(target, prompts, gen: GenerationConfig, factory: DrafterFactory, generator=None) -> list[RowResult]:
+    """Decode ``prompts`` with the decoding path the factory builds for them."""
+    built = factory(prompts)
+    drafter, tree = built if isinstance(built, tuple) else (built, None)
+    return generate(target, prompts, gen, drafter=drafter, generator=generator, tree=tree)
+
+
+def block_size_of(factory: DrafterFactory, prompts) -> int:
+    built = factory(prompts)
+    return (built[0] if isinstance(built, tuple) else built).block_size
 
 
 def acceptance_profile(results: list[RowResult], block_size: int) -> dict:
@@ -227,19 +281,18 @@ def check_greedy(target, factory: DrafterFactory, prompts: list[list[int]], caps
     mismatches = 0
     expected = _ar(target, prompts, caps)
     for p, cap, exp in zip(prompts[:2], caps, expected):
-        mismatches += generate(target, [p], GenerationConfig(max_new_tokens=cap), drafter=factory([p]))[0].tokens != exp
-    batch = generate(target, prompts, GenerationConfig(max_new_tokens=caps), drafter=factory(prompts))
-    profile = acceptance_profile(batch, factory(prompts[:1]).block_size)
+        mismatches += run(target, [p], GenerationConfig(max_new_tokens=cap), factory)[0].tokens != exp
+    batch = run(target, prompts, GenerationConfig(max_new_tokens=caps), factory)
+    profile = acceptance_profile(batch, block_size_of(factory, prompts[:1]))
     mismatches += sum(r.tokens != e for r, e in zip(batch, expected))
-    singles = [generate(target, [p], GenerationConfig(max_new_tokens=c), drafter=factory([p]))[0]
-               for p, c in zip(prompts, caps)]
+    singles = [run(target, [p], GenerationConfig(max_new_tokens=c), factory)[0] for p, c in zip(prompts, caps)]
     mismatches += sum(r.tokens != s.tokens or r.accept_lengths != s.accept_lengths for r, s in zip(batch, singles))
     stop = _stop_inside_accepted_run(batch)
-    stopped = generate(target, prompts, GenerationConfig(max_new_tokens=caps, stop_token_ids=(stop,)),
-                       drafter=factory(prompts))
+    stopped = run(target, prompts, GenerationConfig(max_new_tokens=caps, stop_token_ids=(stop,)), factory)
     expected_stop = _ar(target, prompts, caps, (stop,))
     mismatches += sum(r.tokens != e for r, e in zip(stopped, expected_stop))
-    return {"mismatches": mismatches, **profile, "stopped_rows": sum(r.finish_reason == "stop" for r in stopped)}
+    return {"mismatches": mismatches, **profile, "stopped_rows": sum(r.finish_reason == "stop" for r in stopped),
+            "branch_wins": sum(w > 0 for r in batch for w in r.winner)}
 
 
 def _stop_inside_accepted_run(results: list[RowResult]) -> int:
@@ -277,15 +330,14 @@ def sampling_pvalues(target, factory: DrafterFactory, params: SamplingParams, n:
     The generated length is ``1 + block_size + later_len``: the prefill token and at most ``block_size`` tokens of
     the first round come before the last ``later_len`` tokens, so those are always emitted by a later round."""
     prompts = [list(prompt)] * n
-    drafter = factory(prompts)
-    L = 1 + drafter.block_size + later_len
+    Bk = block_size_of(factory, prompts[:1])
+    L = 1 + Bk + later_len
     gen = GenerationConfig(max_new_tokens=L, sampling=params, draft_sampling=draft_sampling)
-    res = generate(target, prompts, gen, drafter=drafter, generator=torch.Generator().manual_seed(seed))
+    res = run(target, prompts, gen, factory, generator=torch.Generator().manual_seed(seed))
     toks = torch.tensor([r.tokens for r in res])  # [n, L]
     assert toks.shape == (n, L)
     joint = exact_joint(target, list(prompt), L, params)  # [V] * L
     V = joint.shape[0]
-    Bk = drafter.block_size
 
     def marginal(cols):
         return joint.sum(dim=tuple(i for i in range(L) if i not in cols))
@@ -298,7 +350,8 @@ def sampling_pvalues(target, factory: DrafterFactory, params: SamplingParams, n:
 
     tables = [list(range(first_len)), [Bk - 1, Bk], list(range(L - later_len, L))]
     first, bonus, later = (chi2_pvalue(counts(cols), marginal(cols)) for cols in tables)
-    return SamplingCheck(first, bonus, later, acceptance_profile(res, Bk))
+    profile = {**acceptance_profile(res, Bk), "branch_wins": sum(w > 0 for r in res for w in r.winner)}
+    return SamplingCheck(first, bonus, later, profile)
 
 
 # ---- deliberately wrong verification rules (the harness must catch each) -------------------------------------------
@@ -332,6 +385,28 @@ def _wrong_greedy(bonus_shift: bool = False, all_accepted_slots: bool = False):
 
 
 _verify_round, _propose = decode.verify_round, decode.propose  # the correct rules, before any monkeypatch
+_build_tree, _accept_tree = d2sd.build_tree, d2sd.accept_tree
+
+
+def _sibling_visible_tree(anchor, candidates):
+    """A causal mask over the node order instead of the ancestor mask: nodes see their earlier siblings' branches."""
+    tree = _build_tree(anchor, candidates)
+    N = tree.mask.shape[-1]
+    return tree._replace(mask=torch.ones(N, N, dtype=torch.bool).tril().expand_as(tree.mask))
+
+
+def _bonus_from_the_root(tree, node_targets):
+    """The emitted token after the accepted path is the target's token at the root."""
+    acc = _accept_tree(tree, node_targets)
+    return acc._replace(next_token=node_targets[:, 0])
+
+
+def _first_candidate_only(tree, node_targets):
+    """Verifies the first draft alone (the tree's branches are drafted and scored, never accepted) but keeps the
+    accepted length of the best branch."""
+    acc = _accept_tree(tree, node_targets)
+    return acc._replace(winner=torch.zeros_like(acc.winner), path=acc.path.gather(1, acc.path.new_zeros(
+        acc.path.shape)) + torch.arange(acc.path.shape[1]))
 
 
 def _untruncated_target(draft_tokens, draft_probs, target_logits, params, generator=None):
@@ -359,6 +434,16 @@ WRONG_RULES: dict[str, list[tuple[object, str, Callable]]] = {
     "drafts drawn from another distribution than the q verified": [(decode, "propose", _drafts_sampled_at_t1)],
 }
 """name -> [(module, attribute, replacement)]: monkeypatch these to break the engine on purpose."""
+
+TREE_WRONG_RULES: dict[str, list[tuple[object, str, Callable]]] = {
+    "tree mask lets a node see other branches": [(d2sd, "build_tree", _sibling_visible_tree)],
+    "no KV compaction (the accepted path's K/V stay where the tree put them)": [
+        (KVCache, "move", lambda self, src, dst: None)],
+    "token after the accepted path taken at the root": [(d2sd, "accept_tree", _bonus_from_the_root)],
+    "accepted path read from the first draft's nodes whatever branch won": [(d2sd, "accept_tree",
+                                                                             _first_candidate_only)],
+}
+"""The same for the D²SD tree path (each passes the chain tests: only a tree round exposes it)."""
 
 SAMPLING_SETTINGS = [SamplingParams(0.7, top_k=4, top_p=0.9), SamplingParams(1.0, top_k=4, top_p=0.9),
                      SamplingParams(1.5, top_k=4, top_p=0.9)]

@@ -157,3 +157,8 @@ class ReTraceDraftModel(DFlashDraftModel):
             present = present & (new[None, :] > 0)
         gate, out = self.retrace_gate_out(aligned).chunk(2, dim=-1)
         return present[..., None].to(u.dtype) * torch.sigmoid(gate) * out
+
+
+class VPDraftModel(DFlashDraftModel):
+    """D²SD's variable-prefix drafter: DFlash's weights and forward; its ``noise_embedding`` carries the anchor and
+    the first ``l`` known tokens before the mask tokens (``vp_config`` records how it was trained)."""

@@ -73,3 +73,6 @@ class RoundRecord:
     num_accepted: torch.Tensor  # [b] accepted drafts
     next_tokens: torch.Tensor  # [b] the target's token after the accepted drafts (the next anchor)
     target_logits: torch.Tensor  # [b, K + 1, V] the verify pass's logits (index i scores slot i + 1)
+    nodes: torch.Tensor | None = None  # [b] D²SD: tree nodes verified (then draft_tokens is the winning candidate,
+    #   target_logits are along its path and draft_logits/hidden are the first drafter's)
+    winner: torch.Tensor | None = None  # [b] D²SD: the winning candidate (0 = the first draft)

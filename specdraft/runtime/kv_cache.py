@@ -37,6 +37,14 @@ class KVCache:
         self.k[layer][rows, :, slots] = k_new.transpose(1, 2)  # [B, T, H_kv, D] into [B, H_kv, S, D]
         self.v[layer][rows, :, slots] = v_new.transpose(1, 2)
 
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy entries from slots ``src`` to slots ``dst`` (``[B, T]`` each) in every layer, reading all sources
+        before writing: a tree verify pass writes its nodes after the committed context, and the accepted path's
+        entries move into the committed slots (KV compaction). Slots in ``dst`` must be distinct per row."""
+        rows = torch.arange(src.shape[0], device=src.device)[:, None]  # [B, 1]
+        for buf in (*self.k, *self.v):
+            buf[rows, :, dst] = buf[rows, :, src]  # [B, T, H_kv, D]
+
     def view(self, layer: int, used: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``used`` slots of one layer, ``[B, H_kv, used, D]`` each (views, no copy)."""
         return self.k[layer][:, :, :used], self.v[layer][:, :, :used]

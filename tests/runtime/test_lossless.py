@@ -4,12 +4,14 @@ each deliberately wrong verification rule."""
 import pytest
 import torch
 
+from specdraft.runtime.d2sd import TreeDrafting
 from specdraft.runtime.drafter_io import convert_drafter
 from tests.helpers import make_drafter, make_target
 from tests.lossless import (
     RAGGED_CAPS,
     RAGGED_PROMPTS,
     SAMPLING_SETTINGS,
+    TREE_WRONG_RULES,
     WRONG_RULES,
     ControlledDrafter,
     check_greedy,
@@ -35,6 +37,43 @@ def factory(path: str, target, mode: str, block_size: int = 4):
 
 
 PATHS = ["stub", "dflash", "retrace"]
+
+
+def tree_factory(path: str, target, mode: str, block_size: int, branches: int, placement: str = "confidence"):
+    """``prompts -> (first drafter, TreeDrafting)`` for the D²SD path: controlled first and second drafters, alone or
+    running a real DFlash first drafter and a real VP second drafter (its batched branch pass and its own cache)."""
+    first = make_drafter(target, seed=2, block_size=block_size) if path == "dflash" else None
+    second = convert_drafter(make_drafter(target, seed=5, block_size=block_size), "vp") if path == "dflash" else None
+    return lambda prompts: (
+        ControlledDrafter(target, prompts, block_size, mode=mode, inner=first, right=0.6),
+        TreeDrafting(ControlledDrafter(target, prompts, block_size, mode=mode, inner=second, seed=1, right=0.5,
+                                       alternative=mode == "mix"), branches, placement))
+
+
+TREE_PATHS = ["stub", "dflash"]
+
+
+@pytest.mark.parametrize("branches", [1, 2, 4])
+@pytest.mark.parametrize("path", TREE_PATHS)
+def test_d2sd_greedy_output_is_the_targets_with_branches_winning(path, branches):
+    target = make_target(seed=3, vocab=48)
+    got = check_greedy(target, tree_factory(path, target, "oracle", 6, branches), RAGGED_PROMPTS, RAGGED_CAPS)
+    assert got["mismatches"] == 0, got
+    assert got["tau"] > 2.5 and got["full"] and got["partial"] and got["none"], got
+    assert got["branch_wins"] > 0 and got["stopped_rows"] > 0, got
+
+
+TREE_SAMPLING = [("stub", p) for p in SAMPLING_SETTINGS] + [("dflash", SAMPLING_SETTINGS[1])]
+
+
+@pytest.mark.parametrize(("path", "params"), TREE_SAMPLING,
+                         ids=lambda x: x if isinstance(x, str) else f"T{x.temperature:g}")
+def test_d2sd_sampled_output_is_distributed_as_the_targets(path, params):
+    target = make_target(seed=7, vocab=6, std=0.5)
+    got = sampling_pvalues(target, tree_factory(path, target, "mix", 4, 2), params)
+    assert got.min_p > ALPHA, got
+    assert got.profile["tau"] > 1.5 and got.profile["full"] and got.profile["none"], got.profile
+    assert got.profile["branch_wins"] > 0, got.profile
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -73,3 +112,12 @@ def test_the_harness_fails_on_a_wrong_rule(rule, monkeypatch):
     sampled = sampling_pvalues(target, factory("stub", target, "mix"), SAMPLING_SETTINGS[0])
     caught = greedy["mismatches"] > 0 or sampled.min_p < ALPHA
     assert caught, (rule, greedy, sampled)
+
+
+@pytest.mark.parametrize("rule", sorted(TREE_WRONG_RULES))
+def test_the_harness_fails_on_a_wrong_tree_rule(rule, monkeypatch):
+    for module, attr, wrong in TREE_WRONG_RULES[rule]:
+        monkeypatch.setattr(module, attr, wrong)
+    target = make_target(seed=3, vocab=48)
+    greedy = check_greedy(target, tree_factory("stub", target, "oracle", 6, 2), RAGGED_PROMPTS, RAGGED_CAPS)
+    assert greedy["mismatches"] > 0, (rule, greedy)

@@ -284,3 +284,20 @@ class DFlashDrafter(nn.Module):
             mask = torch.cat([ctx_visible, ctx_visible.new_ones(B, Bk)], dim=1)[:, None, None, :]  # [B, 1, 1, S + Bk]
         ctx_kv = [cache.view(i, used) for i in range(len(self.layers))]
         return self(block_embeds, positions, ctx_kv, mask)
+
+    def draft_branches(self, cache: KVCache, block_embeds: torch.Tensor) -> torch.Tensor:
+        """Hidden states ``[b, J, Bk, D]`` of ``J`` blocks per row in one pass, each anchored right after the row's
+        context and blind to the others (D²SD's batched second draft: the context K/V are read once per row, as
+        training lays several blocks side by side)."""
+        b, J, Bk, D = block_embeds.shape
+        dev = block_embeds.device
+        lengths = cache.lengths
+        used = int(lengths.max())
+        positions = (lengths[:, None] + torch.arange(Bk, device=dev)).repeat(1, J)  # [b, J * Bk]
+        ctx_visible = torch.arange(used, device=dev)[None, :] < lengths[:, None]  # [b, S]
+        block_id = torch.arange(J, device=dev).repeat_interleave(Bk)  # [J * Bk]
+        same_block = block_id[:, None] == block_id[None, :]  # [J * Bk, J * Bk]
+        mask = torch.cat([ctx_visible[:, None, :].expand(b, J * Bk, used),
+                          same_block.expand(b, -1, -1)], dim=2)[:, None]  # [b, 1, J * Bk, S + J * Bk]
+        ctx_kv = [cache.view(i, used) for i in range(len(self.layers))]
+        return self(block_embeds.reshape(b, J * Bk, D), positions, ctx_kv, mask).view(b, J, Bk, -1)
