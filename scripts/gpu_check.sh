@@ -23,5 +23,11 @@ for shape in qwen3-1.7b qwen3-8b; do
   timeout 180 "$py" benchmarks/fusion_overhead.py --shape "$shape" --device cuda --dtype bfloat16 \
     > "$out/fusion_overhead_$shape.json" 2> "$out/fusion_overhead_$shape.err" || status=1
 done
+# D²SD on the GPU: tokens/s vs DFlash and AR at batch 1 and 8 with the round's cost split (needs the tiny world's
+# artifacts, built on the CPU machine and carried over; skipped when absent)
+if [ -d artifacts/tiny/drafter/vp ]; then
+  timeout 240 "$py" benchmarks/d2sd_cost.py configs/tiny.yaml --prompts 16 --k 4 target.device=cuda \
+    --out "$out/d2sd_cost.json" > "$out/d2sd_cost.txt" 2>&1 || status=1
+fi
 echo "gpu_check: exit $status; results in $out"
 exit $status

@@ -32,6 +32,7 @@ class DraftBatch(NamedTuple):
     target_tokens: torch.Tensor  # [B, N, K + 1] target greedy token after each block prefix (teacher-forced)
     target_logits: torch.Tensor | None  # [B, N, K, V] target logits for slots 1..K (teacher-forced)
     ctx: tuple  # (block embeds, block positions, ctx features, ctx positions) to re-run a drafter (GRPO reference)
+    slot_weights: torch.Tensor | None = None  # [B, N, K] per-block loss weights (default: the stage's decay [K])
 
 
 def full_windows(blk) -> torch.Tensor:

@@ -77,13 +77,16 @@ class DrafterModule(L.LightningModule):
         feats, hidden, greedy = online_features(self.target, ids, self.drafter.target_layer_ids, cache=cache)
         return feats, (hidden if self.objective.needs_target_logits else None), greedy
 
-    def run_blocks(self, batch, feats, anchors, valid, prior=None):
+    def run_blocks(self, batch, feats, anchors, valid, prior=None, edit=None):
         """Drafter forward over blocks at ``anchors`` ``[B, N]``; ``prior`` (one row per block, ReTrace) is fused into
-        the block inputs. Returns ``(logits [B, N, K, V], hidden [B, N, Bk, D], blocks, ctx)``."""
+        the block inputs; ``edit`` rewrites the built blocks first (the vp stage fills known prefixes).
+        Returns ``(logits [B, N, K, V], hidden [B, N, Bk, D], blocks, ctx)``."""
         ids, loss_mask, lengths = batch["input_ids"], batch["loss_mask"], batch["lengths"]
         d = self.drafter
         Bk = d.block_size
         blk = build_blocks(ids, loss_mask, lengths, anchors, valid, Bk, d.config.mask_token_id)
+        if edit is not None:
+            blk = edit(blk)
         B, S = ids.shape
         N = anchors.shape[1]
         ctx_pos = torch.arange(S, device=ids.device).expand(B, S)

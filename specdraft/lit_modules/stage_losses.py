@@ -56,3 +56,10 @@ def wtv_stage_loss(module, db: DraftBatch, generator: torch.Generator | None = N
     loss = wtv_loss(db.logits, db.target_logits, blk.label_mask, o.temperature, blk.valid, form=o.acceptance_form,
                     variant=o.wtv_variant)[0]
     return loss, {}
+
+
+def vp_loss(module, db: DraftBatch, generator: torch.Generator | None = None):
+    """D²SD's VP loss: decayed CE on the slots after each block's prefix, the decay re-based at ``l + 1``
+    (arXiv:2606.04446 §3.4; the per-block weights come from the vp step)."""
+    blk = db.blocks
+    return decayed_ce(db.logits, blk.labels, blk.label_mask, db.slot_weights), {}

@@ -8,7 +8,8 @@ if it needs one, its step and its options dataclass) plus one row here.
 Where each stage's method comes from: DFlash's decayed CE (arXiv:2602.06036 §4.2) for ``sft``; forward KL and the LK
 KL-TV hybrid (arXiv:2602.23881) as the sampling baselines; expected accepted length under greedy verification (EAL)
 or speculative sampling (WTV); GRPO rewarded by simulated acceptance length (:mod:`specdraft.lit_modules.grpo`);
-ReTrace's rejected-trajectory conditioning (:mod:`specdraft.lit_modules.retrace_step`).
+ReTrace's rejected-trajectory conditioning (:mod:`specdraft.lit_modules.retrace_step`); D²SD's variable-prefix
+drafter (:mod:`specdraft.lit_modules.vp_step`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from specdraft.lit_modules.blocks import DraftBatch
 from specdraft.lit_modules.grpo import GRPOConfig, grpo_stage_loss
 from specdraft.lit_modules.losses import AcceptanceForm
 from specdraft.lit_modules.retrace_step import ReTraceTraining, retrace_step
-from specdraft.lit_modules.stage_losses import eal_stage_loss, kl_loss, sft_loss, tv_loss, wtv_stage_loss
+from specdraft.lit_modules.stage_losses import eal_stage_loss, kl_loss, sft_loss, tv_loss, vp_loss, wtv_stage_loss
+from specdraft.lit_modules.vp_step import vp_step
 
 
 @dataclass
@@ -92,6 +94,8 @@ class Objective:
     def selection_metric(self) -> str:
         """The validation metric the exported checkpoint maximises: the expected acceptance under speculative
         sampling for the stages trained for it, the greedy simulated acceptance for the others."""
+        if self.spec.metric:
+            return self.spec.metric
         return "eval/sim_tau_sampled" if self.trains_for_sampling else "eval/sim_tau"
 
 
@@ -161,6 +165,9 @@ class Stage:
     """Keep a frozen copy of the starting drafter (``module.reference``) for the loss."""
     lr_scales: Callable[[Objective], dict[str, float]] = _no_lr_scales
     """Learning-rate multipliers by parameter-name prefix (the other parameters learn at the base rate)."""
+    metric: str = ""
+    """The validation metric that picks the export, when not the acceptance the stage trains for (see
+    :attr:`Objective.selection_metric`)."""
 
 
 STAGES: dict[str, Stage] = {s.name: s for s in (
@@ -173,4 +180,5 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           reference=True),
     Stage("retrace", sft_loss, step=retrace_step, arch="retrace", target_logits=_retrace_cheap,
           online=_retrace_online, lr_scales=_retrace_lr_scales),
+    Stage("vp", vp_loss, step=vp_step, arch="vp", metric="eval/vp_tau"),
 )}

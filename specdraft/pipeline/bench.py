@@ -23,6 +23,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.pipeline.config import RunConfig
 from specdraft.pipeline.tokenizer import stop_token_ids
 from specdraft.pipeline.tracking import Tracker
+from specdraft.pipeline.trees import FIRST_DRAFTERS, tree_drafting
 from specdraft.runtime.batch_job import encode_requests, read_requests
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.drafter_io import load_drafter
@@ -49,6 +50,20 @@ def summarize(results, block_size: int) -> dict:
     else:
         out["acceptance_rate"], out["per_position_acceptance"] = 0.0, []
     return out
+
+
+def tree_summary(results, tree) -> dict:
+    """D²SD rows: nodes verified per round, tree slots saved by deduplication per round (the candidates' tokens minus
+    the nodes), the share of rounds each candidate won (index 0 = the first draft) and drafts accepted per round."""
+    nodes = [n for r in results for n in r.nodes]
+    winners = [w for r in results for w in r.winner]
+    accepted = [a for r in results for a in r.accepted]
+    rounds = max(len(nodes), 1)
+    full = tree.max_nodes(tree.second.block_size)
+    return {"tree_k": tree.num_branches, "placement": tree.placement,
+            "nodes_per_round": sum(nodes) / rounds, "dedup_saved_per_round": sum(full - n for n in nodes) / rounds,
+            "winner_share": [sum(w == j for w in winners) / rounds for j in range(tree.num_branches + 1)],
+            "accepted_per_round": sum(accepted) / rounds}
 
 
 def per_prompt_counts(results, num_prompts: int) -> list[list[int]]:
@@ -130,11 +145,13 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
     tok = AutoTokenizer.from_pretrained(str(world.target_dir), trust_remote_code=False)
     stops = stop_token_ids(tok)
     stages = b.stages or [cfg.train.export]
-    loaded = {}  # label -> (drafter, method, stage, dir)
+    loaded = {}  # label -> (drafter, method, stage, dir, tree or None)
     for st in stages:
         d = Path(cfg.decode.drafter) if cfg.decode.drafter and len(stages) == 1 else cfg.drafter_dir(st)
         drafter = load_drafter(d, tgt)
-        loaded[f"{drafter.arch_name}:{st}"] = (drafter, drafter.arch_name, st, str(d))
+        loaded[f"{drafter.arch_name}:{st}"] = (drafter, drafter.arch_name, st, str(d), None)
+        for k in b.tree_ks if drafter.arch_name in FIRST_DRAFTERS else []:
+            loaded[f"d2sd{k}:{st}"] = (drafter, "d2sd", st, str(d), tree_drafting(cfg, tgt, drafter, k))
     dev = tgt.lm_head.weight.device
 
     d = cfg.decode
@@ -151,8 +168,9 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
         gen = GenerationConfig(max_new_tokens=8, stop_token_ids=stops, sampling=SamplingParams(temp, d.top_k, d.top_p),
                                draft_sampling=d.draft_sampling)
         for method in methods:
-            generate(tgt, warm, gen, drafter=loaded[method][0] if method != "ar" else None,
-                     generator=torch.Generator(device=dev).manual_seed(b.seed))
+            drafter, tree = (loaded[method][0], loaded[method][4]) if method != "ar" else (None, None)
+            generate(tgt, warm, gen, drafter=drafter, generator=torch.Generator(device=dev).manual_seed(b.seed),
+                     tree=tree)
     rows = []
     turn = 0  # the order of methods alternates from one batch to the next across the whole grid
     for suite, prompts in suites.items():
@@ -169,10 +187,10 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
                         # interleaved on the same batch, the order alternating so no method always runs first
                         turn += 1
                         for method in (methods if turn % 2 else methods[::-1]):
-                            drafter = loaded[method][0] if method != "ar" else None
+                            drafter, tree = (loaded[method][0], loaded[method][4]) if method != "ar" else (None, None)
                             g = torch.Generator(device=dev).manual_seed(b.seed + 1000 * rep + i)
                             t0 = time.perf_counter()
-                            res = generate(tgt, batch, gen, drafter=drafter, generator=g)
+                            res = generate(tgt, batch, gen, drafter=drafter, generator=g, tree=tree)
                             dt = time.perf_counter() - t0
                             a = acc[method]
                             a["seconds"] += dt
@@ -184,13 +202,14 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
                     a = acc[method]
                     block = loaded[method][0].block_size if method != "ar" else 1
                     tps = a["tokens"] / a["seconds"]
-                    _, m_name, stage, ddir = loaded.get(method, (None, "ar", "", ""))
+                    _, m_name, stage, ddir, tree = loaded.get(method, (None, "ar", "", "", None))
                     per_prompt = per_prompt_counts(a["results"], len(prompts))
                     row = {"method": m_name, "drafter": ddir, "stage": stage, "suite": suite,
                            "temperature": temp, "batch_size": bs, **summarize(a["results"], block),
                            "tau_ci95": tau_interval(per_prompt, seed=b.seed), "tokens_per_s": tps,
                            "speedup": tps / ar_tps, "target_distinct2": d2, "num_prompts": len(prompts),
-                           "tokens": a["tokens"], **settings, "per_prompt": per_prompt}
+                           "tokens": a["tokens"], **settings, "per_prompt": per_prompt,
+                           **(tree_summary(a["results"], tree) if tree is not None else {})}
                     rows.append(row)
                     if method != "ar":
                         log(f"bench: {suite:9s} T={temp:g} bs={bs}: {method} tau {row['tau']:.2f}, "
@@ -216,7 +235,9 @@ def write_reports(rows: list[dict], out_dir: Path) -> dict:
              "| distinct2 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lo, hi = r["tau_ci95"]
-        lines.append(f"| {r['method']} | {r['stage'] or '-'} | {r['suite']} | {r['temperature']:g} | {r['batch_size']} "
+        method = f"d2sd K={r['tree_k']}" + (f" {r['placement']}" if r["placement"] != "confidence" else "") \
+            if r["method"] == "d2sd" else r["method"]
+        lines.append(f"| {method} | {r['stage'] or '-'} | {r['suite']} | {r['temperature']:g} | {r['batch_size']} "
                      f"| {r['num_prompts']} x {r['repeats']} | {r['tau']:.2f} ({lo:.2f}-{hi:.2f}) "
                      f"| {r['acceptance_rate']:.3f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x "
                      f"| {r['target_distinct2']:.2f} |")
@@ -236,15 +257,28 @@ def _plot(rows: list[dict], path: Path) -> None:
     drafted = [r for r in rows if r["method"] != "ar"]
     if not drafted:
         return
-    labels = [f"{r['method']}:{r['stage']}\n{r['suite']} T={r['temperature']:g}" for r in drafted]
-    fig, axes = plt.subplots(1, 2, figsize=(max(6, 1.2 * len(drafted)), 4))
+    labels = [f"{r['method']}{r.get('tree_k', '')}:{r['stage']}\n{r['suite']} T={r['temperature']:g}" for r in drafted]
+    trees = [r for r in drafted if r["method"] == "d2sd"]
+    fig, axes = plt.subplots(1, 3 if trees else 2, figsize=(max(6, 1.2 * len(drafted) * (1.5 if trees else 1)), 4))
     axes[0].bar(range(len(drafted)), [r["tau"] for r in drafted], color="tab:blue")
     axes[0].set_title("tau (tokens per target forward)")
     axes[1].bar(range(len(drafted)), [r["speedup"] for r in drafted], color="tab:green")
     axes[1].axhline(1.0, color="gray", lw=1, ls="--")
     axes[1].set_title("speedup vs AR (same process)")
-    for ax in axes:
+    for ax in axes[:2]:
         ax.set_xticks(range(len(drafted)), labels, rotation=45, ha="right", fontsize=7)
+    if trees:  # per D²SD row: nodes verified per round, and the share of rounds a second-drafter branch won
+        x = range(len(trees))
+        axes[2].bar(x, [r["nodes_per_round"] for r in trees], color="tab:orange", label="nodes / round")
+        axes[2].bar(x, [r["dedup_saved_per_round"] for r in trees], bottom=[r["nodes_per_round"] for r in trees],
+                    color="tab:gray", label="saved by dedup")
+        twin = axes[2].twinx()
+        twin.plot(x, [1 - r["winner_share"][0] for r in trees], "k.", label="branch won")
+        twin.set_ylim(0, 1)
+        axes[2].set_title("D²SD trees")
+        axes[2].set_xticks(x, [f"K={r['tree_k']} {r['suite']} T={r['temperature']:g}" for r in trees],
+                           rotation=45, ha="right", fontsize=7)
+        axes[2].legend(fontsize=6, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

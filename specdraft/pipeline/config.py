@@ -23,6 +23,8 @@ from specdraft.errors import OptionError, SpecdraftError, check_range
 from specdraft.lit_modules.stage_table import STAGES, Objective
 from specdraft.runtime.models import available_drafters
 from specdraft.runtime.models.retrace import ReTraceOptions
+from specdraft.runtime.models.vp import VPOptions
+from specdraft.runtime.tree import Placement
 
 
 @dataclass
@@ -110,6 +112,8 @@ class DrafterConfig:
     retrace: ReTraceOptions = field(default_factory=ReTraceOptions)
     """ReTrace's fusion layout (used when the drafter is, or becomes, a ReTrace drafter). Each architecture with
     options of its own (its ``options_class``) has a field here named after it."""
+    vp: VPOptions = field(default_factory=VPOptions)
+    """The VP drafter's prefix distribution (D²SD's second drafter, trained by the vp stage)."""
 
     def __post_init__(self):
         if self.arch not in available_drafters():
@@ -128,7 +132,8 @@ class TrainConfig(Objective):
     """Training: the stage's objective (the fields of :class:`Objective`, declared there) plus how to run it."""
 
     init_stage: str = ""
-    """Stage whose exported drafter warm-starts this one (default: the stage table's warm start)."""
+    """Stage whose exported drafter warm-starts this one (default: the stage table's warm start; ``none`` = a fresh
+    drafter)."""
     export_name: str = ""
     """Folder under ``<work_dir>/drafter/`` (and ``checkpoints/``) this run exports to; empty = the stage name."""
     lr: float = 6e-4
@@ -161,8 +166,8 @@ class TrainConfig(Objective):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.init_stage and self.init_stage not in STAGES:
-            raise OptionError("init_stage", f"{self.init_stage!r} is not one of {', '.join(STAGES)}")
+        if self.init_stage and self.init_stage not in (*STAGES, "none"):
+            raise OptionError("init_stage", f"{self.init_stage!r} is not one of none, {', '.join(STAGES)}")
         if not _is_folder_name(self.export_name or self.stage):
             raise OptionError("export_name", f"{self.export_name!r} is not a folder name")
         for key in ("batch_size", "num_anchors", "epochs", "eval_every", "log_every", "accumulate_grad_batches"):
@@ -177,9 +182,19 @@ class TrainConfig(Objective):
 @dataclass
 class DecodeConfig:
     method: str = "dflash"
-    """ar (target alone) or a registered drafter architecture (dflash, retrace; must match the drafter)."""
+    """ar (target alone), a registered drafter architecture (dflash, retrace; must match the drafter), or d2sd (a
+    DFlash first drafter and a second drafter re-drafting from its likely rejection points; a prefix tree per
+    round)."""
     drafter: str = ""
-    """HF-format drafter directory (default: the run's exported drafter)."""
+    """HF-format drafter directory (default: the run's exported drafter; for d2sd, the first drafter)."""
+    tree_k: int = 4
+    """d2sd: branches the second drafter re-drafts per round (at most block_size - 2)."""
+    second_drafter: str = ""
+    """d2sd: the second drafter, an HF-format directory or an export name under ``<work_dir>/drafter/`` (default:
+    the vp export); ``same`` reuses the first drafter (the ablation)."""
+    tree_placement: Placement = "confidence"
+    """d2sd: branch where the first draft is most likely rejected (confidence) or at evenly spread prefixes
+    (uniform, the ablation)."""
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -190,8 +205,9 @@ class DecodeConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if self.method not in ("ar", *available_drafters()):
-            raise OptionError("method", f"{self.method!r} is not one of ar, {', '.join(available_drafters())}")
+        if self.method not in ("ar", "d2sd", *available_drafters()):
+            raise OptionError("method", f"{self.method!r} is not one of ar, d2sd, {', '.join(available_drafters())}")
+        check_range("tree_k", self.tree_k, 1)
         check_range("temperature", self.temperature, 0.0)
         check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
         check_range("top_k", self.top_k, 0)
@@ -213,8 +229,13 @@ class BenchConfig:
     max_new_tokens: int = 128
     repeats: int = 1
     seed: int = 0
+    tree_ks: list[int] = field(default_factory=list)
+    """D²SD rows: for each DFlash drafter in ``stages`` and each K here, a d2sd row with that first drafter and K
+    branches (second drafter and placement from ``decode.second_drafter`` / ``decode.tree_placement``)."""
 
     def __post_init__(self):
+        for k in self.tree_ks:
+            check_range("tree_ks", k, 1)
         for st in self.stages:
             if not _is_folder_name(st):
                 raise OptionError("stages", f"{st!r} is not a drafter name under <work_dir>/drafter/")
@@ -255,6 +276,14 @@ class RunConfig:
     def drafter_dir(self, name: str) -> Path:
         """Where the drafter exported under ``name`` (a stage or ``train.export_name``) lives (HF layout)."""
         return self.work_path / "drafter" / name
+
+    def second_drafter_dir(self) -> Path | None:
+        """D²SD's second drafter: ``decode.second_drafter`` as a directory or an export name (default ``vp``);
+        None for ``same`` (the first drafter reused)."""
+        name = self.decode.second_drafter or "vp"
+        if name == "same":
+            return None
+        return Path(name) if Path(name).is_dir() or "/" in name else self.drafter_dir(name)
 
     def checkpoint_dir(self, name: str) -> Path:
         """The Lightning checkpoints (``drafter-last.ckpt``, ``drafter-best.ckpt``) of the export ``name``."""

@@ -17,6 +17,7 @@ from specdraft.pipeline.data import regenerate
 from specdraft.pipeline.tokenizer import stop_token_ids
 from specdraft.pipeline.tracking import Tracker, make_tracker
 from specdraft.pipeline.train import train_drafter
+from specdraft.pipeline.trees import FIRST_DRAFTERS, tree_drafting
 from specdraft.pipeline.world import build_or_load_world, cached_world, external_world, world_dir
 from specdraft.runtime.batch_job import read_requests, run_batch_job, shard_for_rank, warn_stderr
 from specdraft.runtime.decode import GenerationConfig
@@ -100,13 +101,14 @@ def decode(cfg: RunConfig, input_path: Path, output_path: Path):
     if d.method != "ar":
         drafter_dir = default_drafter_dir(cfg)
         arch, dcfg = read_drafter_config(drafter_dir)  # checked against the target before loading any weights
-        if arch != d.method:
+        if arch != d.method and not (d.method == "d2sd" and arch in FIRST_DRAFTERS):
             raise SpecdraftError(f"config key 'decode.method': {d.method!r} but the drafter in {drafter_dir} is "
                                  f"a {arch!r} drafter")
         check_compatible(dcfg, read_target_args(world.target_dir))
     with tracked(cfg, "decode") as tr:
         tgt = load_target(world.target_dir, dtype=cfg.target.dtype, device=cfg.target.device)
         drafter = load_drafter(drafter_dir, tgt) if drafter_dir else None
+        tree = tree_drafting(cfg, tgt, drafter) if d.method == "d2sd" else None
         tok = AutoTokenizer.from_pretrained(str(world.target_dir), trust_remote_code=False)
         gen = GenerationConfig(max_new_tokens=d.max_new_tokens, stop_token_ids=stop_token_ids(tok),
                                sampling=SamplingParams(d.temperature, d.top_k, d.top_p),
@@ -115,7 +117,7 @@ def decode(cfg: RunConfig, input_path: Path, output_path: Path):
         bar = tqdm(total=len(requests), desc=f"decode ({d.method})", unit="req", file=sys.stderr)
         stats = run_batch_job(requests, output_path, tok, tgt, gen, d.batch_size, drafter=drafter, generator=g,
                               enable_thinking=cfg.data.enable_thinking,
-                              progress=lambda n, s: bar.update(n))
+                              progress=lambda n, s: bar.update(n), tree=tree)
         bar.update(stats["skipped_done"] + stats["rejected"])
         bar.close()
         tps = stats["tokens"] / stats["seconds"] if stats["seconds"] else 0.0

@@ -59,7 +59,7 @@ def warm_start_dir(cfg: RunConfig) -> Path | None:
     if cfg.drafter.init_from:
         return Path(cfg.drafter.init_from)
     prev = cfg.train.init_stage or STAGES[cfg.train.stage].warm_start
-    if not prev:
+    if not prev or prev == "none":
         return None
     d = cfg.drafter_dir(prev)
     if not (d / "config.json").is_file():

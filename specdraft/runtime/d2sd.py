@@ -17,7 +17,7 @@ state (a DFlash drafter).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -38,8 +38,6 @@ class TreeDrafting:
     """``J``: blocks the second drafter re-drafts per round (``decode.tree_k``)."""
     placement: Placement = "confidence"
     """Where the branches start: the most likely rejection points (confidence) or evenly spread (uniform)."""
-    calibration: Any = None
-    """An optional map of raw confidences ``[b, K] -> [b, K]`` (see :mod:`specdraft.runtime.calibration`)."""
 
     def max_nodes(self, block_size: int) -> int:
         return 1 + (self.num_branches + 1) * (block_size - 1)
@@ -76,8 +74,6 @@ def draft_candidates(drafter: Drafter, drafting: TreeDrafting, dcache, scache, a
     hidden = drafter.draft_hidden(dcache, drafter.block_embeds(block, None))  # [b, Bk, D]
     logits = drafter.logits(hidden[:, 1:])  # [b, K, V]
     confidence, first = logits.float().softmax(-1).max(-1)  # [b, K] each
-    if drafting.calibration is not None:
-        confidence = drafting.calibration(confidence)
     clock.lap("draft")
     lengths = prefix_lengths(confidence, drafting.num_branches, drafting.placement)  # [b, J]
     known = torch.arange(Bk, device=anchor.device)[None, None, :] <= lengths[:, :, None]  # [b, J, Bk]

@@ -22,6 +22,8 @@ from specdraft.pipeline.config import load_config
 from specdraft.pipeline.lightning_utils import TrackerCallback, quiet_lightning
 from specdraft.pipeline.tracking import Tracker
 from specdraft.pipeline.train import _best_including_final, data_temperature_note, train_drafter
+from specdraft.pipeline.trees import tree_drafting
+from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.drafter_io import load_drafter
 from specdraft.runtime.load import load_target
 
@@ -161,6 +163,32 @@ def test_stages_chain_sft_eal_wtv_grpo_with_warm_starts(tiny_world, tmp_path):
     with pytest.raises(SpecdraftError, match="verify pass"):  # exact correction signals need the target in the loop
         train_drafter(_cfg(tiny_world, work, "train.stage=retrace", "train.features=offline"), tiny_world, data,
                       TagTracker(), lambda m: None)
+
+    # D²SD's VP drafter warm-starts from sft (or starts fresh), is picked by eval/vp_tau and records its prefix law
+    for init, name in (("", "vp"), ("none", "vp-fresh")):
+        vt = TagTracker()
+        out = train_drafter(_cfg(tiny_world, work, "train.stage=vp", f"train.init_stage={init}",
+                                 f"train.export_name={name}", "drafter.vp.prefix_beta=0.7", *base), tiny_world, data,
+                            vt, lambda m: None)
+        assert vt.tags["warm_start"] == (str(work / "drafter" / "sft") if not init else "")
+        meta, cfg = (json.loads((out / f).read_text()) for f in ("specdraft.json", "config.json"))
+        assert meta["selected_by"] == "eval/vp_tau" and cfg["vp_config"]["prefix_beta"] == 0.7
+        assert load_drafter(out, target).arch_name == "vp" and "eval/vp_tau" in vt.metrics
+
+    # d2sd serves the sft drafter first and the vp export second; its greedy output is the target's
+    sft_cfg = _cfg(tiny_world, work, "decode.method=d2sd", "decode.tree_k=2")
+    tree = tree_drafting(sft_cfg, target, sft)
+    assert tree.second.arch_name == "vp" and tree.num_branches == 2
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    gen = GenerationConfig(max_new_tokens=12)
+    want = [r.tokens for r in generate(target, prompts, gen)]
+    assert [r.tokens for r in generate(target, prompts, gen, drafter=sft, tree=tree)] == want
+    assert tree_drafting(_cfg(tiny_world, work, "decode.second_drafter=same"), target, sft).second is sft
+    for bad, match in (("decode.tree_k=3", "decode.tree_k"), ("decode.second_drafter=nothing", "second_drafter")):
+        with pytest.raises(SpecdraftError, match=match):
+            tree_drafting(_cfg(tiny_world, work, bad), target, sft)
+    with pytest.raises(SpecdraftError, match="d2sd drafts first"):
+        tree_drafting(sft_cfg, target, r)
 
 
 def test_evaluations_count_optimizer_steps_across_short_epochs(tiny_world, tmp_path):

@@ -3,7 +3,9 @@
 import pytest
 import torch
 
+from specdraft.runtime.d2sd import TreeDrafting
 from specdraft.runtime.decode import GenerationConfig, generate
+from specdraft.runtime.drafter_io import convert_drafter
 from specdraft.runtime.sampling import SamplingParams
 from tests.helpers import PROMPTS, make_drafter, make_target, requires_cuda
 
@@ -28,3 +30,17 @@ def test_cuda_bf16_sampling_runs_with_device_generator():
     res = generate(target, PROMPTS[:4], GenerationConfig(max_new_tokens=20, sampling=SamplingParams(1.0, top_p=0.9)),
                    drafter=drafter, generator=g)
     assert all(len(r.tokens) == 20 and all(0 <= t < 32 for t in r.tokens) for r in res)
+
+
+@pytest.mark.parametrize("branches", [1, 4])
+def test_cuda_d2sd_greedy_equals_ar_in_ragged_batches(branches):
+    target = make_target(seed=3, vocab=12).cuda()
+    first = make_drafter(target, seed=4).cuda().bind_target(target.model.embed_tokens, target.lm_head)
+    second = convert_drafter(make_drafter(target, seed=5), "vp").cuda().bind_target(target.model.embed_tokens,
+                                                                                   target.lm_head)
+    prompts = [[t % 11 for t in p] for p in PROMPTS]
+    gen = GenerationConfig(max_new_tokens=[10, 25, 17, 30, 8, 21, 14, 19])
+    timings: dict = {}
+    spec = generate(target, prompts, gen, drafter=first, tree=TreeDrafting(second, branches), timings=timings)
+    assert [r.tokens for r in spec] == [r.tokens for r in generate(target, prompts, gen)]
+    assert set(timings) >= {"draft", "second_draft", "tree", "verify", "compaction", "commit"}

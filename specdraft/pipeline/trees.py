@@ -1,0 +1,36 @@
+"""D²SD's drafters from a run config: the second drafter next to a first (DFlash) drafter, checked against it."""
+
+from __future__ import annotations
+
+from specdraft.errors import SpecdraftError
+from specdraft.pipeline.config import RunConfig
+from specdraft.runtime.d2sd import TreeDrafting
+from specdraft.runtime.drafter_io import load_drafter
+
+FIRST_DRAFTERS = ("dflash", "vp")
+"""Architectures a tree round can draft first with (no cross-round state)."""
+
+
+def tree_drafting(cfg: RunConfig, target, first, num_branches: int | None = None) -> TreeDrafting:
+    """The :class:`TreeDrafting` of ``decode.second_drafter`` / ``decode.tree_placement`` with ``num_branches``
+    (default ``decode.tree_k``) for ``first``; a mismatch is one clear error before any decoding."""
+    k = num_branches or cfg.decode.tree_k
+    if first.arch_name not in FIRST_DRAFTERS:
+        raise SpecdraftError(f"config key 'decode.method': d2sd drafts first with a {' or '.join(FIRST_DRAFTERS)} "
+                             f"drafter, not {first.arch_name!r} (its cross-round state has no meaning in a tree)")
+    if not 1 <= k <= first.block_size - 2:
+        raise SpecdraftError(f"config key 'decode.tree_k': {k} branches need 1..{first.block_size - 2} boundaries "
+                             f"(block size {first.block_size})")
+    where = cfg.second_drafter_dir()
+    second = first
+    if where is not None:
+        if not (where / "config.json").is_file():
+            raise SpecdraftError(f"config key 'decode.second_drafter': no drafter at {where}; train one with "
+                                 "train.stage=vp, or set decode.second_drafter (a directory, an export name, or "
+                                 "'same')")
+        second = load_drafter(where, target)
+        if second.block_size != first.block_size or second.target_layer_ids != first.target_layer_ids:
+            raise SpecdraftError(f"config key 'decode.second_drafter': {where} has block size {second.block_size} "
+                                 f"and target layers {list(second.target_layer_ids)}, the first drafter "
+                                 f"{first.block_size} and {list(first.target_layer_ids)}; they must match")
+    return TreeDrafting(second, k, cfg.decode.tree_placement)
