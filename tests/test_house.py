@@ -86,9 +86,10 @@ def test_stage_table_rows_are_complete_and_consistent():
         assert stage.warm_start in ("", *STAGES), name
         assert stage.arch is None or stage.arch in available_drafters(), name
         o = Objective(stage=name)
-        assert o.selection_metric in ("eval/sim_tau", "eval/sim_tau_sampled")
+        assert o.selection_metric in ("eval/sim_tau", "eval/sim_tau_sampled", stage.metric or "eval/sim_tau")
     assert Objective(stage="wtv").selection_metric == "eval/sim_tau_sampled"
     assert Objective(stage="grpo").selection_metric == "eval/sim_tau"
+    assert Objective(stage="vp").selection_metric == "eval/vp_tau"
     assert Objective(stage="grpo", grpo=Objective().grpo.__class__(mode="sampling")).needs_target_logits
 
 

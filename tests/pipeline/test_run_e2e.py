@@ -56,6 +56,18 @@ def test_run_end_to_end_and_rerun_is_cached(tmp_path, monkeypatch, capsys):
     assert main(args) == 0
     assert "reusing cached tiny world" in capsys.readouterr().out
 
+    # D²SD rows next to DFlash (the first drafter reused as the second), with their tree statistics
+    bench = ["bench", TINY, f"work_dir={w}", "tracking.enabled=false", *MICRO, "bench.tree_ks=[1,2]",
+             "decode.second_drafter=same", "bench.temperatures=[0.0]", "bench.batch_sizes=[2]"]
+    assert main(bench) == 0
+    rows = json.loads((w / "bench" / "bench.json").read_text())["results"]
+    trees = [r for r in rows if r["method"] == "d2sd"]
+    assert sorted(r["tree_k"] for r in trees) == [1, 1, 2, 2]
+    for r in trees:
+        assert 1 < r["nodes_per_round"] <= 1 + (r["tree_k"] + 1) * 3 and r["dedup_saved_per_round"] >= 0
+        assert sum(r["winner_share"]) == pytest.approx(1.0) and len(r["winner_share"]) == r["tree_k"] + 1
+    assert "| d2sd K=2 | sft |" in (w / "bench" / "bench.md").read_text()
+
 
 def test_empty_prompt_file_for_data_is_one_clean_line(tmp_path, capsys, tiny_world):
     empty = tmp_path / "p.jsonl"

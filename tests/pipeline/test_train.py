@@ -183,10 +183,11 @@ def test_stages_chain_sft_eal_wtv_grpo_with_warm_starts(tiny_world, tmp_path):
     gen = GenerationConfig(max_new_tokens=12)
     want = [r.tokens for r in generate(target, prompts, gen)]
     assert [r.tokens for r in generate(target, prompts, gen, drafter=sft, tree=tree)] == want
-    assert tree_drafting(_cfg(tiny_world, work, "decode.second_drafter=same"), target, sft).second is sft
+    assert tree_drafting(_cfg(tiny_world, work, "decode.second_drafter=same", "decode.tree_k=1"), target,
+                         sft).second is sft
     for bad, match in (("decode.tree_k=3", "decode.tree_k"), ("decode.second_drafter=nothing", "second_drafter")):
         with pytest.raises(SpecdraftError, match=match):
-            tree_drafting(_cfg(tiny_world, work, bad), target, sft)
+            tree_drafting(_cfg(tiny_world, work, "decode.tree_k=2", bad), target, sft)
     with pytest.raises(SpecdraftError, match="d2sd drafts first"):
         tree_drafting(sft_cfg, target, r)
 
