@@ -68,6 +68,9 @@ class Objective:
         check_range("kl_weight", self.kl_weight, 0.0)
         check_range("temperature", self.temperature, 0.0, low_open=True)
         check_range("ce_mix_eta", self.ce_mix_eta, 0.0)
+        if self.stage == "vp" and (self.kl_weight > 0 or self.anchors != "random"):
+            raise OptionError("stage", "vp trains at random anchors with its own prefix-aware CE: kl_weight and "
+                                       "anchors=verified do not apply")
 
     @property
     def spec(self) -> "Stage":

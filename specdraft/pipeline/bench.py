@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -60,7 +61,7 @@ def tree_summary(results, tree) -> dict:
     accepted = [a for r in results for a in r.accepted]
     rounds = max(len(nodes), 1)
     full = tree.max_nodes(tree.second.block_size)
-    return {"tree_k": tree.num_branches, "placement": tree.placement,
+    return {"tree_k": tree.num_branches, "placement": tree.placement, "distinct": tree.distinct,
             "nodes_per_round": sum(nodes) / rounds, "dedup_saved_per_round": sum(full - n for n in nodes) / rounds,
             "winner_share": [sum(w == j for w in winners) / rounds for j in range(tree.num_branches + 1)],
             "accepted_per_round": sum(accepted) / rounds}
@@ -150,8 +151,11 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
         d = Path(cfg.decode.drafter) if cfg.decode.drafter and len(stages) == 1 else cfg.drafter_dir(st)
         drafter = load_drafter(d, tgt)
         loaded[f"{drafter.arch_name}:{st}"] = (drafter, drafter.arch_name, st, str(d), None)
+        trees = {}  # the second drafter is loaded once per first drafter
         for k in b.tree_ks if drafter.arch_name in FIRST_DRAFTERS else []:
-            loaded[f"d2sd{k}:{st}"] = (drafter, "d2sd", st, str(d), tree_drafting(cfg, tgt, drafter, k))
+            trees[k] = replace(trees[min(trees)], num_branches=k) if trees else tree_drafting(cfg, tgt, drafter, k)
+            trees[k].check(drafter)
+            loaded[f"d2sd{k}:{st}"] = (drafter, "d2sd", st, str(d), trees[k])
     dev = tgt.lm_head.weight.device
 
     d = cfg.decode
@@ -210,6 +214,8 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
                            "speedup": tps / ar_tps, "target_distinct2": d2, "num_prompts": len(prompts),
                            "tokens": a["tokens"], **settings, "per_prompt": per_prompt,
                            **(tree_summary(a["results"], tree) if tree is not None else {})}
+                    if tree is not None:  # a tree drafts each drafter's argmax whatever decode.draft_sampling says
+                        row["draft_sampling"] = "greedy"
                     rows.append(row)
                     if method != "ar":
                         log(f"bench: {suite:9s} T={temp:g} bs={bs}: {method} tau {row['tau']:.2f}, "
@@ -235,8 +241,8 @@ def write_reports(rows: list[dict], out_dir: Path) -> dict:
              "| distinct2 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lo, hi = r["tau_ci95"]
-        method = f"d2sd K={r['tree_k']}" + (f" {r['placement']}" if r["placement"] != "confidence" else "") \
-            if r["method"] == "d2sd" else r["method"]
+        method = (f"d2sd K={r['tree_k']}" + (f" {r['placement']}" if r["placement"] != "confidence" else "")
+                  + (" distinct" if r.get("distinct") else "")) if r["method"] == "d2sd" else r["method"]
         lines.append(f"| {method} | {r['stage'] or '-'} | {r['suite']} | {r['temperature']:g} | {r['batch_size']} "
                      f"| {r['num_prompts']} x {r['repeats']} | {r['tau']:.2f} ({lo:.2f}-{hi:.2f}) "
                      f"| {r['acceptance_rate']:.3f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x "

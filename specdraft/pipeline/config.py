@@ -195,6 +195,9 @@ class DecodeConfig:
     tree_placement: Placement = "confidence"
     """d2sd: branch where the first draft is most likely rejected (confidence) or at evenly spread prefixes
     (uniform, the ablation)."""
+    tree_distinct: bool = False
+    """d2sd: a branch never repeats the first draft's token at its first free slot (it takes the second drafter's
+    best other token there)."""
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0

@@ -29,8 +29,9 @@ def tree_drafting(cfg: RunConfig, target, first, num_branches: int | None = None
                                  "train.stage=vp, or set decode.second_drafter (a directory, an export name, or "
                                  "'same')")
         second = load_drafter(where, target)
-        if second.block_size != first.block_size or second.target_layer_ids != first.target_layer_ids:
-            raise SpecdraftError(f"config key 'decode.second_drafter': {where} has block size {second.block_size} "
-                                 f"and target layers {list(second.target_layer_ids)}, the first drafter "
-                                 f"{first.block_size} and {list(first.target_layer_ids)}; they must match")
-    return TreeDrafting(second, k, cfg.decode.tree_placement)
+    tree = TreeDrafting(second, k, cfg.decode.tree_placement, cfg.decode.tree_distinct)
+    try:
+        tree.check(first)
+    except ValueError as e:
+        raise SpecdraftError(f"config key 'decode.second_drafter': {where}: {e}") from None
+    return tree

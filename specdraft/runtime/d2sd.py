@@ -38,9 +38,25 @@ class TreeDrafting:
     """``J``: blocks the second drafter re-drafts per round (``decode.tree_k``)."""
     placement: Placement = "confidence"
     """Where the branches start: the most likely rejection points (confidence) or evenly spread (uniform)."""
+    distinct: bool = False
+    """A branch drafts the second drafter's best token OTHER than the first draft's at its first free slot (the one
+    the posterior expects rejected), so no branch repeats the first draft there. Off: its argmax, as published."""
 
     def max_nodes(self, block_size: int) -> int:
         return 1 + (self.num_branches + 1) * (block_size - 1)
+
+    def check(self, first: Drafter) -> None:
+        """Raise ``ValueError`` unless the second drafter can branch from ``first``'s blocks."""
+        second = self.second
+        if not hasattr(second, "draft_branches"):
+            raise ValueError(f"the second drafter ({type(second).__name__}) has no draft_branches")
+        if second.block_size != first.block_size or tuple(second.target_layer_ids) != tuple(first.target_layer_ids):
+            raise ValueError(f"the second drafter (block size {second.block_size}, target layers "
+                             f"{list(second.target_layer_ids)}) must match the first ({first.block_size}, "
+                             f"{list(first.target_layer_ids)})")
+        if not 1 <= self.num_branches <= first.block_size - 2:
+            raise ValueError(f"{self.num_branches} branches need 1..{first.block_size - 2} boundaries (block size "
+                             f"{first.block_size})")
 
 
 class TreeRound(NamedTuple):
@@ -78,11 +94,17 @@ def draft_candidates(drafter: Drafter, drafting: TreeDrafting, dcache, scache, a
     lengths = prefix_lengths(confidence, drafting.num_branches, drafting.placement)  # [b, J]
     known = torch.arange(Bk, device=anchor.device)[None, None, :] <= lengths[:, :, None]  # [b, J, Bk]
     chain = torch.cat([anchor[:, None], first], dim=1)  # [b, Bk]
-    blocks = torch.where(known, chain[:, None, :], mask_id)  # [b, J, Bk]
     second = drafting.second
+    blocks = torch.where(known, chain[:, None, :], second.config.mask_token_id)  # [b, J, Bk]
     embeds = second.block_embeds(blocks.flatten(0, 1), None)  # [b * J, Bk, D]
     branch_hidden = second.draft_branches(scache, embeds.view(b, drafting.num_branches, Bk, -1))  # [b, J, Bk, D]
-    branch = second.logits(branch_hidden[:, :, 1:]).argmax(-1)  # [b, J, K]
+    branch_logits = second.logits(branch_hidden[:, :, 1:])  # [b, J, K, V]
+    if drafting.distinct:  # rule the first draft's token out at each branch's first free slot
+        K, V = first.shape[1], branch_logits.shape[-1]
+        at = torch.nn.functional.one_hot(lengths, K).bool()  # [b, J, K]
+        own = torch.nn.functional.one_hot(first, V).bool()[:, None]  # [b, 1, K, V]
+        branch_logits = branch_logits.masked_fill(at[..., None] & own, float("-inf"))
+    branch = branch_logits.argmax(-1)  # [b, J, K]
     branch = torch.where(known[:, :, 1:], first[:, None, :], branch)  # [b, J, K] the prefix is the first draft's
     clock.lap("second_draft")
     return torch.cat([first[:, None], branch], dim=1), logits, hidden  # [b, J + 1, K]

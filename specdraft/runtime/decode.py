@@ -102,8 +102,10 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
     """
     if any(len(p) == 0 for p in prompts):
         raise ValueError("empty prompt: every request needs at least one token")
-    if tree is not None and drafter is None:
-        raise ValueError("tree drafting needs a first drafter")
+    if tree is not None:
+        if drafter is None:
+            raise ValueError("tree drafting needs a first drafter")
+        tree.check(drafter)
     dev = target.lm_head.weight.device
     B = len(prompts)
     block = drafter.block_size if drafter is not None else 1

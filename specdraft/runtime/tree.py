@@ -42,7 +42,8 @@ def prefix_lengths(confidence: torch.Tensor, num_branches: int, placement: Place
 
 
 class Tree(NamedTuple):
-    """A deduplicated prefix tree per row (padding nodes see only themselves and are never accepted)."""
+    """A deduplicated prefix tree per row (padding nodes, past ``num_nodes``, see the root and themselves; no real
+    node sees them and none is ever accepted)."""
 
     tokens: torch.Tensor  # [b, N] node tokens (the anchor at node 0)
     depth: torch.Tensor  # [b, N] depth (0 = root)

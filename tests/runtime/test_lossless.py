@@ -39,7 +39,8 @@ def factory(path: str, target, mode: str, block_size: int = 4):
 PATHS = ["stub", "dflash", "retrace"]
 
 
-def tree_factory(path: str, target, mode: str, block_size: int, branches: int, placement: str = "confidence"):
+def tree_factory(path: str, target, mode: str, block_size: int, branches: int, placement: str = "confidence",
+                 distinct: bool = False):
     """``prompts -> (first drafter, TreeDrafting)`` for the D²SD path: controlled first and second drafters, alone or
     running a real DFlash first drafter and a real VP second drafter (its batched branch pass and its own cache)."""
     first = make_drafter(target, seed=2, block_size=block_size) if path == "dflash" else None
@@ -47,17 +48,19 @@ def tree_factory(path: str, target, mode: str, block_size: int, branches: int, p
     return lambda prompts: (
         ControlledDrafter(target, prompts, block_size, mode=mode, inner=first, right=0.6),
         TreeDrafting(ControlledDrafter(target, prompts, block_size, mode=mode, inner=second, seed=1, right=0.5,
-                                       alternative=mode == "mix"), branches, placement))
+                                       alternative=mode == "mix"), branches, placement, distinct))
 
 
 TREE_PATHS = ["stub", "dflash"]
 
 
-@pytest.mark.parametrize("branches", [1, 2, 4])
+@pytest.mark.parametrize(("branches", "placement", "distinct"), [(1, "confidence", False), (2, "confidence", False),
+                                                               (4, "confidence", False), (2, "uniform", True)])
 @pytest.mark.parametrize("path", TREE_PATHS)
-def test_d2sd_greedy_output_is_the_targets_with_branches_winning(path, branches):
+def test_d2sd_greedy_output_is_the_targets_with_branches_winning(path, branches, placement, distinct):
     target = make_target(seed=3, vocab=48)
-    got = check_greedy(target, tree_factory(path, target, "oracle", 6, branches), RAGGED_PROMPTS, RAGGED_CAPS)
+    got = check_greedy(target, tree_factory(path, target, "oracle", 6, branches, placement, distinct), RAGGED_PROMPTS,
+                       RAGGED_CAPS)
     assert got["mismatches"] == 0, got
     assert got["tau"] > 2.5 and got["full"] and got["partial"] and got["none"], got
     assert got["branch_wins"] > 0 and got["stopped_rows"] > 0, got
