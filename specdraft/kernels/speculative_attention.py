@@ -1,0 +1,199 @@
+"""Speculative attention: the new tokens of a round (a verify chain, a D²SD tree or a drafter block) attend to their
+row's committed KV cache and to each other through a per-row visibility bitmask (causal for a chain, the ancestor mask
+for a tree, all-visible for a drafter block). Flash-attention style (online softmax, fp32 accumulation; Dao et al.,
+arXiv:2205.14135); one program per (query tile, row, KV head) serves every query head of its GQA group, so a row's
+committed context is read once per KV head for all the tree's nodes when they fit one tile (the point of cascade
+attention, as in FlashInfer).
+
+Layout (the runtime's :class:`~specdraft.runtime.kv_cache.KVCache`): ``k_cache``/``v_cache`` ``[B, H_kv, S, D]`` hold
+row ``b``'s committed entries at slots ``0..lengths[b]-1`` and the new tokens' entries, already written, at slots
+``lengths[b] + r`` for ``r < T``. New query ``t`` sees slot ``j`` iff ``j < lengths[b]`` or ``j = lengths[b] + r``
+with bit ``r`` of ``new_mask[b, t]``. A query that sees nothing returns zeros.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from specdraft.kernels.dispatch import tl, triton, wants_triton
+
+# ---- the bitmask ------------------------------------------------------------------------------------------------
+
+
+def pack_mask(new_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T, T]`` bool -> ``[B, T, W]`` int32 words, bit ``r % 32`` of word ``r // 32`` (``W = ceil(T / 32)``)."""
+    B, T, _ = new_mask.shape
+    W = max(1, -(-T // 32))
+    padded = torch.nn.functional.pad(new_mask.to(torch.int64), (0, 32 * W - T)).view(B, T, W, 32)
+    words = (padded << torch.arange(32, device=new_mask.device)).sum(-1)  # [B, T, W] in 0..2^32-1
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+def unpack_mask(bits: torch.Tensor, T: int) -> torch.Tensor:
+    """Inverse of :func:`pack_mask`: ``[B, T, W]`` int32 -> ``[B, T, T]`` bool."""
+    r = torch.arange(T, device=bits.device)
+    return ((bits.to(torch.int64)[..., r // 32] >> (r % 32)) & 1).bool()
+
+
+# ---- reference ----------------------------------------------------------------------------------------------------
+
+
+def speculative_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                    lengths: torch.Tensor, mask_bits: torch.Tensor, scale: float) -> torch.Tensor:
+    """Eager PyTorch: a dense ``[B, T, S]`` mask and ``scaled_dot_product_attention`` (fp32 math, output in
+    ``q.dtype``). Same arguments as the kernel; returns ``[B, H, T, D]``."""
+    B, H, T, D = q.shape
+    if T == 0:
+        return q.new_zeros(B, H, 0, D)
+    used = int(lengths.max()) + T
+    new_mask = unpack_mask(mask_bits, T)  # [B, T, T]
+    rel = torch.arange(used, device=q.device)[None, :] - lengths[:, None]  # [B, used]
+    idx = rel.clamp(0, T - 1)[:, None, :].expand(B, T, used)  # [B, T, used]
+    visible = (rel < 0)[:, None, :] | (new_mask.gather(2, idx) & ((rel >= 0) & (rel < T))[:, None, :])  # [B, T, used]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k_cache[:, :, :used].float(), v_cache[:, :, :used].float(), attn_mask=visible[:, None],
+        scale=scale, enable_gqa=H != k_cache.shape[1])  # [B, H, T, D]
+    return torch.where(visible.any(-1)[:, None, :, None], out, 0.0).to(q.dtype)
+
+
+# ---- kernel -------------------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _online_update(s, v, m_i, l_i, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # [M]
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])  # [M, N] (0 where masked)
+        alpha = tl.exp(m_i - m_safe)  # [M] (0 while nothing was seen)
+        if UPCAST:
+            pv = tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv
+        return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+    @triton.jit
+    def _speculative_attention_kernel(Q, K, V, Out, Lens, Bits, T, W, Hkv, scale,
+                                      sqb, sqh, sqt, skb, skh, sks, svb, svh, svs, sob, soh, sot,
+                                      G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                                      UPCAST: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = pid_bh // Hkv
+        kvh = pid_bh % Hkv
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [M] over the group's G * T (head, token) pairs
+        row_ok = rows < G * T
+        t = rows % T
+        h = kvh * G + rows // T
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        q = tl.load(Q + b * sqb + h[:, None] * sqh + t[:, None] * sqt + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [M, Dp]
+        if UPCAST:
+            q = q.to(tl.float32)
+        length = tl.load(Lens + b).to(tl.int32)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        k_base = K + b * skb + kvh * skh
+        v_base = V + b * svb + kvh * svh
+        for start in range(0, length, BLOCK_N):  # the committed context: read once for the whole tile
+            n = start + tl.arange(0, BLOCK_N)
+            n_ok = n < length
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_base + n[:, None] * sks + d[None, :], mask=kv_mask, other=0.0)  # [N, Dp]
+            v = tl.load(v_base + n[:, None] * svs + d[None, :], mask=kv_mask, other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [M, N]
+            s = tl.where(n_ok[None, :] & row_ok[:, None], s, float("-inf"))
+            m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, PRECISION, UPCAST)
+        for start in range(0, T, BLOCK_N):  # the new tokens, through the bitmask
+            r = start + tl.arange(0, BLOCK_N)
+            r_ok = r < T
+            kv_mask = r_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_base + (length + r)[:, None] * sks + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_base + (length + r)[:, None] * svs + d[None, :], mask=kv_mask, other=0.0)
+            word = tl.load(Bits + b * T * W + t[:, None] * W + (r // 32)[None, :],
+                           mask=row_ok[:, None] & r_ok[None, :], other=0)  # [M, N]
+            seen = ((word >> (r % 32)[None, :]) & 1) != 0
+            if UPCAST:
+                k = k.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            s = tl.where(seen & r_ok[None, :] & row_ok[:, None], s, float("-inf"))
+            m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, PRECISION, UPCAST)
+        out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+        tl.store(Out + b * sob + h[:, None] * soh + t[:, None] * sot + d[None, :], out.to(Out.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+
+
+def speculative_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 lengths: torch.Tensor, mask_bits: torch.Tensor, scale: float,
+                                 block_m: int = 64, block_n: int = 64) -> torch.Tensor:
+    """The Triton kernel (same contract as :func:`speculative_attention_reference`)."""
+    B, H, T, D = q.shape
+    Hkv = k_cache.shape[1]
+    out = torch.empty_like(q)
+    if T == 0 or B == 0:
+        return out
+    q = q.contiguous()
+    G = H // Hkv
+    # Triton's interpreter computes tl.dot of bf16 operands wrongly (garbage, checked with triton 3.7.1): there the
+    # operands go to fp32 first; compiled kernels keep bf16 tensor-core dots
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    block_m = max(16, min(block_m, triton.next_power_of_2(G * T)))
+    grid = (triton.cdiv(G * T, block_m), B * Hkv)
+    _speculative_attention_kernel[grid](
+        q, k_cache, v_cache, out, lengths.to(torch.int32).contiguous(), mask_bits.contiguous(), T,
+        mask_bits.shape[-1], Hkv, scale, *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+        *out.stride()[:3], G=G, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=block_m,
+        BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 or interpreted else "tf32",
+        UPCAST=interpreted and q.dtype == torch.bfloat16)
+    return out
+
+
+# ---- launcher -----------------------------------------------------------------------------------------------------
+
+
+def speculative_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
+                          new_mask: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Attention of ``T`` new queries per row over the committed cache and the new tokens (see the module doc).
+
+    Args:
+        q: ``[B, H, T, D]`` queries (post norm and RoPE).
+        k_cache, v_cache: ``[B, H_kv, S, D]`` cache buffers with the new entries written at ``lengths[b] + r``;
+            ``H % H_kv == 0``; the last dimension contiguous.
+        lengths: ``[B]`` committed lengths (before the new entries).
+        new_mask: ``[B, T, T]`` (or ``[T, T]``) bool visibility among the new tokens.
+        scale: softmax scale (default ``D ** -0.5``).
+    Returns:
+        ``[B, H, T, D]`` in ``q.dtype``; the Triton kernel on CUDA (or when forced), the reference otherwise.
+    """
+    B, H, T, D = q.shape
+    if k_cache.dim() != 4 or k_cache.shape[0] != B or k_cache.shape[-1] != D or v_cache.shape != k_cache.shape:
+        raise ValueError(f"cache shapes {tuple(k_cache.shape)}/{tuple(v_cache.shape)} do not fit queries "
+                         f"{tuple(q.shape)}")
+    if H % k_cache.shape[1]:
+        raise ValueError(f"{H} query heads are not a multiple of {k_cache.shape[1]} KV heads")
+    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("the cache's last dimension must be contiguous")
+    if new_mask.dim() == 2:
+        new_mask = new_mask.expand(B, T, T)
+    if new_mask.shape != (B, T, T) or new_mask.dtype != torch.bool:
+        raise ValueError(f"new_mask must be bool [B, T, T] = [{B}, {T}, {T}], got {new_mask.dtype} "
+                         f"{tuple(new_mask.shape)}")
+    scale = D ** -0.5 if scale is None else scale
+    bits = pack_mask(new_mask)
+    if wants_triton(q, k_cache, v_cache):
+        return speculative_attention_triton(q, k_cache, v_cache, lengths, bits, scale)
+    return speculative_attention_reference(q, k_cache, v_cache, lengths, bits, scale)
+
+
+__all__ = ["pack_mask", "speculative_attention", "speculative_attention_reference", "speculative_attention_triton",
+           "unpack_mask"]
