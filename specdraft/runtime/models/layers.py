@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdraft.kernels.speculative_attention import speculative_attention
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
@@ -118,6 +120,14 @@ class AttentionProjections(nn.Module):
         """Rotated, normed ``q [B, H, T, Dh]`` and ``k, v [B, H_kv, T, Dh]`` from one fused matmul."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return self._rotate_q(q, cos, sin), *self._rotate_kv(k, v, cos, sin)
+
+    def attend_cached(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
+                      new_mask: torch.Tensor) -> torch.Tensor:
+        """New queries ``[B, H, T, Dh]`` over a KV cache that already holds their own entries at ``lengths[b] + r``,
+        through the speculative-attention launcher (the Triton kernel on CUDA) -> ``[B, T, dim]``."""
+        out = speculative_attention(q, k_cache, v_cache, lengths, new_mask)  # [B, H, T, Dh]
+        B, _, T, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
     def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values only (context features injected into a drafter's K/V never form queries)."""

@@ -101,12 +101,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = SwiGLU(a.hidden_size, a.intermediate_size)
 
-    def forward(self, x, cos, sin, layer_idx: int, cache: KVCache | None, slots, used: int, mask):
+    def forward(self, x, cos, sin, layer_idx: int, cache: KVCache | None, slots, used: int, mask, new_mask=None):
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
         if cache is not None:
             cache.write(layer_idx, k, v, slots)
-            k, v = cache.view(layer_idx, used)
-            x = x + self.self_attn.attend(q, k, v, mask)
+            if new_mask is not None:  # the speculative-attention launcher reads the cache buffers directly
+                x = x + self.self_attn.attend_cached(q, cache.k[layer_idx], cache.v[layer_idx], cache.lengths,
+                                                     new_mask)
+            else:  # a dense mask (training's visible_prefix)
+                k, v = cache.view(layer_idx, used)
+                x = x + self.self_attn.attend(q, k, v, mask)
         else:
             x = x + self.self_attn.attend(q, k, v, mask, is_causal=mask is None)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -178,13 +182,17 @@ class TargetLM(nn.Module):
             used = int(offsets.max()) + T
             if new_mask is None:
                 new_mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
-            mask = cached_attention_mask(offsets, used, new_mask, visible_prefix)
+            if visible_prefix is not None:
+                mask = cached_attention_mask(offsets, used, new_mask, visible_prefix)
+                new_mask = None
+            elif new_mask.dim() == 2:
+                new_mask = new_mask.expand(B, T, T)
         elif new_mask is not None:
             mask = new_mask[:, None] if new_mask.dim() == 3 else new_mask
         outputs: dict[int, torch.Tensor] = {}
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, i, cache, slots, used, mask)
+            x = layer(x, cos, sin, i, cache, slots, used, mask, new_mask if cache is not None else None)
             if i in feature_layers:
                 outputs[i] = self.model.norm(x) if i == last else x  # transformers' hidden_states[N] is normed
         features = torch.cat([outputs[i] for i in feature_layers], dim=-1) if feature_layers else None
