@@ -12,7 +12,7 @@ export TOKENIZERS_PARALLELISM := false
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,triton]'
 	@touch $(STAMP)
 
 venv: $(STAMP)
