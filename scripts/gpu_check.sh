@@ -23,6 +23,9 @@ for shape in qwen3-1.7b qwen3-8b; do
   timeout 180 "$py" benchmarks/fusion_overhead.py --shape "$shape" --device cuda --dtype bfloat16 \
     > "$out/fusion_overhead_$shape.json" 2> "$out/fusion_overhead_$shape.err" || status=1
 done
+# fused kernels at Qwen3-8B shapes: speculative attention vs its reference and vs SDPA with a dense mask (~1 minute)
+timeout 180 "$py" benchmarks/kernels.py --device cuda --dtype bfloat16 --out "$out/kernels.json" \
+  > "$out/kernels.txt" 2>&1 || status=1
 # D²SD on the GPU: tokens/s vs DFlash and AR at batch 1 and 8 with the round's cost split (needs the tiny world's
 # artifacts, built on the CPU machine and carried over; skipped when absent)
 if [ -d artifacts/tiny/drafter/vp ]; then

@@ -2,7 +2,6 @@
 the target's verify passes (chain and D²SD tree) run through the speculative-attention kernel."""
 
 import pytest
-import torch
 
 from specdraft.kernels.dispatch import HAVE_TRITON, use_kernels
 from specdraft.runtime.d2sd import TreeDrafting
@@ -17,7 +16,8 @@ pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed
 def test_greedy_decoding_with_kernels_equals_the_reference_path(path):
     target = make_target(seed=3, vocab=48)
     first = make_drafter(target, seed=4, block_size=5)
-    tree = TreeDrafting(convert_drafter(make_drafter(target, seed=5, block_size=5), "vp"), 2) if path == "tree" else None
+    second = convert_drafter(make_drafter(target, seed=5, block_size=5), "vp")
+    tree = TreeDrafting(second, 2) if path == "tree" else None
     drafter = None if path == "ar" else first
     prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4]]
     gen = GenerationConfig(max_new_tokens=[9, 6, 11])
