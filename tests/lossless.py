@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from specdraft.runtime import d2sd, decode
+from specdraft.runtime import d2sd, decode, tree
 from specdraft.runtime.decode import GenerationConfig, RowResult, generate
 from specdraft.runtime.kv_cache import KVCache
 from specdraft.runtime.sampling import SamplingParams, sample_from_probs
@@ -442,8 +442,11 @@ TREE_WRONG_RULES: dict[str, list[tuple[object, str, Callable]]] = {
     "token after the accepted path taken at the root": [(d2sd, "accept_tree", _bonus_from_the_root)],
     "accepted path read from the first draft's nodes whatever branch won": [(d2sd, "accept_tree",
                                                                              _first_candidate_only)],
+    "sampled drafts: the target's distribution not reduced after a rejected proposal": [
+        (tree, "rejection_residual", lambda p, q: p)],
 }
-"""The same for the D²SD tree path (each passes the chain tests: only a tree round exposes it)."""
+"""The same for the D²SD tree path (each passes the chain tests: only a tree round exposes it; the last one only
+under sampling with sampled drafts)."""
 
 SAMPLING_SETTINGS = [SamplingParams(0.7, top_k=4, top_p=0.9), SamplingParams(1.0, top_k=4, top_p=0.9),
                      SamplingParams(1.5, top_k=4, top_p=0.9)]

@@ -214,8 +214,6 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
                            "speedup": tps / ar_tps, "target_distinct2": d2, "num_prompts": len(prompts),
                            "tokens": a["tokens"], **settings, "per_prompt": per_prompt,
                            **(tree_summary(a["results"], tree) if tree is not None else {})}
-                    if tree is not None:  # a tree drafts each drafter's argmax whatever decode.draft_sampling says
-                        row["draft_sampling"] = "greedy"
                     rows.append(row)
                     if method != "ar":
                         log(f"bench: {suite:9s} T={temp:g} bs={bs}: {method} tau {row['tau']:.2f}, "

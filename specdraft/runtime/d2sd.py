@@ -9,9 +9,11 @@ target scores every node in one pass (tree mask over the committed context, posi
 from the root accepts the longest path (:func:`~specdraft.runtime.tree.accept_tree`); the accepted path's K/V move
 into the committed slots (KV compaction) and its target features go to the drafters' contexts.
 
-Draft tokens are deterministic (each drafter's argmax), so under sampling the walk samples the target at each node
-it reaches, which keeps the output distributed exactly as the target's. The first drafter must keep no cross-round
-state (a DFlash drafter).
+Under greedy verification (or ``draft_sampling="greedy"``) draft tokens are each drafter's argmax, and the walk
+follows the target's own token at each node it reaches (its argmax, or a sample from it). Under sampling with
+``draft_sampling="sample"`` both drafters SAMPLE their tokens from their processed distributions and the walk runs
+multi-candidate speculative sampling (:func:`~specdraft.runtime.tree.accept_tree_sampled`). Either way the output is
+distributed exactly as the target's. The first drafter must keep no cross-round state (a DFlash drafter).
 """
 
 from __future__ import annotations
@@ -23,8 +25,16 @@ import torch
 
 from specdraft.runtime.drafter import Drafter
 from specdraft.runtime.phase_clock import PhaseClock
-from specdraft.runtime.sampling import SamplingParams, sample
-from specdraft.runtime.tree import Placement, Tree, TreeAcceptance, accept_tree, build_tree, prefix_lengths
+from specdraft.runtime.sampling import SamplingParams, logits_to_probs, sample, sample_from_probs
+from specdraft.runtime.tree import (
+    Placement,
+    Tree,
+    TreeAcceptance,
+    accept_tree,
+    accept_tree_sampled,
+    build_tree,
+    prefix_lengths,
+)
 
 
 @dataclass
@@ -71,17 +81,37 @@ class TreeRound(NamedTuple):
     tree: Tree
 
 
+class Candidates(NamedTuple):
+    tokens: torch.Tensor  # [b, J + 1, K] the first draft, then the second drafter's J branches
+    probs: torch.Tensor | None  # [b, J + 1, K, V] the distributions sampled drafts were drawn from (None: argmax)
+    proposes: torch.Tensor  # [b, J + 1, K] candidate c drew slot k itself (False on a branch's copied prefix)
+    first_logits: torch.Tensor  # [b, K, V] the first drafter's logits
+    hidden: torch.Tensor  # [b, Bk, D] the first drafter's hidden states
+
+
 def verify_tree(tree: Tree, target_logits: torch.Tensor, params: SamplingParams,
-                generator: torch.Generator | None = None) -> TreeAcceptance:
-    """The target's token at every node (its argmax, or one sample per node from the processed distribution) and
-    the walk that follows it: lossless for deterministic drafts (:func:`accept_tree`)."""
-    return accept_tree(tree, sample(target_logits, params, generator))
+                generator: torch.Generator | None = None, cands: Candidates | None = None) -> TreeAcceptance:
+    """Deterministic drafts (``cands.probs`` None): the target's token at every node (its argmax, or one sample per
+    node from the processed distribution) and the walk that follows it (:func:`accept_tree`). Sampled drafts:
+    multi-candidate speculative sampling (:func:`accept_tree_sampled`). Both are lossless."""
+    if cands is None or cands.probs is None:
+        return accept_tree(tree, sample(target_logits, params, generator))
+    return accept_tree_sampled(tree, logits_to_probs(target_logits, params), cands.probs, cands.proposes, generator)
+
+
+def _draw(logits: torch.Tensor, params: SamplingParams, sampled: bool, generator: torch.Generator | None):
+    """Tokens and the distribution they were drawn from (argmax and None unless ``sampled``)."""
+    if not sampled:
+        return logits.argmax(-1), None
+    q = logits_to_probs(logits, params)
+    return sample_from_probs(q, generator), q
 
 
 def draft_candidates(drafter: Drafter, drafting: TreeDrafting, dcache, scache, anchor: torch.Tensor,
-                     clock: PhaseClock) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(candidates [b, J + 1, K], first logits [b, K, V], first hidden [b, Bk, D])``: the first draft and the
-    second drafter's ``J`` re-drafts, whose prefixes are the first draft's tokens exactly."""
+                     clock: PhaseClock, params: SamplingParams = SamplingParams(), sampled: bool = False,
+                     generator: torch.Generator | None = None) -> Candidates:
+    """The first draft and the second drafter's ``J`` re-drafts, whose prefixes are the first draft's tokens
+    exactly; drawn from each drafter's processed distribution when ``sampled``, else each drafter's argmax."""
     b = anchor.shape[0]
     Bk = drafter.block_size
     mask_id = drafter.config.mask_token_id
@@ -89,7 +119,8 @@ def draft_candidates(drafter: Drafter, drafting: TreeDrafting, dcache, scache, a
     block[:, 0] = anchor
     hidden = drafter.draft_hidden(dcache, drafter.block_embeds(block, None))  # [b, Bk, D]
     logits = drafter.logits(hidden[:, 1:])  # [b, K, V]
-    confidence, first = logits.float().softmax(-1).max(-1)  # [b, K] each
+    confidence = logits.float().softmax(-1).amax(-1)  # [b, K]
+    first, first_q = _draw(logits, params, sampled, generator)  # [b, K], [b, K, V] or None
     clock.lap("draft")
     lengths = prefix_lengths(confidence, drafting.num_branches, drafting.placement)  # [b, J]
     known = torch.arange(Bk, device=anchor.device)[None, None, :] <= lengths[:, :, None]  # [b, J, Bk]
@@ -104,25 +135,29 @@ def draft_candidates(drafter: Drafter, drafting: TreeDrafting, dcache, scache, a
         at = torch.nn.functional.one_hot(lengths, K).bool()  # [b, J, K]
         own = torch.nn.functional.one_hot(first, V).bool()[:, None]  # [b, 1, K, V]
         branch_logits = branch_logits.masked_fill(at[..., None] & own, float("-inf"))
-    branch = branch_logits.argmax(-1)  # [b, J, K]
+    branch, branch_q = _draw(branch_logits, params, sampled, generator)  # [b, J, K], [b, J, K, V] or None
     branch = torch.where(known[:, :, 1:], first[:, None, :], branch)  # [b, J, K] the prefix is the first draft's
+    proposes = torch.cat([torch.ones_like(known[:, :1, 1:]), ~known[:, :, 1:]], dim=1)  # [b, J + 1, K]
+    probs = torch.cat([first_q[:, None], branch_q], dim=1) if sampled else None  # [b, J + 1, K, V]
     clock.lap("second_draft")
-    return torch.cat([first[:, None], branch], dim=1), logits, hidden  # [b, J + 1, K]
+    return Candidates(torch.cat([first[:, None], branch], dim=1), probs, proposes, logits, hidden)
 
 
 def tree_round(target, drafter: Drafter, drafting: TreeDrafting, dcache, scache, tcache, anchor: torch.Tensor,
                params: SamplingParams, feature_layers: tuple[int, ...], generator: torch.Generator | None,
-               clock: PhaseClock) -> TreeRound:
+               clock: PhaseClock, draft_sampling: str = "sample") -> TreeRound:
     """One D²SD round for every active row. The target cache's committed lengths are left for the engine to raise by
     ``num_accepted + 1``; the accepted path's K/V already sit in those slots."""
-    candidates, draft_logits, hidden = draft_candidates(drafter, drafting, dcache, scache, anchor, clock)
+    sampled = not params.greedy and draft_sampling == "sample"
+    cands = draft_candidates(drafter, drafting, dcache, scache, anchor, clock, params, sampled, generator)
+    candidates, draft_logits, hidden = cands.tokens, cands.first_logits, cands.hidden
     tree = build_tree(anchor, candidates)
     tree = tree.trimmed(int(tree.num_nodes.max()))  # the ragged batch's largest tree (one host read)
     clock.lap("tree")
     lengths = tcache.lengths
     out = target(tree.tokens, cache=tcache, positions=lengths[:, None] + tree.depth, new_mask=tree.mask,
                  feature_layers=feature_layers)  # logits [b, N, V]
-    acc = verify_tree(tree, out.logits, params, generator)
+    acc = verify_tree(tree, out.logits, params, generator, cands)
     clock.lap("verify")
     A = int(acc.num_accepted.max()) + 1
     steps = torch.arange(A, device=anchor.device)

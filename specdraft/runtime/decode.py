@@ -167,7 +167,7 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
         tree_nodes = tree_winner = None
         if tree is not None:
             rnd = tree_round(target, drafter, tree, dcache, scache, tcache, state.anchor, params, feature_layers,
-                             generator, clock)
+                             generator, clock, config.draft_sampling)
             draft_tokens, draft_logits, hidden = rnd.draft_tokens, rnd.draft_logits, rnd.hidden
             n_acc, nxt, target_logits = rnd.acceptance.num_accepted, rnd.acceptance.next_token, rnd.path_logits
             features, tree_nodes, tree_winner = rnd.path_features, rnd.tree.num_nodes, rnd.acceptance.winner

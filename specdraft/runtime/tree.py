@@ -12,6 +12,8 @@ from typing import Literal, NamedTuple
 
 import torch
 
+from specdraft.runtime.sampling import sample_from_probs
+
 Placement = Literal["confidence", "uniform"]
 
 
@@ -127,3 +129,63 @@ def accept_tree(tree: Tree, node_targets: torch.Tensor) -> TreeAcceptance:
                       tree.node_of.gather(1, winner[:, None, None].expand(b, 1, K))[:, 0]], dim=-1)  # [b, K + 1]
     last = path.gather(1, num_accepted[:, None])  # [b, 1] node the walk stopped at
     return TreeAcceptance(num_accepted, node_targets.gather(1, last)[:, 0], winner, path)
+
+
+def rejection_residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``norm(max(p - q, 0))`` ``[b, V]``: what the target's distribution becomes after a proposal from ``q`` is
+    rejected (its mass is positive wherever a proposal was rejected, since then ``p(x) < q(x)``)."""
+    residual = (p - q).clamp_min(0)
+    return residual / residual.sum(-1, keepdim=True).clamp_min(1e-30)
+
+
+def accept_tree_sampled(tree: Tree, target_probs: torch.Tensor, draft_probs: torch.Tensor, proposes: torch.Tensor,
+                        generator: torch.Generator | None = None) -> TreeAcceptance:
+    """Multi-candidate speculative sampling down a tree of SAMPLED drafts (recursive rejection sampling, SpecInfer's
+    multi-step speculative sampling, arXiv:2305.09781 §4.2): at the current node, each candidate that passes through it
+    and proposes a token there (``proposes``), in candidate order, is accepted with probability
+    ``min(1, p(x) / q_c(x))``; a rejection replaces ``p`` by ``norm(max(p - q_c, 0))``; the first acceptance moves
+    the walk to that child, and when every proposal is rejected a token is drawn from the remaining ``p`` and the walk
+    stops (at depth K it is the bonus). Each proposal ``x ~ q_c`` is drawn independently given the path, so every
+    emitted token is distributed as the target's.
+
+    Args:
+        tree: the row's tree over the sampled candidates.
+        target_probs: ``[b, N, V]`` the target's processed distribution after each node.
+        draft_probs: ``[b, C, K, V]`` the distribution candidate ``c``'s slot ``k`` was drawn from.
+        proposes: ``[b, C, K]`` whether candidate ``c`` drew slot ``k`` itself (a branch's prefix copies the first
+            draft's tokens: those are the first draft's proposals, not the branch's).
+    """
+    b, C, K = tree.candidates.shape
+    dev = target_probs.device
+    rows = torch.arange(b, device=dev)
+    node = torch.zeros(b, dtype=torch.long, device=dev)
+    active = torch.ones(b, dtype=torch.bool, device=dev)
+    passes = torch.ones(b, C, dtype=torch.bool, device=dev)  # candidates whose chain runs through the current node
+    num_accepted = torch.zeros(b, dtype=torch.long, device=dev)
+    winner = torch.zeros(b, dtype=torch.long, device=dev)
+    next_token = torch.zeros(b, dtype=torch.long, device=dev)
+    path = torch.zeros(b, K + 1, dtype=torch.long, device=dev)
+    for k in range(K + 1):
+        p = target_probs[rows, node]  # [b, V]
+        moved = torch.zeros(b, dtype=torch.bool, device=dev)
+        child = node
+        for c in range(C if k < K else 0):
+            asks = active & ~moved & passes[:, c] & proposes[:, c, k]  # [b]
+            x = tree.candidates[:, c, k]  # [b]
+            q = draft_probs[:, c, k]  # [b, V]
+            px, qx = p.gather(1, x[:, None])[:, 0], q.gather(1, x[:, None])[:, 0]
+            u = torch.rand(b, generator=generator, device=dev)
+            ok = asks & (u * qx <= px)  # u < p(x) / q(x) without dividing
+            child = torch.where(ok, tree.node_of[:, c, k], child)
+            winner = torch.where(ok, c, winner)
+            moved = moved | ok
+            p = torch.where((asks & ~ok)[:, None], rejection_residual(p, q), p)
+        stop = active & ~moved
+        next_token = torch.where(stop, sample_from_probs(p, generator), next_token)
+        num_accepted = num_accepted + moved.long()
+        active = active & moved
+        node = child
+        if k < K:
+            path[:, k + 1] = node
+            passes = passes & (tree.node_of[:, :, k] == node[:, None])
+    return TreeAcceptance(num_accepted, next_token, winner, path)

@@ -66,14 +66,16 @@ def test_d2sd_greedy_output_is_the_targets_with_branches_winning(path, branches,
     assert got["branch_wins"] > 0 and got["stopped_rows"] > 0, got
 
 
-TREE_SAMPLING = [("stub", p) for p in SAMPLING_SETTINGS] + [("dflash", SAMPLING_SETTINGS[1])]
+TREE_SAMPLING = [("stub", p, "sample") for p in SAMPLING_SETTINGS] + [("dflash", SAMPLING_SETTINGS[1], "sample"),
+                                                                     ("stub", SAMPLING_SETTINGS[1], "greedy")]
 
 
-@pytest.mark.parametrize(("path", "params"), TREE_SAMPLING,
+@pytest.mark.parametrize(("path", "params", "drafts"), TREE_SAMPLING,
                          ids=lambda x: x if isinstance(x, str) else f"T{x.temperature:g}")
-def test_d2sd_sampled_output_is_distributed_as_the_targets(path, params):
+def test_d2sd_sampled_output_is_distributed_as_the_targets(path, params, drafts):
+    """Sampled drafts go through multi-candidate speculative sampling, argmax drafts through the target-token walk."""
     target = make_target(seed=7, vocab=6, std=0.5)
-    got = sampling_pvalues(target, tree_factory(path, target, "mix", 4, 2), params)
+    got = sampling_pvalues(target, tree_factory(path, target, "mix", 4, 2), params, draft_sampling=drafts)
     assert got.min_p > ALPHA, got
     assert got.profile["tau"] > 1.5 and got.profile["full"] and got.profile["none"], got.profile
     assert got.profile["branch_wins"] > 0, got.profile
@@ -121,6 +123,11 @@ def test_the_harness_fails_on_a_wrong_rule(rule, monkeypatch):
 def test_the_harness_fails_on_a_wrong_tree_rule(rule, monkeypatch):
     for module, attr, wrong in TREE_WRONG_RULES[rule]:
         monkeypatch.setattr(module, attr, wrong)
+    if rule.startswith("sampled drafts"):
+        target = make_target(seed=7, vocab=6, std=0.5)
+        sampled = sampling_pvalues(target, tree_factory("stub", target, "mix", 4, 2), SAMPLING_SETTINGS[0])
+        assert sampled.min_p < ALPHA, (rule, sampled)
+        return
     target = make_target(seed=3, vocab=48)
     greedy = check_greedy(target, tree_factory("stub", target, "oracle", 6, 2), RAGGED_PROMPTS, RAGGED_CAPS)
     assert greedy["mismatches"] > 0, (rule, greedy)
