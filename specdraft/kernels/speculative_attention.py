@@ -40,18 +40,27 @@ def unpack_mask(bits: torch.Tensor, T: int) -> torch.Tensor:
 # ---- reference ----------------------------------------------------------------------------------------------------
 
 
+def dense_visibility(lengths: torch.Tensor, mask_bits: torch.Tensor, T: int) -> torch.Tensor:
+    """The reference's dense mask ``[B, T, max(lengths) + T]``: committed slots, then the new tokens' bits."""
+    B = lengths.shape[0]
+    used = int(lengths.max()) + T
+    new_mask = unpack_mask(mask_bits, T)  # [B, T, T]
+    rel = torch.arange(used, device=lengths.device)[None, :] - lengths[:, None]  # [B, used]
+    idx = rel.clamp(0, T - 1)[:, None, :].expand(B, T, used)  # [B, T, used]
+    return (rel < 0)[:, None, :] | (new_mask.gather(2, idx) & ((rel >= 0) & (rel < T))[:, None, :])
+
+
 def speculative_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                    lengths: torch.Tensor, mask_bits: torch.Tensor, scale: float) -> torch.Tensor:
-    """Eager PyTorch: a dense ``[B, T, S]`` mask and ``scaled_dot_product_attention`` (fp32 math, output in
-    ``q.dtype``). Same arguments as the kernel; returns ``[B, H, T, D]``."""
+                                    lengths: torch.Tensor, mask_bits: torch.Tensor, scale: float,
+                                    visible: torch.Tensor | None = None) -> torch.Tensor:
+    """Eager PyTorch: a dense ``[B, T, S]`` mask (``visible``, built from the bits when not given) and
+    ``scaled_dot_product_attention`` (fp32 math, output in ``q.dtype``). Same arguments as the kernel; returns
+    ``[B, H, T, D]``."""
     B, H, T, D = q.shape
     if T == 0:
         return q.new_zeros(B, H, 0, D)
-    used = int(lengths.max()) + T
-    new_mask = unpack_mask(mask_bits, T)  # [B, T, T]
-    rel = torch.arange(used, device=q.device)[None, :] - lengths[:, None]  # [B, used]
-    idx = rel.clamp(0, T - 1)[:, None, :].expand(B, T, used)  # [B, T, used]
-    visible = (rel < 0)[:, None, :] | (new_mask.gather(2, idx) & ((rel >= 0) & (rel < T))[:, None, :])  # [B, T, used]
+    visible = dense_visibility(lengths, mask_bits, T) if visible is None else visible  # [B, T, used]
+    used = visible.shape[-1]
     out = torch.nn.functional.scaled_dot_product_attention(
         q.float(), k_cache[:, :, :used].float(), v_cache[:, :, :used].float(), attn_mask=visible[:, None],
         scale=scale, enable_gqa=H != k_cache.shape[1])  # [B, H, T, D]
@@ -159,8 +168,35 @@ def speculative_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache
 # ---- launcher -----------------------------------------------------------------------------------------------------
 
 
+class AttentionPlan:
+    """What every layer of one forward shares: the per-row lengths, the packed bitmask and (built on first use by
+    the reference) the dense mask. Build it once per forward with :func:`plan_attention`."""
+
+    def __init__(self, lengths: torch.Tensor, bits: torch.Tensor, T: int):
+        self.lengths, self.bits, self.T = lengths, bits, T
+        self._visible: torch.Tensor | None = None
+
+    def visible(self) -> torch.Tensor:
+        if self._visible is None:
+            self._visible = dense_visibility(self.lengths, self.bits, self.T)
+        return self._visible
+
+
+def plan_attention(lengths: torch.Tensor, new_mask: torch.Tensor) -> AttentionPlan:
+    """Check and pack ``new_mask`` (``[B, T, T]`` or ``[T, T]`` bool) for rows of committed ``lengths`` ``[B]``."""
+    B = lengths.shape[0]
+    T = new_mask.shape[-1]
+    if new_mask.dim() == 2:
+        new_mask = new_mask.expand(B, T, T)
+    if new_mask.shape != (B, T, T) or new_mask.dtype != torch.bool:
+        raise ValueError(f"new_mask must be bool [B, T, T] = [{B}, {T}, {T}], got {new_mask.dtype} "
+                         f"{tuple(new_mask.shape)}")
+    return AttentionPlan(lengths, pack_mask(new_mask), T)
+
+
 def speculative_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
-                          new_mask: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+                          new_mask: torch.Tensor | None = None, scale: float | None = None,
+                          plan: AttentionPlan | None = None) -> torch.Tensor:
     """Attention of ``T`` new queries per row over the committed cache and the new tokens (see the module doc).
 
     Args:
@@ -170,6 +206,8 @@ def speculative_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         lengths: ``[B]`` committed lengths (before the new entries).
         new_mask: ``[B, T, T]`` (or ``[T, T]``) bool visibility among the new tokens.
         scale: softmax scale (default ``D ** -0.5``).
+        plan: :func:`plan_attention` of ``(lengths, new_mask)``, shared by the layers of one forward (then
+            ``lengths`` and ``new_mask`` are read from it).
     Returns:
         ``[B, H, T, D]`` in ``q.dtype``; the Triton kernel on CUDA (or when forced), the reference otherwise.
     """
@@ -183,16 +221,14 @@ def speculative_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         raise ValueError(f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the cache's last dimension must be contiguous")
-    if new_mask.dim() == 2:
-        new_mask = new_mask.expand(B, T, T)
-    if new_mask.shape != (B, T, T) or new_mask.dtype != torch.bool:
-        raise ValueError(f"new_mask must be bool [B, T, T] = [{B}, {T}, {T}], got {new_mask.dtype} "
-                         f"{tuple(new_mask.shape)}")
+    plan = plan if plan is not None else plan_attention(lengths, new_mask)
+    if plan.T != T or plan.lengths.shape[0] != B:
+        raise ValueError(f"the attention plan is for {plan.lengths.shape[0]} rows of {plan.T} new tokens, the queries "
+                         f"are {B} x {T}")
     scale = D ** -0.5 if scale is None else scale
-    bits = pack_mask(new_mask)
     if wants_triton(q, k_cache, v_cache):
-        return speculative_attention_triton(q, k_cache, v_cache, lengths, bits, scale)
-    return speculative_attention_reference(q, k_cache, v_cache, lengths, bits, scale)
+        return speculative_attention_triton(q, k_cache, v_cache, plan.lengths, plan.bits, scale)
+    return speculative_attention_reference(q, k_cache, v_cache, plan.lengths, plan.bits, scale, plan.visible())
 
 
 __all__ = ["pack_mask", "speculative_attention", "speculative_attention_reference", "speculative_attention_triton",

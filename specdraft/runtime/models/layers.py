@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdraft.kernels.speculative_attention import speculative_attention
+from specdraft.kernels.speculative_attention import AttentionPlan, speculative_attention
 
 
 class RMSNorm(nn.Module):
@@ -121,11 +121,11 @@ class AttentionProjections(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return self._rotate_q(q, cos, sin), *self._rotate_kv(k, v, cos, sin)
 
-    def attend_cached(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
-                      new_mask: torch.Tensor) -> torch.Tensor:
+    def attend_cached(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      plan: AttentionPlan) -> torch.Tensor:
         """New queries ``[B, H, T, Dh]`` over a KV cache that already holds their own entries at ``lengths[b] + r``,
         through the speculative-attention launcher (the Triton kernel on CUDA) -> ``[B, T, dim]``."""
-        out = speculative_attention(q, k_cache, v_cache, lengths, new_mask)  # [B, H, T, Dh]
+        out = speculative_attention(q, k_cache, v_cache, plan.lengths, plan=plan)  # [B, H, T, Dh]
         B, _, T, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 

@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from specdraft.kernels.speculative_attention import plan_attention
 from specdraft.runtime.kv_cache import KVCache, cached_attention_mask
 from specdraft.runtime.models.layers import AttentionProjections, RMSNorm, SwiGLU, rope_cos_sin, rope_inv_freq
 
@@ -101,13 +102,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = SwiGLU(a.hidden_size, a.intermediate_size)
 
-    def forward(self, x, cos, sin, layer_idx: int, cache: KVCache | None, slots, used: int, mask, new_mask=None):
+    def forward(self, x, cos, sin, layer_idx: int, cache: KVCache | None, slots, used: int, mask, plan=None):
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
         if cache is not None:
             cache.write(layer_idx, k, v, slots)
-            if new_mask is not None:  # the speculative-attention launcher reads the cache buffers directly
-                x = x + self.self_attn.attend_cached(q, cache.k[layer_idx], cache.v[layer_idx], cache.lengths,
-                                                     new_mask)
+            if plan is not None:  # the speculative-attention launcher reads the cache buffers directly
+                x = x + self.self_attn.attend_cached(q, cache.k[layer_idx], cache.v[layer_idx], plan)
             else:  # a dense mask (training's visible_prefix)
                 k, v = cache.view(layer_idx, used)
                 x = x + self.self_attn.attend(q, k, v, mask)
@@ -175,7 +175,7 @@ class TargetLM(nn.Module):
         if self.inv_freq.device != dev:
             self.inv_freq = self.inv_freq.to(dev)
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
-        slots, used, mask = None, 0, None
+        slots, used, mask, plan = None, 0, None, None
         if cache is not None:
             cache.check_room(T)
             slots = offsets[:, None] + torch.arange(T, device=dev)  # [B, T]
@@ -184,15 +184,14 @@ class TargetLM(nn.Module):
                 new_mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
             if visible_prefix is not None:
                 mask = cached_attention_mask(offsets, used, new_mask, visible_prefix)
-                new_mask = None
-            elif new_mask.dim() == 2:
-                new_mask = new_mask.expand(B, T, T)
+            else:
+                plan = plan_attention(offsets, new_mask)  # shared by every layer
         elif new_mask is not None:
             mask = new_mask[:, None] if new_mask.dim() == 3 else new_mask
         outputs: dict[int, torch.Tensor] = {}
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, i, cache, slots, used, mask, new_mask if cache is not None else None)
+            x = layer(x, cos, sin, i, cache, slots, used, mask, plan)
             if i in feature_layers:
                 outputs[i] = self.model.norm(x) if i == last else x  # transformers' hidden_states[N] is normed
         features = torch.cat([outputs[i] for i in feature_layers], dim=-1) if feature_layers else None
