@@ -64,7 +64,10 @@ def speculative_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_ca
     out = torch.nn.functional.scaled_dot_product_attention(
         q.float(), k_cache[:, :, :used].float(), v_cache[:, :, :used].float(), attn_mask=visible[:, None],
         scale=scale, enable_gqa=H != k_cache.shape[1])  # [B, H, T, D]
-    return torch.where(visible.any(-1)[:, None, :, None], out, 0.0).to(q.dtype)
+    seen = visible.any(-1)  # [B, T] a query that sees nothing returns zeros (SDPA would give NaN)
+    if not bool(seen.all()):
+        out = torch.where(seen[:, None, :, None], out, 0.0)
+    return out.to(q.dtype)
 
 
 # ---- kernel -------------------------------------------------------------------------------------------------------
