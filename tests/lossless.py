@@ -245,11 +245,14 @@ DrafterFactory = Callable[[list[list[int]]], object]
 TreeDrafting)`` for a D²SD path."""
 
 
-def run(target, prompts, gen: GenerationConfig, factory: DrafterFactory, generator=None) -> list[RowResult]:
-    """Decode ``prompts`` with the decoding path the factory builds for them."""
+def run(target, prompts, gen: GenerationConfig, factory: DrafterFactory, generator=None,
+        engine: Callable | None = None) -> list[RowResult]:
+    """Decode ``prompts`` with the decoding path the factory builds for them, through ``engine`` (a callable with
+    :func:`~specdraft.runtime.decode.generate`'s signature; default that engine)."""
     built = factory(prompts)
     drafter, tree = built if isinstance(built, tuple) else (built, None)
-    return generate(target, prompts, gen, drafter=drafter, generator=generator, tree=tree)
+    engine = engine or generate
+    return engine(target, prompts, gen, drafter=drafter, generator=generator, tree=tree)
 
 
 def block_size_of(factory: DrafterFactory, prompts) -> int:
@@ -273,7 +276,8 @@ def _ar(target, prompts, caps, stop=()):
     return [r.tokens for r in generate(target, prompts, gen)]
 
 
-def check_greedy(target, factory: DrafterFactory, prompts: list[list[int]], caps: list[int]) -> dict:
+def check_greedy(target, factory: DrafterFactory, prompts: list[list[int]], caps: list[int],
+                 engine: Callable | None = None) -> dict:
     """Greedy equality at batch 1 and on the ragged batch ``prompts`` (8+ rows, per-row ``caps``), and again with a
     stop token that the free run emits inside an accepted run. Returns counts; the caller asserts on them:
     ``mismatches`` (rows differing from the target alone or from one-row decoding) must be 0."""
@@ -281,14 +285,16 @@ def check_greedy(target, factory: DrafterFactory, prompts: list[list[int]], caps
     mismatches = 0
     expected = _ar(target, prompts, caps)
     for p, cap, exp in zip(prompts[:2], caps, expected):
-        mismatches += run(target, [p], GenerationConfig(max_new_tokens=cap), factory)[0].tokens != exp
-    batch = run(target, prompts, GenerationConfig(max_new_tokens=caps), factory)
+        mismatches += run(target, [p], GenerationConfig(max_new_tokens=cap), factory, engine=engine)[0].tokens != exp
+    batch = run(target, prompts, GenerationConfig(max_new_tokens=caps), factory, engine=engine)
     profile = acceptance_profile(batch, block_size_of(factory, prompts[:1]))
     mismatches += sum(r.tokens != e for r, e in zip(batch, expected))
-    singles = [run(target, [p], GenerationConfig(max_new_tokens=c), factory)[0] for p, c in zip(prompts, caps)]
+    singles = [run(target, [p], GenerationConfig(max_new_tokens=c), factory, engine=engine)[0]
+               for p, c in zip(prompts, caps)]
     mismatches += sum(r.tokens != s.tokens or r.accept_lengths != s.accept_lengths for r, s in zip(batch, singles))
     stop = _stop_inside_accepted_run(batch)
-    stopped = run(target, prompts, GenerationConfig(max_new_tokens=caps, stop_token_ids=(stop,)), factory)
+    stopped = run(target, prompts, GenerationConfig(max_new_tokens=caps, stop_token_ids=(stop,)), factory,
+                  engine=engine)
     expected_stop = _ar(target, prompts, caps, (stop,))
     mismatches += sum(r.tokens != e for r, e in zip(stopped, expected_stop))
     return {"mismatches": mismatches, **profile, "stopped_rows": sum(r.finish_reason == "stop" for r in stopped),
@@ -324,7 +330,7 @@ class SamplingCheck:
 
 def sampling_pvalues(target, factory: DrafterFactory, params: SamplingParams, n: int = 12000, first_len: int = 3,
                      later_len: int = 2, draft_sampling: str = "sample", seed: int = 0,
-                     prompt: tuple[int, ...] = (1, 2, 3)) -> SamplingCheck:
+                     prompt: tuple[int, ...] = (1, 2, 3), engine: Callable | None = None) -> SamplingCheck:
     """Decode ``n`` copies of ``prompt`` (i.i.d. rows) and test two joint distributions against the exact target's.
 
     The generated length is ``1 + block_size + later_len``: the prefill token and at most ``block_size`` tokens of
@@ -333,7 +339,7 @@ def sampling_pvalues(target, factory: DrafterFactory, params: SamplingParams, n:
     Bk = block_size_of(factory, prompts[:1])
     L = 1 + Bk + later_len
     gen = GenerationConfig(max_new_tokens=L, sampling=params, draft_sampling=draft_sampling)
-    res = run(target, prompts, gen, factory, generator=torch.Generator().manual_seed(seed))
+    res = run(target, prompts, gen, factory, generator=torch.Generator().manual_seed(seed), engine=engine)
     toks = torch.tensor([r.tokens for r in res])  # [n, L]
     assert toks.shape == (n, L)
     joint = exact_joint(target, list(prompt), L, params)  # [V] * L

@@ -21,6 +21,9 @@ class KVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
         self.max_len = max_len
+        self.fixed_shape = False
+        """True inside a static-shape (CUDA-graph) round: the caller sized the cache for the whole decode, and
+        nothing may read device values on the host (no room checks, no ``lengths.max()``)."""
 
     @property
     def batch_size(self) -> int:
@@ -56,7 +59,17 @@ class KVCache:
 
     def crop(self, lengths: torch.Tensor) -> None:
         """Set each row's committed length (must not grow past what was written)."""
-        self.lengths = lengths.to(self.lengths)
+        if self.fixed_shape:  # in place: a captured graph reads this very tensor
+            self.lengths.copy_(lengths)
+        else:
+            self.lengths = lengths.to(self.lengths)
+
+    def commit(self, counts: torch.Tensor) -> None:
+        """Grow each row's committed length by ``counts`` ``[B]`` (entries already written)."""
+        if self.fixed_shape:
+            self.lengths.add_(counts)
+        else:
+            self.lengths = self.lengths + counts
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (compaction when requests finish, so finished rows stop costing compute)."""

@@ -28,3 +28,45 @@ def test_speculative_attention_at_qwen3_8b_shapes(B, L, T, dtype):
     got = speculative_attention_triton(q, k, v, lengths, bits, 128 ** -0.5)
     want = speculative_attention_reference(q, k, v, lengths, bits, 128 ** -0.5)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("lo", [1, 0])
+def test_retrace_fusion_at_qwen3_8b_shapes(lo):
+    from specdraft.kernels.retrace_fusion import FusionWeights, retrace_fusion_reference, retrace_fusion_triton
+    g = torch.Generator().manual_seed(0)
+    b, Bk, E, W = 8, 16, 4096, 4096
+    C, Hd = 2 * E + 4, 2 * E
+
+    def r(*shape, std=1.0):
+        return (torch.randn(*shape, generator=g) * std).to("cuda", torch.bfloat16)
+
+    w = FusionWeights(r(C, std=0.1) + 1, r(C, std=0.1), 1e-5, r(W, Hd + C, std=(Hd + C) ** -0.5), r(W, std=0.1),
+                      r(2 * E, W, std=W ** -0.5), r(2 * E, std=0.1))
+    n = torch.randint(0, Bk, (b,), generator=g).cuda()
+    valid = torch.arange(Bk, device="cuda")[None, :] > n[:, None]
+    x, hidden, signals = r(b, Bk, E), r(b, Bk, Hd), r(b, Bk, C)
+    got = retrace_fusion_triton(x, hidden, signals, valid, n + 1, w, lo)
+    want = retrace_fusion_reference(x.float(), hidden.float(), signals.float(), valid, n + 1,
+                                    FusionWeights(*(t.float() if torch.is_tensor(t) else t for t in w)), lo)
+    torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
+
+
+def test_cuda_graph_decode_equals_eager_decode():
+    from specdraft.runtime.decode import GenerationConfig, generate
+    from specdraft.runtime.static_decode import StaticDecoder
+    from tests.helpers import make_drafter, make_target
+
+    prompts = [[1, 2, 3], [5, 4, 3, 2, 1, 0], [4], [2, 2], [3, 1, 4, 1, 5], [0], [1, 1, 1, 3], [1, 0], [5, 5, 1]]
+    gen = GenerationConfig(max_new_tokens=[10, 25, 17, 30, 8, 21, 14, 19, 12])
+    target = make_target(seed=7, vocab=6, std=1.0).cuda()
+    drafter = make_drafter(target, seed=2, block_size=4).cuda().bind_target(target.model.embed_tokens, target.lm_head)
+    want = [r.tokens for r in generate(target, prompts, gen)]
+    for d in (drafter, None):  # fp32: the graphed rounds decode the target's own greedy output
+        graphed = StaticDecoder(target, d, 16, 80, graphs=True)
+        assert [r.tokens for r in graphed.generate(prompts, gen)] == want
+        assert [r.tokens for r in graphed.generate(prompts, gen)] == want  # replayed graphs, second batch
+    target, drafter = target.to(torch.bfloat16), drafter.to(torch.bfloat16)
+    graphed = StaticDecoder(target, drafter, 16, 80, graphs=True).generate(prompts, gen)
+    eager = StaticDecoder(target, drafter, 16, 80, graphs=False).generate(prompts, gen)
+    assert [r.tokens for r in graphed] == [r.tokens for r in eager]  # bf16: capture changes nothing
+    assert [r.accepted for r in graphed] == [r.accepted for r in eager]

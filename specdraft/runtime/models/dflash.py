@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
+from specdraft.kernels.speculative_attention import plan_attention
 from specdraft.runtime.kv_cache import KVCache
 from specdraft.runtime.models.layers import AttentionProjections, RMSNorm, SwiGLU, rope_cos_sin, rope_inv_freq
 from specdraft.runtime.models.registry import register_drafter
@@ -126,6 +127,15 @@ class DraftLayer(nn.Module):
         k = torch.cat([ctx_k, k], dim=2)  # [B, Hkv, S + Q, Dh]
         v = torch.cat([ctx_v, v], dim=2)
         h = h + self.self_attn.attend(q, k, v, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward_cached(self, h, cos, sin, cache: KVCache, layer_idx: int, slots, plan):
+        """Inference: the block's K/V are written into the context cache's scratch at ``slots`` (never committed:
+        :meth:`DFlashDrafter.ingest` overwrites them) and the block attends through the speculative-attention
+        launcher."""
+        q, k, v = self.self_attn.qkv(self.input_layernorm(h), cos, sin)  # [B, H, Q, Dh], [B, Hkv, Q, Dh] x2
+        cache.write(layer_idx, k, v, slots)
+        h = h + self.self_attn.attend_cached(q, cache.k[layer_idx], cache.v[layer_idx], plan)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -258,32 +268,54 @@ class DFlashDrafter(nn.Module):
         """Append the first ``counts[b]`` rows of ``ctx_features`` ``[B, T, F]`` to each row's context cache.
 
         Only the first ``max(counts)`` rows are projected to K/V (after a verify pass that is the longest accepted
-        prefix, usually a few of the ``Bk`` rows). Returns the fused context ``[B, T', D]``: all ``T`` rows when the
-        drafter keeps cross-round state from the rejected slots (:attr:`wants_verify_context`), else ``T'``.
+        prefix, usually a few of the ``Bk`` rows; a fixed-shape cache projects all ``T``, reading nothing on the
+        host). Returns the fused context ``[B, T', D]``: all ``T`` rows when the drafter keeps cross-round state from
+        the rejected slots (:attr:`wants_verify_context`), else ``T'``.
         """
         B, T, _ = ctx_features.shape
-        cache.check_room(T)
-        T_kv = min(T, int(counts.max()))
+        if cache.fixed_shape:
+            T_kv = T
+        else:
+            cache.check_room(T)
+            T_kv = min(T, int(counts.max()))
         fused = self.fuse_context(ctx_features if self.wants_verify_context else ctx_features[:, :T_kv])  # [B, T', D]
         slots = cache.lengths[:, None] + torch.arange(T_kv, device=ctx_features.device)  # [B, T_kv]
         for i, (k, v) in enumerate(self.context_kv(ctx_features[:, :T_kv], slots, fused[:, :T_kv])):
             cache.write(i, k, v, slots)
-        cache.lengths = cache.lengths + counts
+        cache.commit(counts)
         return fused
 
+    def forward_cached(self, cache: KVCache, block_embeds: torch.Tensor, positions: torch.Tensor,
+                       new_mask: torch.Tensor) -> torch.Tensor:
+        """Denoise ``Q`` new tokens per row against the row's cached context (inference).
+
+        Args:
+            cache: the context cache; the new tokens' K/V go to its scratch slots ``lengths[b] + r`` (lengths are
+                not changed).
+            block_embeds: ``[B, Q, D]``.
+            positions: ``[B, Q]`` absolute positions.
+            new_mask: ``[Q, Q]`` (or ``[B, Q, Q]``) bool visibility among the new tokens.
+        Returns:
+            ``[B, Q, D]`` final-normed hidden states.
+        """
+        Q = block_embeds.shape[1]
+        if not cache.fixed_shape:
+            cache.check_room(Q)
+        slots = cache.lengths[:, None] + torch.arange(Q, device=block_embeds.device)  # [B, Q]
+        plan = plan_attention(cache.lengths, new_mask)  # shared by every layer
+        cos, sin = self._rope(positions, block_embeds.dtype)
+        h = block_embeds
+        for i, layer in enumerate(self.layers):
+            h = layer.forward_cached(h, cos, sin, cache, i, slots, plan)
+        return self.norm(h)
+
     def draft_hidden(self, cache: KVCache, block_embeds: torch.Tensor) -> torch.Tensor:
-        """Hidden states ``[B, Bk, D]`` of one block per row, anchored right after each row's cached context."""
+        """Hidden states ``[B, Bk, D]`` of one block per row, anchored right after each row's cached context (the
+        block is all-visible to itself)."""
         B, Bk, _ = block_embeds.shape
         dev = block_embeds.device
-        lengths = cache.lengths
-        used = int(lengths.max())
-        positions = lengths[:, None] + torch.arange(Bk, device=dev)  # [B, Bk]
-        mask = None  # every row's whole context is visible (equal lengths): the unmasked attention kernel
-        if bool((lengths != used).any()):
-            ctx_visible = torch.arange(used, device=dev)[None, :] < lengths[:, None]  # [B, S]
-            mask = torch.cat([ctx_visible, ctx_visible.new_ones(B, Bk)], dim=1)[:, None, None, :]  # [B, 1, 1, S + Bk]
-        ctx_kv = [cache.view(i, used) for i in range(len(self.layers))]
-        return self(block_embeds, positions, ctx_kv, mask)
+        positions = cache.lengths[:, None] + torch.arange(Bk, device=dev)  # [B, Bk]
+        return self.forward_cached(cache, block_embeds, positions, torch.ones(Bk, Bk, dtype=torch.bool, device=dev))
 
     def draft_branches(self, cache: KVCache, block_embeds: torch.Tensor) -> torch.Tensor:
         """Hidden states ``[b, J, Bk, D]`` of ``J`` blocks per row in one pass, each anchored right after the row's
@@ -291,13 +323,7 @@ class DFlashDrafter(nn.Module):
         training lays several blocks side by side)."""
         b, J, Bk, D = block_embeds.shape
         dev = block_embeds.device
-        lengths = cache.lengths
-        used = int(lengths.max())
-        positions = (lengths[:, None] + torch.arange(Bk, device=dev)).repeat(1, J)  # [b, J * Bk]
-        ctx_visible = torch.arange(used, device=dev)[None, :] < lengths[:, None]  # [b, S]
+        positions = (cache.lengths[:, None] + torch.arange(Bk, device=dev)).repeat(1, J)  # [b, J * Bk]
         block_id = torch.arange(J, device=dev).repeat_interleave(Bk)  # [J * Bk]
-        same_block = block_id[:, None] == block_id[None, :]  # [J * Bk, J * Bk]
-        mask = torch.cat([ctx_visible[:, None, :].expand(b, J * Bk, used),
-                          same_block.expand(b, -1, -1)], dim=2)[:, None]  # [b, 1, J * Bk, S + J * Bk]
-        ctx_kv = [cache.view(i, used) for i in range(len(self.layers))]
-        return self(block_embeds.reshape(b, J * Bk, D), positions, ctx_kv, mask).view(b, J, Bk, -1)
+        same_block = block_id[:, None] == block_id[None, :]  # [J * Bk, J * Bk] block-diagonal
+        return self.forward_cached(cache, block_embeds.reshape(b, J * Bk, D), positions, same_block).view(b, J, Bk, -1)

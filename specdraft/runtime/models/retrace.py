@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdraft.errors import OptionError, check_range
+from specdraft.kernels.retrace_fusion import FusionWeights, landing, retrace_fusion
 from specdraft.runtime.models.dflash import DFlashConfig, DFlashDrafter
 from specdraft.runtime.models.registry import register_drafter
 
@@ -216,20 +217,11 @@ class ReTraceDrafter(DFlashDrafter):
             c = h.new_zeros(*h.shape[:2], self.retrace_norm_c.normalized_shape[0])
         return F.silu(self.retrace_refiner(torch.cat([h, self.retrace_norm_c(c)], dim=-1)))
 
-    @staticmethod
-    def _landing(prior: Prior, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """For new slots ``new`` ``[n]``: the old slot landing on each under the hard shift ``[b, n]`` (clamped into
-        the block) and whether a retained slot is there at all ``[b, n]``."""
-        Bk = prior.valid.shape[1]
-        src = new[None, :] + prior.shift[:, None]  # [b, n]
-        present = (src < Bk) & prior.valid.gather(1, src.clamp(max=Bk - 1))
-        return src.clamp(max=Bk - 1), present
-
     def _align(self, u: torch.Tensor, prior: Prior) -> tuple[torch.Tensor, torch.Tensor]:
         """Map old-slot refinements onto new slots: ``([b, Bk, W], present [b, Bk])``."""
         b, Bk, _ = u.shape
         new = torch.arange(Bk, device=u.device)
-        src, present = self._landing(prior, new)
+        src, present = landing(prior.valid, prior.shift, 0)  # [b, Bk] each
         if self.config.retrace.alignment == "hard":
             aligned = u.gather(1, src[..., None].expand(-1, -1, u.shape[-1]))
         else:
@@ -242,11 +234,22 @@ class ReTraceDrafter(DFlashDrafter):
             aligned = torch.einsum("bon,boe->bne", w.to(u.dtype), u)
         return aligned, present
 
+    def fusion_weights(self) -> FusionWeights:
+        """The fusion's parameters as the kernel launcher takes them."""
+        ln, gate_out = self.retrace_norm_c, self.retrace_gate_out
+        return FusionWeights(ln.weight, ln.bias, ln.eps, self.retrace_refiner.weight, self.retrace_refiner.bias,
+                             gate_out.weight, gate_out.bias)
+
     def block_embeds(self, block_tokens: torch.Tensor, state: Prior | None) -> torch.Tensor:
-        """``e(block)`` plus the gated residual from the previous round's rejected suffix (if any)."""
+        """``e(block)`` plus the gated residual from the previous round's rejected suffix (if any): the fused kernel
+        under hard alignment (:func:`~specdraft.kernels.retrace_fusion.retrace_fusion`), eager PyTorch under soft."""
         x = self.embed(block_tokens)  # [b, Bk, D]
         if state is None or not bool(state.valid.any()):
             return x
+        opts = self.config.retrace
+        if opts.alignment == "hard":
+            return retrace_fusion(x, state.hidden, state.signals, state.valid, state.shift, self.fusion_weights(),
+                                  lo=0 if opts.gate_anchor else 1, use_correction=opts.use_correction)
         return x + self.fusion_delta(state).to(x.dtype)
 
     def fusion_delta(self, prior: Prior) -> torch.Tensor:
@@ -262,7 +265,7 @@ class ReTraceDrafter(DFlashDrafter):
         if hi <= lo:
             return prior.hidden.new_zeros(*prior.hidden.shape[:2], self.config.hidden_size)
         if self.config.retrace.alignment == "hard":
-            src, present = self._landing(prior, torch.arange(lo, hi, device=prior.shift.device))  # [b, n] each
+            src, present = (t[:, :hi - lo] for t in landing(prior.valid, prior.shift, lo))  # [b, n] each
             u = self._refine(_gather_slots(prior, src))  # [b, n, W]
         else:
             u, present = self._align(self._refine(prior), prior)  # [b, Bk, W], [b, Bk]

@@ -177,12 +177,13 @@ class TargetLM(nn.Module):
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
         slots, used, mask, plan = None, 0, None, None
         if cache is not None:
-            cache.check_room(T)
+            if not cache.fixed_shape:
+                cache.check_room(T)
             slots = offsets[:, None] + torch.arange(T, device=dev)  # [B, T]
-            used = int(offsets.max()) + T
             if new_mask is None:
                 new_mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
             if visible_prefix is not None:
+                used = int(offsets.max()) + T
                 mask = cached_attention_mask(offsets, used, new_mask, visible_prefix)
             else:
                 plan = plan_attention(offsets, new_mask)  # shared by every layer

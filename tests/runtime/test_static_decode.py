@@ -1,0 +1,130 @@
+"""The static-shape decode path (the rounds the GPU captures in CUDA graphs), run eagerly on a CPU: greedy output is
+the target's token for token across bucket changes, padding rows and stop tokens; pinned acceptance (all, none,
+partial) through a real DFlash drafter; the sampled output fits the exact target distribution."""
+
+import pytest
+import torch
+
+from specdraft.runtime.decode import GenerationConfig, generate
+from specdraft.runtime.models.dflash import DFlashDrafter
+from specdraft.runtime.static_decode import StaticDecoder
+from tests.helpers import make_drafter, make_target, retrace_from
+from tests.lossless import SAMPLING_SETTINGS, sampling_pvalues
+
+ALPHA = 1e-3
+PROMPTS = [[1, 2, 3], [5, 4, 3, 2, 1, 0], [4], [2, 2], [3, 1, 4, 1, 5], [0], [1, 1, 1, 3], [1, 0], [5, 5, 1]]
+CAPS = [10, 25, 17, 30, 8, 21, 14, 19, 12]
+
+
+def static_engine(buckets=(1, 2, 4, 8, 16)):
+    """An engine with :func:`generate`'s signature that decodes through a fresh :class:`StaticDecoder`."""
+    def engine(target, prompts, gen, drafter=None, generator=None, tree=None):
+        assert tree is None, "the static path decodes chains"
+        caps = [gen.max_new_tokens] * len(prompts) if isinstance(gen.max_new_tokens, int) else gen.max_new_tokens
+        block = drafter.block_size if drafter is not None else 1
+        max_len = max(len(p) + c for p, c in zip(prompts, caps)) + 2 * block
+        decoder = StaticDecoder(target, drafter, max(len(prompts), max(buckets)), max_len, buckets, graphs=False)
+        engine.decoders.append(decoder)
+        return decoder.generate(prompts, gen, generator)
+    engine.decoders = []
+    return engine
+
+
+def test_greedy_output_is_the_targets_across_buckets_padding_and_stops():
+    target = make_target(seed=7, vocab=6, std=1.0)
+    drafter = make_drafter(target, seed=2, block_size=4)
+    engine = static_engine()
+    gen = GenerationConfig(max_new_tokens=CAPS)
+    want = generate(target, PROMPTS, gen)
+    got = engine(target, PROMPTS, gen, drafter=drafter)
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    assert sorted(engine.decoders[0]._buckets) == [1, 2, 4, 8, 16]  # 9 rows start in 16, shrink as rows finish
+    eager = generate(target, PROMPTS, gen, drafter=drafter)
+    assert [r.accepted for r in got] == [r.accepted for r in eager]  # the same drafts, round for round
+    assert sum(a for r in got for a in r.accepted) > 0
+    for p, c, w in zip(PROMPTS[:3], CAPS, want):  # one row at a time
+        assert engine(target, [p], GenerationConfig(max_new_tokens=c), drafter=drafter)[0].tokens == w.tokens
+    stop = want[1].tokens[4]
+    stopped = engine(target, PROMPTS, GenerationConfig(max_new_tokens=CAPS, stop_token_ids=(stop,)), drafter=drafter)
+    want_stop = generate(target, PROMPTS, GenerationConfig(max_new_tokens=CAPS, stop_token_ids=(stop,)))
+    assert [r.tokens for r in stopped] == [r.tokens for r in want_stop]
+    assert any(r.finish_reason == "stop" for r in stopped)
+    ar = engine(target, PROMPTS, gen)
+    assert [r.tokens for r in ar] == [r.tokens for r in want]
+
+
+class BigramOracle(DFlashDrafter):
+    """A real DFlash drafter (its caches, ingest and draft pass all run) whose logits are replaced by a pinned guess
+    of the target's next tokens. Against a target whose attention output projections are zero, the next token is a
+    fixed function of the current one (a bigram map), so the guess is exact: slot ``k`` proposes the map's ``k``-th
+    iterate of the anchor while ``k <= right`` and a wrong token after, pinning ``right`` accepted drafts per round."""
+
+    def pin(self, bigram: torch.Tensor, right: int):
+        self.bigram, self.right = bigram, right
+        return self
+
+    def block_embeds(self, block_tokens, state=None):
+        self._anchor = block_tokens[:, 0]
+        return super().block_embeds(block_tokens, state)
+
+    def logits(self, hidden):
+        super().logits(hidden)  # the real LM head runs too
+        b, K, V = hidden.shape[0], hidden.shape[1], self.bigram.shape[0]
+        tok, out = self._anchor, []
+        for k in range(K):
+            tok = self.bigram[tok]
+            out.append(tok if k < self.right else (tok + 1) % V)
+        return torch.nn.functional.one_hot(torch.stack(out, 1), V).float() * 20  # [b, K, V]
+
+
+def _bigram_target(V=6):
+    target = make_target(seed=7, vocab=V, std=1.0)
+    with torch.no_grad():
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+        bigram = target(torch.arange(V)[:, None]).logits[:, 0].argmax(-1)  # [V] next token of each token
+    return target, bigram
+
+
+@pytest.mark.parametrize("right", [3, 0, 2], ids=["accept-all", "accept-none", "partial"])
+def test_pinned_acceptance(right):
+    target, bigram = _bigram_target()
+    oracle = make_drafter(target, seed=2, block_size=4)
+    oracle.__class__ = BigramOracle
+    oracle.pin(bigram, right)
+    gen = GenerationConfig(max_new_tokens=CAPS)
+    got = static_engine()(target, PROMPTS, gen, drafter=oracle)
+    assert [r.tokens for r in got] == [r.tokens for r in generate(target, PROMPTS, gen)]
+    assert {a for r in got for a in r.accepted} == {right}
+
+
+@pytest.mark.parametrize("params", SAMPLING_SETTINGS[:2], ids=["t0.7", "t1.0"])
+def test_sampled_output_fits_the_target_distribution(params):
+    target = make_target(seed=7, vocab=6, std=0.5)
+    check = sampling_pvalues(target, lambda p: make_drafter(target, seed=2, block_size=4), params, n=6000,
+                             engine=static_engine((1, 6000)))
+    assert check.min_p > ALPHA, check
+    assert check.profile["partial"] + check.profile["full"] > 0  # drafts were accepted
+    target, bigram = _bigram_target()
+    oracle = make_drafter(target, seed=2, block_size=4)
+    oracle.__class__ = BigramOracle
+    oracle.pin(bigram, 2)
+    check = sampling_pvalues(target, lambda p: oracle, params, n=6000, engine=static_engine((1, 6000)))
+    assert check.min_p > ALPHA, check
+    assert check.profile["partial"] > check.profile["rounds"] // 4  # the oracle's drafts are accepted often
+
+
+def test_refusals_name_the_problem():
+    target = make_target(seed=7, vocab=6)
+    with pytest.raises(ValueError, match="cross-round state"):
+        StaticDecoder(target, retrace_from(make_drafter(target), active=True), 4, 32)
+    decoder = StaticDecoder(target, make_drafter(target, block_size=4), 2, 32, graphs=False)
+    with pytest.raises(ValueError, match="batch slots"):
+        decoder.generate([[1]] * 3, GenerationConfig(max_new_tokens=2))
+    with pytest.raises(ValueError, match="cache slots"):
+        decoder.generate([[1]], GenerationConfig(max_new_tokens=40))
+    with pytest.raises(ValueError, match="CUDA"):
+        if not torch.cuda.is_available():
+            StaticDecoder(target, None, 2, 32, graphs=True)
+        else:
+            raise ValueError("CUDA present: nothing to refuse")
