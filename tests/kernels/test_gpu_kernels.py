@@ -4,12 +4,15 @@ import pytest
 import torch
 
 from specdraft.kernels.dispatch import HAVE_TRITON
+from specdraft.kernels.retrace_fusion import FusionWeights, retrace_fusion_reference, retrace_fusion_triton
 from specdraft.kernels.speculative_attention import (
     pack_mask,
     speculative_attention_reference,
     speculative_attention_triton,
 )
-from tests.helpers import requires_cuda
+from specdraft.runtime.decode import GenerationConfig, generate
+from specdraft.runtime.static_decode import StaticDecoder
+from tests.helpers import make_drafter, make_target, requires_cuda
 
 pytestmark = [pytest.mark.gpu, requires_cuda,
               pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install '.[triton]')")]
@@ -32,7 +35,6 @@ def test_speculative_attention_at_qwen3_8b_shapes(B, L, T, dtype):
 
 @pytest.mark.parametrize("lo", [1, 0])
 def test_retrace_fusion_at_qwen3_8b_shapes(lo):
-    from specdraft.kernels.retrace_fusion import FusionWeights, retrace_fusion_reference, retrace_fusion_triton
     g = torch.Generator().manual_seed(0)
     b, Bk, E, W = 8, 16, 4096, 4096
     C, Hd = 2 * E + 4, 2 * E
@@ -52,10 +54,6 @@ def test_retrace_fusion_at_qwen3_8b_shapes(lo):
 
 
 def test_cuda_graph_decode_equals_eager_decode():
-    from specdraft.runtime.decode import GenerationConfig, generate
-    from specdraft.runtime.static_decode import StaticDecoder
-    from tests.helpers import make_drafter, make_target
-
     prompts = [[1, 2, 3], [5, 4, 3, 2, 1, 0], [4], [2, 2], [3, 1, 4, 1, 5], [0], [1, 1, 1, 3], [1, 0], [5, 5, 1]]
     gen = GenerationConfig(max_new_tokens=[10, 25, 17, 30, 8, 21, 14, 19, 12])
     target = make_target(seed=7, vocab=6, std=1.0).cuda()

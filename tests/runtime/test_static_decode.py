@@ -69,7 +69,7 @@ class BigramOracle(DFlashDrafter):
 
     def logits(self, hidden):
         super().logits(hidden)  # the real LM head runs too
-        b, K, V = hidden.shape[0], hidden.shape[1], self.bigram.shape[0]
+        K, V = hidden.shape[1], self.bigram.shape[0]
         tok, out = self._anchor, []
         for k in range(K):
             tok = self.bigram[tok]
