@@ -34,12 +34,14 @@ from typing import Callable, Sequence
 
 import torch
 
+from specdraft.kernels.lm_head_argmax import lm_head_argmax
 from specdraft.runtime.decode import GenerationConfig, RowResult, propose, verify_round
 from specdraft.runtime.drafter import Drafter
 from specdraft.runtime.kv_cache import KVCache
 from specdraft.runtime.models.dflash import DFlashDrafter
 from specdraft.runtime.models.target import TargetLM
 from specdraft.runtime.sampling import sample
+from specdraft.runtime.verify import accept_greedy_tokens
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -102,10 +104,12 @@ class StaticDecoder:
         max_len: cache slots per row; a request needs ``prompt + max_new_tokens + 2 * block_size`` of them.
         buckets: batch sizes with their own graphs (a batch runs in the smallest bucket that holds it).
         graphs: capture CUDA graphs (default: when the target is on CUDA); otherwise the static rounds run eagerly.
+        argmax_heads: greedy decoding only: the draft and verify steps return greedy tokens from the fused LM-head
+            argmax (:func:`~specdraft.kernels.lm_head_argmax.lm_head_argmax`) and never materialise logits.
     """
 
     def __init__(self, target: TargetLM, drafter: Drafter | None, max_batch: int, max_len: int,
-                 buckets: Sequence[int] = BUCKETS, graphs: bool | None = None):
+                 buckets: Sequence[int] = BUCKETS, graphs: bool | None = None, argmax_heads: bool = False):
         dev = target.lm_head.weight.device
         stateless = getattr(type(drafter), "next_round_state", None) is DFlashDrafter.next_round_state
         if drafter is not None and not stateless:
@@ -118,6 +122,7 @@ class StaticDecoder:
         self.graphs = dev.type == "cuda" if graphs is None else graphs
         if self.graphs and dev.type != "cuda":
             raise ValueError("CUDA graphs need the target on a CUDA device")
+        self.argmax_heads = argmax_heads
         self.feature_layers = drafter.target_layer_ids if drafter is not None else ()
         self.tcache = target.new_cache(max_batch, max_len)
         self.tcache.fixed_shape = True
@@ -146,12 +151,17 @@ class StaticDecoder:
             blk = torch.full((n, Bk), drafter.config.mask_token_id, dtype=torch.long, device=dev)
             blk[:, 0] = bk.anchor
             hidden = drafter.draft_hidden(dcache, drafter.block_embeds(blk, None))  # [n, Bk, D]
+            if self.argmax_heads:
+                return (lm_head_argmax(hidden[:, 1:], drafter.borrowed[1].weight),)  # [n, K] tokens
             return (drafter.logits(hidden[:, 1:]),)  # [n, K, V]
 
         def verify():
-            out = target(bk.verify_tokens, cache=tcache, feature_layers=self.feature_layers)
+            out = target(bk.verify_tokens, cache=tcache, feature_layers=self.feature_layers,
+                         return_logits=not self.argmax_heads)
             if bk.features is not None:
                 bk.features.copy_(out.features)
+            if self.argmax_heads:
+                return (lm_head_argmax(out.hidden, target.lm_head.weight),)  # [n, Bk] tokens
             return (out.logits,)  # [n, Bk, V]
 
         def commit():
@@ -203,6 +213,8 @@ class StaticDecoder:
         if need > self.max_len:
             raise ValueError(f"a request needs {need} cache slots (prompt + max_new_tokens + 2 blocks), the static "
                              f"decoder has {self.max_len}")
+        if self.argmax_heads and not params.greedy:
+            raise ValueError("argmax heads decode greedily: sampling needs the logits (argmax_heads=False)")
         n = self.bucket_for(B)
         stop = set(config.stop_token_ids)
         start = time.perf_counter()
@@ -258,14 +270,19 @@ class StaticDecoder:
             bk = self._bucket(n)
             bk.anchor.zero_()
             bk.anchor[:len(slots)] = anchor
-            if self.drafter is not None:
+            if self.drafter is None:
+                draft_tokens, draft_probs = bk.anchor.new_zeros(n, 0), None
+            elif self.argmax_heads:
+                (draft_tokens,), draft_probs = bk.draft(), None
+            else:
                 (draft_logits,) = bk.draft()
                 draft_tokens, draft_probs = propose(draft_logits, params, config.draft_sampling, generator)
-            else:
-                draft_tokens, draft_probs = bk.anchor.new_zeros(n, 0), None
             bk.verify_tokens.copy_(torch.cat([bk.anchor[:, None], draft_tokens], dim=1))
-            (logits,) = bk.verify()
-            n_acc, nxt = verify_round(draft_tokens, draft_probs, logits, params, generator)  # [n] each
+            (verified,) = bk.verify()
+            if self.argmax_heads:
+                n_acc, nxt = accept_greedy_tokens(draft_tokens, verified)  # [n] each
+            else:
+                n_acc, nxt = verify_round(draft_tokens, draft_probs, verified, params, generator)
             bk.counts.copy_((n_acc + 1) * active)  # frozen rows commit nothing
             bk.commit()
             anchor = nxt[:len(slots)].clone()

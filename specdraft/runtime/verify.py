@@ -19,7 +19,12 @@ def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
     Returns:
         ``(num_accepted [B] in 0..K, next_token [B])``; output equals target-only greedy decoding.
     """
-    target_tokens = target_logits.argmax(-1)  # [B, K + 1]
+    return accept_greedy_tokens(draft_tokens, target_logits.argmax(-1))
+
+
+def accept_greedy_tokens(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`accept_greedy` given the target's greedy tokens ``[B, K + 1]`` instead of its logits (from the fused
+    LM-head argmax, which never materialises logits)."""
     K = draft_tokens.shape[1]
     matches = (draft_tokens == target_tokens[:, :K]).long()  # [B, K]
     num_accepted = matches.cumprod(dim=1).sum(dim=1)  # [B]

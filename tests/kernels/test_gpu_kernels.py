@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from specdraft.kernels.dispatch import HAVE_TRITON
+from specdraft.kernels.lm_head_argmax import lm_head_argmax_reference, lm_head_argmax_triton
 from specdraft.kernels.retrace_fusion import FusionWeights, retrace_fusion_reference, retrace_fusion_triton
 from specdraft.kernels.speculative_attention import (
     pack_mask,
@@ -68,3 +69,15 @@ def test_cuda_graph_decode_equals_eager_decode():
     eager = StaticDecoder(target, drafter, 16, 80, graphs=False).generate(prompts, gen)
     assert [r.tokens for r in graphed] == [r.tokens for r in eager]  # bf16: capture changes nothing
     assert [r.accepted for r in graphed] == [r.accepted for r in eager]
+    heads = StaticDecoder(target, drafter, 16, 80, graphs=True, argmax_heads=True).generate(prompts, gen)
+    assert [r.tokens for r in heads] == [r.tokens for r in eager]  # no logits, same tokens (ties aside: none here)
+
+
+def test_lm_head_argmax_at_qwen3_vocabulary():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(64, 4096, generator=g).to("cuda", torch.bfloat16)
+    w = (torch.randn(151936, 4096, generator=g) * 4096 ** -0.5).to("cuda", torch.bfloat16)
+    got, want = lm_head_argmax_triton(h, w), lm_head_argmax_reference(h, w)
+    logits = torch.nn.functional.linear(h.float(), w.float())
+    gap = (logits.gather(1, want[:, None]) - logits.gather(1, got[:, None])).abs()[:, 0]
+    assert bool(((got == want) | (gap <= 2 ** -6 * logits.abs().amax(-1))).all())
