@@ -1,7 +1,8 @@
 """Kernel timings at Qwen3-8B shapes (random weights): each kernel against its eager reference and, for speculative
 attention, against ``scaled_dot_product_attention`` with an explicit dense mask; achieved memory bandwidth as a share
 of the device's peak (bytes the kernel must move: the row's K/V up to its length plus the new tokens, queries and
-outputs, over the median time).
+outputs, over the median time). ReTrace fusion reports the share of its traffic that the split into two kernels adds
+(the ``u`` round trip); the LM-head argmax reports the logits bytes it avoids.
 
     python benchmarks/kernels.py [--device cuda] [--dtype bfloat16] [--peak-gbps 4800] [--out kernels.json]
 
@@ -17,6 +18,8 @@ import time
 
 import torch
 
+from specdraft.kernels.lm_head_argmax import lm_head_argmax_reference, lm_head_argmax_triton
+from specdraft.kernels.retrace_fusion import FusionWeights, retrace_fusion_reference, retrace_fusion_triton
 from specdraft.kernels.speculative_attention import (
     pack_mask,
     speculative_attention_reference,
@@ -34,6 +37,7 @@ CASES = [  # (name, batch, context, new tokens, mask kind)
     ("tree64 bs8 ctx2k", 8, 2048, 64, "tree"),
 ]
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Qwen3-8B
+HIDDEN, VOCAB, BLOCK = 4096, 151936, 16  # Qwen3-8B, and DFlash's block
 
 
 def _tree_mask(B: int, T: int, g: torch.Generator) -> torch.Tensor:
@@ -104,6 +108,63 @@ def bench_attention(device: str, dtype: torch.dtype, peak_gbps: float | None, re
     return rows
 
 
+def _timed_pair(row: dict, reference, kernel, moved: int, device: str, peak_gbps: float | None, repeats: int):
+    row["reference_s"] = _time(reference, device, repeats)
+    row["reference_gbps"] = moved / row["reference_s"] / 1e9
+    if device == "cuda":
+        row["triton_s"] = _time(kernel, device, repeats)
+        row["triton_gbps"] = moved / row["triton_s"] / 1e9
+        row["speedup_vs_reference"] = row["reference_s"] / row["triton_s"]
+        if peak_gbps:
+            row["share_of_peak_bandwidth"] = row["triton_gbps"] / peak_gbps
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def bench_retrace_fusion(device: str, dtype: torch.dtype, peak_gbps: float | None, repeats: int) -> list[dict]:
+    """The fusion at the default width (``W = D``, the drafted token embedded: ``h = 2D``, ``c = 2D + 4``)."""
+    g = torch.Generator().manual_seed(0)
+    E = W = HIDDEN
+    Hd, C = 2 * E, 2 * E + 4
+
+    def r(*shape, std=1.0):
+        return (torch.randn(*shape, generator=g) * std).to(device, dtype)
+
+    w = FusionWeights(r(C, std=0.1) + 1, r(C, std=0.1), 1e-5, r(W, Hd + C, std=(Hd + C) ** -0.5), r(W, std=0.1),
+                      r(2 * E, W, std=W ** -0.5), r(2 * E, std=0.1))
+    rows = []
+    for b in (1, 8, 32):
+        n = torch.randint(0, BLOCK - 1, (b,), generator=g).to(device)
+        valid = torch.arange(BLOCK, device=device)[None, :] > n[:, None]
+        x, hidden, signals = r(b, BLOCK, E), r(b, BLOCK, Hd), r(b, BLOCK, C)
+        elem = torch.finfo(dtype).bits // 8
+        M = b * (BLOCK - 1)
+        weights = (Hd + C) * W + 2 * E * W
+        moved = elem * (weights + M * (Hd + C + 2 * E))  # weights once, gathered prior rows, x read + written
+        row = {"case": f"retrace fusion bs{b}", "batch": b, "rows": M, "bytes": moved,
+               "u_round_trip_share": 2 * M * W / (weights + M * (Hd + C + 2 * E))}
+        rows.append(_timed_pair(row, lambda: retrace_fusion_reference(x, hidden, signals, valid, n + 1, w),
+                                lambda: retrace_fusion_triton(x, hidden, signals, valid, n + 1, w), moved, device,
+                                peak_gbps, repeats))
+    return rows
+
+
+def bench_lm_head_argmax(device: str, dtype: torch.dtype, peak_gbps: float | None, repeats: int) -> list[dict]:
+    """Greedy tokens of a verify block (``BLOCK`` rows per request) at Qwen3's vocabulary."""
+    g = torch.Generator().manual_seed(0)
+    weight = (torch.randn(VOCAB, HIDDEN, generator=g) * HIDDEN ** -0.5).to(device, dtype)
+    elem = torch.finfo(dtype).bits // 8
+    rows = []
+    for b in (1, 8):
+        h = torch.randn(b * BLOCK, HIDDEN, generator=g).to(device, dtype)
+        moved = elem * (VOCAB * HIDDEN + b * BLOCK * HIDDEN)
+        row = {"case": f"lm head argmax bs{b}", "rows": b * BLOCK, "bytes": moved,
+               "logits_bytes_avoided": 2 * elem * b * BLOCK * VOCAB}  # written by the GEMM, read by the argmax
+        rows.append(_timed_pair(row, lambda: lm_head_argmax_reference(h, weight), lambda: lm_head_argmax_triton(
+            h, weight), moved, device, peak_gbps, repeats))
+    return rows
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -118,7 +179,9 @@ def main(argv=None) -> dict:
     if args.device == "cpu":
         args.repeats = min(args.repeats, 3)
     report = {"device": device_name, "dtype": args.dtype, "peak_gbps": peak, "heads": HEADS, "kv_heads": KV_HEADS,
-              "head_dim": HEAD_DIM, "speculative_attention": bench_attention(args.device, dtype, peak, args.repeats)}
+              "head_dim": HEAD_DIM, "speculative_attention": bench_attention(args.device, dtype, peak, args.repeats),
+              "retrace_fusion": bench_retrace_fusion(args.device, dtype, peak, args.repeats),
+              "lm_head_argmax": bench_lm_head_argmax(args.device, dtype, peak, args.repeats)}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
