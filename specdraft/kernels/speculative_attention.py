@@ -52,20 +52,22 @@ def dense_visibility(lengths: torch.Tensor, mask_bits: torch.Tensor, T: int) -> 
 
 def speculative_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                     lengths: torch.Tensor, mask_bits: torch.Tensor, scale: float,
-                                    visible: torch.Tensor | None = None) -> torch.Tensor:
-    """Eager PyTorch: a dense ``[B, T, S]`` mask (``visible``, built from the bits when not given) and
-    ``scaled_dot_product_attention`` (fp32 math, output in ``q.dtype``). Same arguments as the kernel; returns
+                                    plan: "AttentionPlan | None" = None) -> torch.Tensor:
+    """Eager PyTorch: a dense ``[B, T, S]`` mask and ``scaled_dot_product_attention`` (fp32 math, output in
+    ``q.dtype``). Same arguments as the kernel (``plan`` shares the dense mask between layers); returns
     ``[B, H, T, D]``."""
     B, H, T, D = q.shape
     if T == 0:
         return q.new_zeros(B, H, 0, D)
-    visible = dense_visibility(lengths, mask_bits, T) if visible is None else visible  # [B, T, used]
+    plan = plan if plan is not None else AttentionPlan(lengths, mask_bits, T)
+    visible = plan.visible()  # [B, T, used]
     used = visible.shape[-1]
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.float(), k_cache[:, :, :used].float(), v_cache[:, :, :used].float(), attn_mask=visible[:, None],
-        scale=scale, enable_gqa=H != k_cache.shape[1])  # [B, H, T, D]
-    seen = visible.any(-1)  # [B, T] a query that sees nothing returns zeros (SDPA would give NaN)
-    if not bool(seen.all()):
+        q.float(), k_cache[:, :, :used].float(), v_cache[:, :, :used].float(),
+        attn_mask=None if plan.everything_visible() else visible[:, None], scale=scale,
+        enable_gqa=H != k_cache.shape[1])  # [B, H, T, D]
+    seen = plan.seen()  # [B, T] a query that sees nothing returns zeros (SDPA would give NaN)
+    if seen is not None:
         out = torch.where(seen[:, None, :, None], out, 0.0)
     return out.to(q.dtype)
 
@@ -178,11 +180,28 @@ class AttentionPlan:
     def __init__(self, lengths: torch.Tensor, bits: torch.Tensor, T: int):
         self.lengths, self.bits, self.T = lengths, bits, T
         self._visible: torch.Tensor | None = None
+        self._facts: tuple[bool, torch.Tensor | None] | None = None
 
     def visible(self) -> torch.Tensor:
+        """The dense mask ``[B, T, max(lengths) + T]``."""
         if self._visible is None:
             self._visible = dense_visibility(self.lengths, self.bits, self.T)
         return self._visible
+
+    def _read_facts(self) -> tuple[bool, torch.Tensor | None]:
+        if self._facts is None:  # one host read per forward, not per layer
+            visible = self.visible()
+            seen = visible.any(-1)  # [B, T]
+            self._facts = (bool(visible.all()), None if bool(seen.all()) else seen)
+        return self._facts
+
+    def everything_visible(self) -> bool:
+        """Every query sees every slot of the dense mask (equal lengths, all-visible new tokens): no mask needed."""
+        return self._read_facts()[0]
+
+    def seen(self) -> torch.Tensor | None:
+        """``[B, T]`` whether each query sees any slot, or None when all do."""
+        return self._read_facts()[1]
 
 
 def plan_attention(lengths: torch.Tensor, new_mask: torch.Tensor) -> AttentionPlan:
@@ -231,7 +250,7 @@ def speculative_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     scale = D ** -0.5 if scale is None else scale
     if wants_triton(q, k_cache, v_cache):
         return speculative_attention_triton(q, k_cache, v_cache, plan.lengths, plan.bits, scale)
-    return speculative_attention_reference(q, k_cache, v_cache, plan.lengths, plan.bits, scale, plan.visible())
+    return speculative_attention_reference(q, k_cache, v_cache, plan.lengths, plan.bits, scale, plan)
 
 
 __all__ = ["pack_mask", "speculative_attention", "speculative_attention_reference", "speculative_attention_triton",

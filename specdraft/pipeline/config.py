@@ -206,8 +206,15 @@ class DecodeConfig:
     max_new_tokens: int = 256
     batch_size: int = 8
     seed: int = 0
+    cuda_graphs: bool = False
+    """Decode through the static-shape path: CUDA graphs per batch-size bucket on a GPU (the same static rounds run
+    without graphs on a CPU); greedy jobs take tokens from the fused LM-head argmax. Chains only, with ar or a drafter
+    without cross-round state (dflash, vp)."""
 
     def __post_init__(self):
+        if self.cuda_graphs and self.method in ("d2sd", "retrace"):
+            raise OptionError("cuda_graphs", f"the static path decodes chains with ar, dflash or vp, not "
+                              f"{self.method!r}")
         if self.method not in ("ar", "d2sd", *available_drafters()):
             raise OptionError("method", f"{self.method!r} is not one of ar, d2sd, {', '.join(available_drafters())}")
         check_range("tree_k", self.tree_k, 1)

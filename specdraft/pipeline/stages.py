@@ -24,6 +24,7 @@ from specdraft.runtime.decode import GenerationConfig
 from specdraft.runtime.drafter_io import check_compatible, load_drafter, read_drafter_config
 from specdraft.runtime.load import load_target, read_target_args
 from specdraft.runtime.sampling import SamplingParams
+from specdraft.runtime.static_decode import StaticEngine
 
 
 def log(msg: str) -> None:
@@ -114,10 +115,11 @@ def decode(cfg: RunConfig, input_path: Path, output_path: Path):
                                sampling=SamplingParams(d.temperature, d.top_k, d.top_p),
                                draft_sampling=d.draft_sampling)
         g = torch.Generator(device=tgt.lm_head.weight.device).manual_seed(d.seed)
+        engine = StaticEngine(tgt, drafter, d.batch_size, argmax_heads=d.temperature == 0) if d.cuda_graphs else None
         bar = tqdm(total=len(requests), desc=f"decode ({d.method})", unit="req", file=sys.stderr)
         stats = run_batch_job(requests, output_path, tok, tgt, gen, d.batch_size, drafter=drafter, generator=g,
                               enable_thinking=cfg.data.enable_thinking,
-                              progress=lambda n, s: bar.update(n), tree=tree)
+                              progress=lambda n, s: bar.update(n), tree=tree, engine=engine)
         bar.update(stats["skipped_done"] + stats["rejected"])
         bar.close()
         tps = stats["tokens"] / stats["seconds"] if stats["seconds"] else 0.0

@@ -140,9 +140,11 @@ def encode_requests(requests: list[Request], tokenizer, context: int | None, ena
 
 def run_batch_job(requests: list[Request], output: Path, tokenizer, target, gen: GenerationConfig, batch_size: int,
                   drafter=None, generator=None, enable_thinking: bool = False, progress=None,
-                  warn: Callable[[str], None] = warn_stderr, tree=None) -> dict:
+                  warn: Callable[[str], None] = warn_stderr, tree=None, engine: Callable | None = None) -> dict:
     """Decode ``requests`` (skipping ids already in ``output``) and append results. Returns job stats. ``tree`` (a
-    :class:`~specdraft.runtime.d2sd.TreeDrafting`) decodes with D²SD trees.
+    :class:`~specdraft.runtime.d2sd.TreeDrafting`) decodes with D²SD trees; ``engine`` (default
+    :func:`~specdraft.runtime.decode.generate`, or a :class:`~specdraft.runtime.static_decode.StaticEngine`) decodes
+    each batch.
 
     A request that cannot be decoded (see :func:`encode_requests`) is reported and skipped; the others are written.
     Generation stops at the target's context (``max_position_embeddings``) for every row."""
@@ -165,8 +167,8 @@ def run_batch_job(requests: list[Request], output: Path, tokenizer, target, gen:
             caps = [cap] * len(chunk) if isinstance(cap, int) else list(cap)
             chunk_gen = dataclasses.replace(gen, max_new_tokens=[min(c, context - len(ids))
                                                                  for c, (_, ids) in zip(caps, chunk)])
-        results = generate(target, [ids for _, ids in chunk], chunk_gen, drafter=drafter, generator=generator,
-                           tree=tree)
+        results = (engine or generate)(target, [ids for _, ids in chunk], chunk_gen, drafter=drafter,
+                                       generator=generator, tree=tree)
         rows = []
         for (req, _), res in zip(chunk, results):
             rows.append({"id": req.id, "completion": tokenizer.decode(res.tokens, skip_special_tokens=True),

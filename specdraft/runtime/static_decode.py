@@ -111,10 +111,7 @@ class StaticDecoder:
     def __init__(self, target: TargetLM, drafter: Drafter | None, max_batch: int, max_len: int,
                  buckets: Sequence[int] = BUCKETS, graphs: bool | None = None, argmax_heads: bool = False):
         dev = target.lm_head.weight.device
-        stateless = getattr(type(drafter), "next_round_state", None) is DFlashDrafter.next_round_state
-        if drafter is not None and not stateless:
-            raise ValueError(f"{type(drafter).__name__} keeps cross-round state: the static path runs stateless "
-                             "drafters (dflash, vp); use the eager engine")
+        self.check_drafter(drafter)
         self.target, self.drafter, self.dev = target, drafter, dev
         self.block = drafter.block_size if drafter is not None else 1
         self.buckets = sorted({b for b in buckets if b < max_batch} | {max_batch})
@@ -131,6 +128,14 @@ class StaticDecoder:
             self.dcache.fixed_shape = True
         self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self._buckets: dict[int, _Bucket] = {}
+
+    @staticmethod
+    def check_drafter(drafter: Drafter | None) -> None:
+        """Refuse, in one line, a drafter the static path cannot run."""
+        stateless = getattr(type(drafter), "next_round_state", None) is DFlashDrafter.next_round_state
+        if drafter is not None and not stateless:
+            raise ValueError(f"{type(drafter).__name__} keeps cross-round state: the static path runs stateless "
+                             "drafters (dflash, vp); use the eager engine")
 
     # ---- the three round steps of one bucket ----------------------------------------------------------------------
     def _bucket(self, n: int) -> _Bucket:
@@ -301,3 +306,42 @@ class StaticDecoder:
         return results  # type: ignore[return-value]
 
 
+
+
+class StaticEngine:
+    """A callable with :func:`~specdraft.runtime.decode.generate`'s signature over one :class:`StaticDecoder`, rebuilt
+    (caches reallocated, graphs recaptured) only when a batch needs more rows or cache slots than it has; slots are
+    rounded up to ``slot_step`` so growing requests rebuild rarely.
+
+    Args:
+        target, drafter: as :class:`StaticDecoder`; calls must pass the same models.
+        max_batch: the batch size of the job (the largest bucket).
+        argmax_heads: greedy jobs: tokens from the fused LM-head argmax, no logits.
+        graphs: as :class:`StaticDecoder`.
+    """
+
+    def __init__(self, target: TargetLM, drafter: Drafter | None, max_batch: int, argmax_heads: bool = False,
+                 graphs: bool | None = None, buckets: Sequence[int] = BUCKETS, slot_step: int = 256):
+        StaticDecoder.check_drafter(drafter)
+        self.target, self.drafter, self.max_batch = target, drafter, max_batch
+        self.argmax_heads, self.graphs, self.buckets, self.slot_step = argmax_heads, graphs, buckets, slot_step
+        self.decoder: StaticDecoder | None = None
+
+    def __call__(self, target: TargetLM, prompts: Sequence[Sequence[int]], config: GenerationConfig,
+                 drafter: Drafter | None = None, generator: torch.Generator | None = None, tree=None,
+                 **_) -> list[RowResult]:
+        if target is not self.target or drafter is not self.drafter:
+            raise ValueError("a StaticEngine decodes with the target and drafter it was built for")
+        if tree is not None:
+            raise ValueError("the static path decodes chains: D²SD trees run in the eager engine")
+        caps = [config.max_new_tokens] * len(prompts) if isinstance(config.max_new_tokens, int) else \
+            list(config.max_new_tokens)
+        block = drafter.block_size if drafter is not None else 1
+        need = max(len(p) + c for p, c in zip(prompts, caps)) + 2 * block
+        d = self.decoder
+        if d is None or need > d.max_len or len(prompts) > d.max_batch:
+            slots = -(-need // self.slot_step) * self.slot_step
+            self.decoder = None  # free the old caches and graphs first
+            d = self.decoder = StaticDecoder(self.target, self.drafter, max(self.max_batch, len(prompts)), slots,
+                                             self.buckets, self.graphs, self.argmax_heads)
+        return d.generate(prompts, config, generator)

@@ -67,13 +67,17 @@ def test_greedy_decode_job_equals_ar_job(tiny_world, drafter_dir, tmp_path):
     _write(inp, [json.dumps({"id": str(i), "prompt": p}) for i, p in
                  enumerate(["Mia has 3 apples.", "Tom has 12 coins. Then Tom finds 4 more coins.", "Ava"])])
     outs = {}
-    for method in ("ar", "dflash"):
-        outs[method] = tmp_path / f"{method}.jsonl"
-        assert main(["decode", *_args(tiny_world, drafter_dir, tmp_path, f"decode.method={method}"),
-                     "--input", str(inp), "--output", str(outs[method])]) == 0
+    for method, graphs in (("ar", "false"), ("dflash", "false"), ("dflash", "true"), ("ar", "true")):
+        outs[method, graphs] = tmp_path / f"{method}-{graphs}.jsonl"
+        assert main(["decode", *_args(tiny_world, drafter_dir, tmp_path, f"decode.method={method}",
+                                      f"decode.cuda_graphs={graphs}"),
+                     "--input", str(inp), "--output", str(outs[method, graphs])]) == 0
     comp = {m: {json.loads(line)["id"]: json.loads(line)["completion"]
                 for line in p.read_text().splitlines()} for m, p in outs.items()}
-    assert comp["ar"] == comp["dflash"]
+    assert comp["ar", "false"] == comp["dflash", "false"] == comp["dflash", "true"] == comp["ar", "true"]
+    static = {json.loads(line)["id"]: json.loads(line)["tau"] for line in outs["dflash", "true"].read_text().splitlines()}
+    eager = {json.loads(line)["id"]: json.loads(line)["tau"] for line in outs["dflash", "false"].read_text().splitlines()}
+    assert static == eager  # the static path drafts what the eager engine drafts
 
 
 def test_empty_input_is_a_clean_error(tiny_world, drafter_dir, tmp_path, capsys):

@@ -1,0 +1,105 @@
+"""Export a drafter and its target to ONNX (dynamo exporter, opset 18, named inputs and outputs, dynamic batch,
+new-token and context dimensions) with a manifest the runtime backends check before loading.
+
+Layout of an export directory::
+
+    drafter_ingest.onnx  drafter_draft.onnx  target_verify.onnx
+    embed_tokens.safetensors   the target's input embedding (the drafter's blocks are embedded with it)
+    manifest.json              graphs (inputs, outputs, opset, sha256), drafter and target identity, versions
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from specdraft.errors import SpecdraftError
+from specdraft.export.onnx_graphs import GRAPHS, DrafterDraft, DrafterIngest, TargetVerify, example_inputs
+from specdraft.runtime.backends.onnx import MANIFEST, sha256_file
+from specdraft.runtime.models.dflash import DFlashDrafter
+from specdraft.runtime.models.target import TargetLM
+
+OPSET = 18
+FORMAT_VERSION = 1
+
+
+def weights_hash(module: torch.nn.Module) -> str:
+    """sha256 over a module's parameters and buffers in name order (what was exported, whatever file it came from)."""
+    h = hashlib.sha256()
+    for name, t in sorted(module.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _dynamic_shapes(kind: str):
+    B, N, S = torch.export.Dim.DYNAMIC, torch.export.Dim.DYNAMIC, torch.export.Dim.DYNAMIC
+    if kind == "drafter_ingest":
+        return ({0: B, 1: N}, {0: B, 1: N})
+    return ({0: B, 1: N}, {0: B, 1: N}, {0: B, 1: N, 2: N}, {1: B, 3: S}, {1: B, 3: S}, {0: B})
+
+
+def export_graph(module: torch.nn.Module, kind: str, path: Path) -> dict:
+    """One graph to ``path``; returns its manifest entry."""
+    args = example_inputs(kind, module)
+    program = torch.onnx.export(module, args, dynamo=True, input_names=list(module.input_names),
+                                output_names=list(module.output_names), dynamic_shapes=_dynamic_shapes(kind),
+                                opset_version=OPSET, verbose=False)
+    program.save(str(path))
+    return {"file": path.name, "inputs": list(module.input_names), "outputs": list(module.output_names),
+            "opset": OPSET, "sha256": sha256_file(path)}
+
+
+@torch.no_grad()
+def export_onnx(drafter: DFlashDrafter, target: TargetLM, out_dir: str | Path, target_fingerprint: str = "") -> Path:
+    """Write the three graphs, the embedding and the manifest to ``out_dir``; returns the manifest path.
+
+    The drafter must be bound to ``target``; both are exported in their current dtype on the CPU. Drafters with
+    cross-round state (ReTrace) export their backbone's graphs only: the state's fusion is not in these graphs."""
+    if not isinstance(drafter, DFlashDrafter):
+        raise SpecdraftError(f"ONNX export takes a DFlash-family drafter, got {type(drafter).__name__}")
+    if type(drafter).next_round_state is not DFlashDrafter.next_round_state:
+        raise SpecdraftError(f"{type(drafter).__name__} keeps cross-round state, which the ONNX graphs do not carry "
+                             "yet: export a dflash or vp drafter")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    drafter, target = drafter.cpu().eval(), target.cpu().eval()
+    start = time.perf_counter()
+    modules = {"drafter_ingest": DrafterIngest(drafter), "drafter_draft": DrafterDraft(drafter),
+               "target_verify": TargetVerify(target, drafter.target_layer_ids)}
+    assert set(modules) == set(GRAPHS)
+    graphs = {kind: export_graph(m.eval(), kind, out / f"{kind}.onnx") for kind, m in modules.items()}
+    save_file({"weight": target.model.embed_tokens.weight.detach().contiguous()}, str(out / "embed_tokens.safetensors"))
+    c = drafter.config
+    manifest = {
+        "format": "specdraft-onnx", "format_version": FORMAT_VERSION, "flavour": "decomposed",
+        "graphs": graphs,
+        "drafter": {"arch": c.to_hf_config()["architectures"][0], "weights_sha256": weights_hash(drafter),
+                    "block_size": c.block_size, "mask_token_id": c.mask_token_id,
+                    "target_layer_ids": list(c.target_layer_ids), "num_layers": c.num_hidden_layers,
+                    "num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "hidden_size": c.hidden_size},
+        "target": {"weights_sha256": weights_hash(target), "fingerprint": target_fingerprint,
+                   "vocab_size": target.args.vocab_size, "num_layers": target.args.num_hidden_layers,
+                   "num_kv_heads": target.args.num_key_value_heads, "head_dim": target.args.head_dim,
+                   "hidden_size": target.args.hidden_size, "model_type": target.args.model_type},
+        "dtype": str(drafter.fc.weight.dtype).removeprefix("torch."),
+        "versions": {"torch": torch.__version__, "onnx": _version("onnx"), "onnxscript": _version("onnxscript"),
+                     "python": platform.python_version()},
+        "export_seconds": round(time.perf_counter() - start, 2),
+    }
+    path = out / MANIFEST
+    path.write_text(json.dumps(manifest, indent=2))
+    return path
+
+
+def _version(module: str) -> str:
+    try:
+        return __import__(module).__version__
+    except ImportError:
+        return "missing"

@@ -1,0 +1,145 @@
+"""The drafter's and the target's serving passes as self-contained modules with explicit caches, for the ONNX export.
+
+Three graphs, each a pure function of its inputs (no state, no host reads), sharing one attention form: the new
+tokens' queries over ``[cache ; new]`` keys with a visibility mask built from per-row lengths and the new tokens' own
+mask, so a chain, a D²SD tree, a drafter block and a prefill are all the same graph.
+
+- ``drafter_ingest``: target features of committed tokens and their positions -> the drafter's context K/V of those
+  tokens (per layer, to append at each row's length) and the fused context ``hidden_norm(fc(f))``.
+- ``drafter_draft``: block embeddings, positions, the new tokens' mask, the drafter's context cache and per-row
+  lengths -> final-normed hidden states and block logits (the target's LM head, borrowed, is part of the graph).
+- ``target_verify``: new token ids, positions, the new tokens' mask, the target's KV cache and per-row lengths ->
+  logits at the new tokens, the requested feature layers, and the new tokens' K/V.
+
+Cache layout: ``[L, B, H_kv, S, Dh]`` with row ``b`` valid below ``lengths[b]``; the runtime backends append the
+returned K/V (:mod:`specdraft.runtime.backends.onnx`). Attention is written with standard ops (``repeat_interleave``
+for GQA, masked softmax) so the decomposed flavour runs in any ONNX runtime.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specdraft.runtime.models.dflash import DFlashDrafter
+from specdraft.runtime.models.layers import AttentionProjections, rope_cos_sin
+from specdraft.runtime.models.target import TargetLM
+
+
+def cached_attention(attn: AttentionProjections, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                     cache_k: torch.Tensor, cache_v: torch.Tensor, lengths: torch.Tensor,
+                     new_mask: torch.Tensor) -> torch.Tensor:
+    """``q [B, H, T, Dh]`` over ``[cache (valid below lengths) ; new]`` -> ``[B, T, dim]`` (standard ops only).
+
+    ``cache_k/v [B, H_kv, S, Dh]``, ``k_new/v_new [B, H_kv, T, Dh]``, ``lengths [B]``, ``new_mask [B, T, T]`` bool.
+    A query that sees nothing returns zeros, as the speculative-attention reference does."""
+    B, H, T, Dh = q.shape
+    S = cache_k.shape[2]
+    group = H // cache_k.shape[1]
+    k = torch.cat([cache_k, k_new], dim=2).repeat_interleave(group, dim=1)  # [B, H, S + T, Dh]
+    v = torch.cat([cache_v, v_new], dim=2).repeat_interleave(group, dim=1)
+    committed = torch.arange(S, device=q.device)[None, :] < lengths[:, None]  # [B, S]
+    visible = torch.cat([committed[:, None, :].expand(B, T, S), new_mask], dim=2)  # [B, T, S + T]
+    scores = (q.float() @ k.float().transpose(-1, -2)) * Dh ** -0.5  # [B, H, T, S + T]
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    probs = torch.where(visible[:, None], probs, 0.0)  # rows that see nothing: 0, not NaN
+    out = (probs @ v.float()).to(q.dtype)  # [B, H, T, Dh]
+    return attn.o_proj(out.transpose(1, 2).reshape(B, T, H * Dh))
+
+
+class DrafterIngest(nn.Module):
+    """``(features [B, T, F], positions [B, T]) -> (k [L, B, H_kv, T, Dh], v [...], fused [B, T, D])``."""
+
+    input_names = ("features", "positions")
+    output_names = ("k", "v", "fused")
+
+    def __init__(self, drafter: DFlashDrafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, features: torch.Tensor, positions: torch.Tensor):
+        fused = self.drafter.fuse_context(features)  # [B, T, D]
+        kv = self.drafter.context_kv(features, positions, fused)
+        return torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv]), fused
+
+
+class DrafterDraft(nn.Module):
+    """``(block_embeds [B, Q, D], positions [B, Q], new_mask [B, Q, Q], cache_k/v [L, B, H_kv, S, Dh], lengths [B])
+    -> (hidden [B, Q, D], logits [B, Q, V])``."""
+
+    input_names = ("block_embeds", "positions", "new_mask", "cache_k", "cache_v", "lengths")
+    output_names = ("hidden", "logits")
+
+    def __init__(self, drafter: DFlashDrafter):
+        super().__init__()
+        self.drafter = drafter
+        self.lm_head = drafter.borrowed[1]
+
+    def forward(self, block_embeds, positions, new_mask, cache_k, cache_v, lengths):
+        d = self.drafter
+        cos, sin = rope_cos_sin(positions, d.inv_freq, block_embeds.dtype)
+        h = block_embeds
+        for i, layer in enumerate(d.layers):
+            q, k, v = layer.self_attn.qkv(layer.input_layernorm(h), cos, sin)
+            h = h + cached_attention(layer.self_attn, q, k, v, cache_k[i], cache_v[i], lengths, new_mask)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        hidden = d.norm(h)
+        return hidden, self.lm_head(hidden)
+
+
+class TargetVerify(nn.Module):
+    """``(tokens [B, T], positions [B, T], new_mask [B, T, T], cache_k/v [L, B, H_kv, S, Dh], lengths [B])
+    -> (logits [B, T, V], features [B, T, F], k [L, B, H_kv, T, Dh], v [...])`` for fixed ``feature_layers``."""
+
+    input_names = ("tokens", "positions", "new_mask", "cache_k", "cache_v", "lengths")
+    output_names = ("logits", "features", "k", "v")
+
+    def __init__(self, target: TargetLM, feature_layers: tuple[int, ...]):
+        super().__init__()
+        self.target, self.feature_layers = target, tuple(feature_layers)
+
+    def forward(self, tokens, positions, new_mask, cache_k, cache_v, lengths):
+        t = self.target
+        x = t.model.embed_tokens(tokens)  # [B, T, D]
+        cos, sin = rope_cos_sin(positions, t.inv_freq, x.dtype)
+        feats, ks, vs = {}, [], []
+        last = len(t.model.layers) - 1
+        for i, layer in enumerate(t.model.layers):
+            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
+            ks.append(k)
+            vs.append(v)
+            x = x + cached_attention(layer.self_attn, q, k, v, cache_k[i], cache_v[i], lengths, new_mask)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if i in self.feature_layers:
+                feats[i] = t.model.norm(x) if i == last else x
+        features = torch.cat([feats[i] for i in self.feature_layers], dim=-1) if self.feature_layers else \
+            x.new_zeros(*x.shape[:2], 0)
+        return t.lm_head(t.model.norm(x)), features, torch.stack(ks), torch.stack(vs)
+
+
+def example_inputs(kind: str, module: nn.Module, batch: int = 2, new: int = 3, context: int = 5):
+    """Example inputs (for tracing and tests) of one graph: ``batch`` rows, ``new`` new tokens, ``context`` slots."""
+    if kind == "drafter_ingest":
+        d = module.drafter
+        F = d.fc.in_features
+        return (torch.randn(batch, new, F, dtype=d.fc.weight.dtype),
+                torch.arange(new)[None, :].repeat(batch, 1) + context)
+    g = torch.Generator().manual_seed(0)
+    if kind == "drafter_draft":
+        c = module.drafter.config
+        L, Hkv, Dh, D, dtype = c.num_hidden_layers, c.num_key_value_heads, c.head_dim, c.hidden_size, \
+            module.drafter.fc.weight.dtype
+        first = torch.randn(batch, new, D, generator=g).to(dtype)
+    else:
+        a = module.target.args
+        L, Hkv, Dh, dtype = a.num_hidden_layers, a.num_key_value_heads, a.head_dim, module.target.lm_head.weight.dtype
+        first = torch.randint(0, a.vocab_size, (batch, new), generator=g)
+    lengths = torch.tensor([context - i % 2 for i in range(batch)])
+    positions = lengths[:, None] + torch.arange(new)
+    mask = torch.ones(new, new, dtype=torch.bool).tril().expand(batch, new, new).contiguous()
+    cache = torch.randn(2, L, batch, Hkv, context, Dh, generator=g).to(dtype)
+    return first, positions, mask, cache[0], cache[1], lengths
+
+
+GRAPHS = {"drafter_ingest": DrafterIngest, "drafter_draft": DrafterDraft, "target_verify": TargetVerify}

@@ -1,0 +1,122 @@
+"""ONNX export and the ONNX Runtime backend: each graph's ORT outputs equal the torch path's (fp32, max abs diff
+<= 1e-4) over batch sizes, ragged context lengths, tree masks and cache crops; a whole greedy decode through ORT is
+the target's output and drafts what the torch backend drafts, round for round; a wrong export is refused in one
+line."""
+
+import json
+
+import pytest
+import torch
+
+from specdraft.errors import SpecdraftError
+from specdraft.export.onnx import export_onnx, weights_hash
+from specdraft.runtime.backends.onnx import OnnxDrafter, OnnxTarget, load_manifest
+from specdraft.runtime.d2sd import TreeDrafting
+from specdraft.runtime.decode import GenerationConfig, generate
+from specdraft.runtime.drafter_io import convert_drafter
+from tests.helpers import make_drafter, make_target
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    target = make_target(seed=7, vocab=6, std=0.5)  # activations of O(10): fp32 agrees to 1e-4 absolute
+    drafter = make_drafter(target, seed=2, block_size=4)
+    out = tmp_path_factory.mktemp("onnx")
+    export_onnx(drafter, target, out)
+    return target, drafter, out
+
+
+def _tree_mask(B, T, seed):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(B, T, T, dtype=torch.bool)
+    for b in range(B):
+        for t in range(T):
+            mask[b, t, t] = True
+            if t:
+                mask[b, t] |= mask[b, int(torch.randint(0, t, (1,), generator=g))]
+    return mask
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_graphs_equal_the_torch_path(exported, B):
+    target, drafter, out = exported
+    ot, od = OnnxTarget(out), OnnxDrafter(out)
+    g = torch.Generator().manual_seed(B)
+    lens = torch.tensor([7, 3, 11][:B])
+    prompts = torch.randint(0, 6, (B, int(lens.max())), generator=g)
+    caches = {"torch": (target.new_cache(B, 40), drafter.new_cache(B, 40)), "onnx": (ot.new_cache(B, 40),
+                                                                                      od.new_cache(B, 40))}
+    results = {}
+    for name, (tm, dm) in {"torch": (target, drafter), "onnx": (ot, od)}.items():
+        tc, dc = caches[name]
+        with torch.no_grad():
+            pre = tm(prompts, cache=tc, feature_layers=dm.target_layer_ids)  # prefill, ragged: crop to lens
+            tc.crop(lens)
+            fused = dm.ingest(dc, pre.features, lens)
+            blk = torch.full((B, 4), 5)
+            blk[:, 0] = prompts[:, 0]
+            hidden = dm.draft_hidden(dc, dm.block_embeds(blk, None))
+            dlogits = dm.logits(hidden[:, 1:])
+            T = 6  # a tree pass over the target cache, then a crop below it and a causal pass
+            tree = tm(torch.randint(0, 6, (B, T), generator=torch.Generator().manual_seed(9)), cache=tc,
+                      positions=tc.lengths[:, None] + torch.tensor([0, 1, 1, 2, 2, 3]), new_mask=_tree_mask(B, T, 1),
+                      feature_layers=dm.target_layer_ids)
+            tc.crop(tc.lengths - 2)
+            chain = tm(torch.tensor([[1, 2, 3]] * B), cache=tc)
+        results[name] = [pre.logits, pre.features, fused, hidden, dlogits, tree.logits, tree.features, chain.logits]
+    for i, (a, b) in enumerate(zip(results["torch"], results["onnx"])):
+        assert a.shape == b.shape, i
+        assert (a.float() - b.float()).abs().max() <= TOL, i
+
+
+def test_greedy_decode_through_onnx_runtime_is_the_targets_and_drafts_like_torch(exported):
+    target, drafter, out = exported
+    ot, od = OnnxTarget(out), OnnxDrafter(out)
+    prompts = [[1, 2, 3], [5, 4, 3, 2, 1, 0], [4], [2, 2], [3, 1, 4, 1, 5]]
+    gen = GenerationConfig(max_new_tokens=[10, 14, 7, 12, 9])
+    want = generate(target, prompts, gen)
+    torch_spec = generate(target, prompts, gen, drafter=drafter)
+    onnx_spec = generate(ot, prompts, gen, drafter=od)
+    assert [r.tokens for r in onnx_spec] == [r.tokens for r in want]
+    assert [r.accepted for r in onnx_spec] == [r.accepted for r in torch_spec]  # same tau, round for round
+    assert sum(a for r in onnx_spec for a in r.accepted) > 0
+    assert [r.tokens for r in generate(ot, prompts, gen)] == [r.tokens for r in want]  # AR through ORT
+
+
+def test_d2sd_tree_through_onnx_runtime(exported):
+    target, drafter, out = exported
+    ot, od = OnnxTarget(out), OnnxDrafter(out)
+    second = convert_drafter(make_drafter(target, seed=5, block_size=4), "vp")
+    prompts, gen = [[1, 2, 3], [5, 4, 3, 2, 1, 0], [4]], GenerationConfig(max_new_tokens=[10, 8, 12])
+    got = generate(ot, prompts, gen, drafter=od, tree=TreeDrafting(second, 2))
+    want = generate(target, prompts, gen, drafter=drafter, tree=TreeDrafting(second, 2))
+    assert [r.tokens for r in got] == [r.tokens for r in want] == [r.tokens for r in generate(target, prompts, gen)]
+    assert [r.accepted for r in got] == [r.accepted for r in want]
+
+
+def test_a_wrong_export_is_refused_in_one_line(exported, tmp_path):
+    target, drafter, out = exported
+    m = load_manifest(out, drafter_sha256=weights_hash(drafter), target_sha256=weights_hash(target))
+    assert set(m["graphs"]) == {"drafter_ingest", "drafter_draft", "target_verify"}
+    other = make_drafter(target, seed=9, block_size=4)
+    with torch.no_grad():
+        other.fc.weight.add_(1.0)
+    with pytest.raises(SpecdraftError, match="another drafter"):
+        load_manifest(out, drafter_sha256=weights_hash(other))
+    with pytest.raises(SpecdraftError, match="another target"):
+        load_manifest(out, target_sha256=weights_hash(make_target(seed=1, vocab=6)))
+    with pytest.raises(SpecdraftError, match="not an ONNX export"):
+        load_manifest(tmp_path)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in out.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    with (broken / "drafter_draft.onnx").open("ab") as f:
+        f.write(b"\0")
+    with pytest.raises(SpecdraftError, match="does not match its manifest hash"):
+        load_manifest(broken)
+    (broken / "manifest.json").write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(SpecdraftError, match="format"):
+        load_manifest(broken)
