@@ -42,6 +42,7 @@ def test_dotted_overrides_are_typed():
     (["target.tiny.num_layers=2.5"], "target.tiny.num_layers"),
     (["train.retrace_chain=1.5"], "train.retrace_chain"),
     (["train.prior_dropout=-0.1"], "train.prior_dropout"),
+    (["decode.method=d2sd", "decode.cuda_graphs=true"], "decode.cuda_graphs"),
 ])
 def test_bad_keys_and_values_name_the_key(override, key):
     with pytest.raises(SpecdraftError, match=f"'{key}'"):
