@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from specdraft.errors import SpecdraftError
+from specdraft.export.custom_ops import TRANSLATIONS
 from specdraft.export.onnx_graphs import GRAPHS, DrafterDraft, DrafterIngest, TargetVerify, example_inputs
 from specdraft.runtime.backends.onnx import MANIFEST, sha256_file
 from specdraft.runtime.models.dflash import DFlashDrafter
@@ -45,20 +46,25 @@ def _dynamic_shapes(kind: str):
     return ({0: B, 1: N}, {0: B, 1: N}, {0: B, 1: N, 2: N}, {1: B, 3: S}, {1: B, 3: S}, {0: B})
 
 
-def export_graph(module: torch.nn.Module, kind: str, path: Path) -> dict:
+def export_graph(module: torch.nn.Module, kind: str, path: Path, flavour: str = "decomposed") -> dict:
     """One graph to ``path``; returns its manifest entry."""
     args = example_inputs(kind, module)
+    table = TRANSLATIONS if flavour == "fused" else None
     program = torch.onnx.export(module, args, dynamo=True, input_names=list(module.input_names),
                                 output_names=list(module.output_names), dynamic_shapes=_dynamic_shapes(kind),
-                                opset_version=OPSET, verbose=False)
+                                opset_version=OPSET, verbose=False, custom_translation_table=table)
     program.save(str(path))
     return {"file": path.name, "inputs": list(module.input_names), "outputs": list(module.output_names),
             "opset": OPSET, "sha256": sha256_file(path)}
 
 
 @torch.no_grad()
-def export_onnx(drafter: DFlashDrafter, target: TargetLM, out_dir: str | Path, target_fingerprint: str = "") -> Path:
+def export_onnx(drafter: DFlashDrafter, target: TargetLM, out_dir: str | Path, target_fingerprint: str = "",
+                flavour: str = "decomposed") -> Path:
     """Write the three graphs, the embedding and the manifest to ``out_dir``; returns the manifest path.
+
+    ``flavour``: ``decomposed`` (standard ONNX ops only) or ``fused`` (speculative attention as ``specdraft``
+    custom-op nodes, for TensorRT plugins; ONNX Runtime runs them by their references).
 
     The drafter must be bound to ``target``; both are exported in their current dtype on the CPU. Drafters with
     cross-round state (ReTrace) export their backbone's graphs only: the state's fusion is not in these graphs."""
@@ -71,14 +77,16 @@ def export_onnx(drafter: DFlashDrafter, target: TargetLM, out_dir: str | Path, t
     out.mkdir(parents=True, exist_ok=True)
     drafter, target = drafter.cpu().eval(), target.cpu().eval()
     start = time.perf_counter()
-    modules = {"drafter_ingest": DrafterIngest(drafter), "drafter_draft": DrafterDraft(drafter),
-               "target_verify": TargetVerify(target, drafter.target_layer_ids)}
+    if flavour not in ("decomposed", "fused"):
+        raise SpecdraftError(f"ONNX flavour {flavour!r} is not one of decomposed, fused")
+    modules = {"drafter_ingest": DrafterIngest(drafter), "drafter_draft": DrafterDraft(drafter, flavour),
+               "target_verify": TargetVerify(target, drafter.target_layer_ids, flavour)}
     assert set(modules) == set(GRAPHS)
-    graphs = {kind: export_graph(m.eval(), kind, out / f"{kind}.onnx") for kind, m in modules.items()}
+    graphs = {kind: export_graph(m.eval(), kind, out / f"{kind}.onnx", flavour) for kind, m in modules.items()}
     save_file({"weight": target.model.embed_tokens.weight.detach().contiguous()}, str(out / "embed_tokens.safetensors"))
     c = drafter.config
     manifest = {
-        "format": "specdraft-onnx", "format_version": FORMAT_VERSION, "flavour": "decomposed",
+        "format": "specdraft-onnx", "format_version": FORMAT_VERSION, "flavour": flavour,
         "graphs": graphs,
         "drafter": {"arch": c.to_hf_config()["architectures"][0], "weights_sha256": weights_hash(drafter),
                     "block_size": c.block_size, "mask_token_id": c.mask_token_id,

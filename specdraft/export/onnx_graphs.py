@@ -12,8 +12,11 @@ mask, so a chain, a D²SD tree, a drafter block and a prefill are all the same g
   logits at the new tokens, the requested feature layers, and the new tokens' K/V.
 
 Cache layout: ``[L, B, H_kv, S, Dh]`` with row ``b`` valid below ``lengths[b]``; the runtime backends append the
-returned K/V (:mod:`specdraft.runtime.backends.onnx`). Attention is written with standard ops (``repeat_interleave``
-for GQA, masked softmax) so the decomposed flavour runs in any ONNX runtime.
+returned K/V (:mod:`specdraft.runtime.backends.onnx`).
+
+Two flavours of attention: **decomposed** (standard ops: ``repeat_interleave`` for GQA, a masked softmax; runs in any
+ONNX runtime) and **fused** (the new K/V scattered into the cache at ``lengths + r`` and one ``specdraft`` custom-op
+node, ``SpeculativeAttention``, the Triton kernel's contract; a TensorRT plugin serves it).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specdraft.export.custom_ops import speculative_attention_op
+from specdraft.kernels.speculative_attention import pack_mask
 from specdraft.runtime.models.dflash import DFlashDrafter
 from specdraft.runtime.models.layers import AttentionProjections, rope_cos_sin
 from specdraft.runtime.models.target import TargetLM
@@ -48,6 +53,23 @@ def cached_attention(attn: AttentionProjections, q: torch.Tensor, k_new: torch.T
     return attn.o_proj(out.transpose(1, 2).reshape(B, T, H * Dh))
 
 
+def fused_cached_attention(attn: AttentionProjections, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                           cache_k: torch.Tensor, cache_v: torch.Tensor, lengths: torch.Tensor,
+                           new_mask: torch.Tensor) -> torch.Tensor:
+    """:func:`cached_attention` through the ``SpeculativeAttention`` custom op (same arguments and result)."""
+    B, H, T, Dh = q.shape
+    Hkv = cache_k.shape[1]
+    slots = (lengths[:, None] + torch.arange(T, device=q.device))[:, None, :, None].expand(B, Hkv, T, Dh)
+    room = cache_k.new_zeros(B, Hkv, T, Dh)
+    k = torch.cat([cache_k, room], dim=2).scatter(2, slots, k_new)  # [B, H_kv, S + T, Dh] new at lengths + r
+    v = torch.cat([cache_v, room], dim=2).scatter(2, slots, v_new)
+    out = speculative_attention_op(q, k, v, lengths, pack_mask(new_mask), Dh ** -0.5)  # [B, H, T, Dh]
+    return attn.o_proj(out.transpose(1, 2).reshape(B, T, H * Dh))
+
+
+ATTENTION = {"decomposed": cached_attention, "fused": fused_cached_attention}
+
+
 class DrafterIngest(nn.Module):
     """``(features [B, T, F], positions [B, T]) -> (k [L, B, H_kv, T, Dh], v [...], fused [B, T, D])``."""
 
@@ -71,10 +93,11 @@ class DrafterDraft(nn.Module):
     input_names = ("block_embeds", "positions", "new_mask", "cache_k", "cache_v", "lengths")
     output_names = ("hidden", "logits")
 
-    def __init__(self, drafter: DFlashDrafter):
+    def __init__(self, drafter: DFlashDrafter, flavour: str = "decomposed"):
         super().__init__()
         self.drafter = drafter
         self.lm_head = drafter.borrowed[1]
+        self.attention = ATTENTION[flavour]
 
     def forward(self, block_embeds, positions, new_mask, cache_k, cache_v, lengths):
         d = self.drafter
@@ -82,7 +105,7 @@ class DrafterDraft(nn.Module):
         h = block_embeds
         for i, layer in enumerate(d.layers):
             q, k, v = layer.self_attn.qkv(layer.input_layernorm(h), cos, sin)
-            h = h + cached_attention(layer.self_attn, q, k, v, cache_k[i], cache_v[i], lengths, new_mask)
+            h = h + self.attention(layer.self_attn, q, k, v, cache_k[i], cache_v[i], lengths, new_mask)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         hidden = d.norm(h)
         return hidden, self.lm_head(hidden)
@@ -95,9 +118,10 @@ class TargetVerify(nn.Module):
     input_names = ("tokens", "positions", "new_mask", "cache_k", "cache_v", "lengths")
     output_names = ("logits", "features", "k", "v")
 
-    def __init__(self, target: TargetLM, feature_layers: tuple[int, ...]):
+    def __init__(self, target: TargetLM, feature_layers: tuple[int, ...], flavour: str = "decomposed"):
         super().__init__()
         self.target, self.feature_layers = target, tuple(feature_layers)
+        self.attention = ATTENTION[flavour]
 
     def forward(self, tokens, positions, new_mask, cache_k, cache_v, lengths):
         t = self.target
@@ -109,7 +133,7 @@ class TargetVerify(nn.Module):
             q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
             ks.append(k)
             vs.append(v)
-            x = x + cached_attention(layer.self_attn, q, k, v, cache_k[i], cache_v[i], lengths, new_mask)
+            x = x + self.attention(layer.self_attn, q, k, v, cache_k[i], cache_v[i], lengths, new_mask)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if i in self.feature_layers:
                 feats[i] = t.model.norm(x) if i == last else x

@@ -20,10 +20,11 @@ if not torch.cuda.is_available():
 try:
     import triton  # noqa: F401
     import triton.language as tl  # noqa: F401
+    from triton.backends.compiler import GPUTarget  # noqa: F401  (ahead-of-time compilation for a target GPU)
 
     HAVE_TRITON = True
 except ImportError:  # the [triton] extra is not installed: launchers run the references
-    triton = tl = None
+    triton = tl = GPUTarget = None
     HAVE_TRITON = False
 
 Mode = Literal["auto", "triton", "reference"]

@@ -17,17 +17,21 @@ import os
 
 import torch
 
-from specdraft.kernels.dispatch import tl, triton, wants_triton
+from specdraft.kernels.dispatch import GPUTarget, tl, triton, wants_triton
 
 # ---- the bitmask ------------------------------------------------------------------------------------------------
+
+
+_POW2 = torch.tensor([1 << i for i in range(32)], dtype=torch.int64)  # bit weights (products, not shifts, so the
+# packing exports to ONNX ops that TensorRT's parser takes: it has no BitShift)
 
 
 def pack_mask(new_mask: torch.Tensor) -> torch.Tensor:
     """``[B, T, T]`` bool -> ``[B, T, W]`` int32 words, bit ``r % 32`` of word ``r // 32`` (``W = ceil(T / 32)``)."""
     B, T, _ = new_mask.shape
-    W = max(1, -(-T // 32))
+    W = (T + 31) // 32
     padded = torch.nn.functional.pad(new_mask.to(torch.int64), (0, 32 * W - T)).view(B, T, W, 32)
-    words = (padded << torch.arange(32, device=new_mask.device)).sum(-1)  # [B, T, W] in 0..2^32-1
+    words = (padded * _POW2.to(new_mask.device)).sum(-1)  # [B, T, W] in 0..2^32-1
     return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
 
 
@@ -90,11 +94,10 @@ if triton is not None:
         return m_new, l_i * alpha + tl.sum(p, 1), acc
 
     @triton.jit
-    def _speculative_attention_kernel(Q, K, V, Out, Lens, Bits, T, W, Hkv, scale,
-                                      sqb, sqh, sqt, skb, skh, sks, svb, svh, svs, sob, soh, sot,
-                                      G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                                      UPCAST: tl.constexpr):
+    def _attend(Q, K, V, Out, Lens, Bits, T, W, Hkv, scale,
+                sqb, sqh, sqt, skb, skh, sks, svb, svh, svs, sob, soh, sot,
+                G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
         b = pid_bh // Hkv
@@ -145,6 +148,28 @@ if triton is not None:
                  mask=row_ok[:, None] & d_ok[None, :])
 
 
+    @triton.jit
+    def _speculative_attention_kernel(Q, K, V, Out, Lens, Bits, T, W, Hkv, scale,
+                                      sqb, sqh, sqt, skb, skh, sks, svb, svh, svs, sob, soh, sot,
+                                      G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                                      UPCAST: tl.constexpr):
+        _attend(Q, K, V, Out, Lens, Bits, T, W, Hkv, scale, sqb, sqh, sqt, skb, skh, sks, svb, svh, svs, sob, soh,
+                sot, G, D, BLOCK_D, BLOCK_M, BLOCK_N, PRECISION, UPCAST)
+
+    @triton.jit
+    def _speculative_attention_aot_kernel(Q, K, V, Lens, Bits, T, W, Hkv, S, Out,
+                                          SCALE: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                                          BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                          PRECISION: tl.constexpr):
+        """Entry point for ahead-of-time compilation (a TensorRT plugin): TensorRT's argument order (inputs, int32
+        scalars, outputs), contiguous tensors, strides from the shapes (int64), the scale a compile-time constant."""
+        t, s, w = T.to(tl.int64), S.to(tl.int64), Hkv.to(tl.int64)
+        h = w * G
+        _attend(Q, K, V, Out, Lens, Bits, T, W, Hkv, SCALE, h * t * D, t * D, D, w * s * D, s * D, D,
+                w * s * D, s * D, D, h * t * D, t * D, D, G, D, BLOCK_D, BLOCK_M, BLOCK_N, PRECISION, False)
+
+
 def speculative_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  lengths: torch.Tensor, mask_bits: torch.Tensor, scale: float,
                                  block_m: int = 64, block_n: int = 64) -> torch.Tensor:
@@ -168,6 +193,25 @@ def speculative_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache
         BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 or interpreted else "tf32",
         UPCAST=interpreted and q.dtype == torch.bfloat16)
     return out
+
+
+AOT_BLOCK_M, AOT_BLOCK_N = 64, 64
+
+
+def compile_aot(dtype: str, head_dim: int, group: int, scale: float, arch: int = 90, block_m: int = AOT_BLOCK_M,
+                block_n: int = AOT_BLOCK_N):
+    """Compile the kernel ahead of time for a TensorRT plugin: returns Triton's compiled kernel (``.asm["ptx"]``,
+    ``.metadata.name``, ``.metadata.num_warps``, ``.metadata.shared``). ``dtype`` is ``fp16``, ``bf16`` or ``fp32``;
+    ``arch`` the SM version (90 = Hopper). Launch with grid ``(cdiv(group * T, block_m), B * H_kv)``."""
+    ptr = f"*{dtype}"
+    signature = {"Q": ptr, "K": ptr, "V": ptr, "Lens": "*i64", "Bits": "*i32", "T": "i32", "W": "i32", "Hkv": "i32",
+                 "S": "i32", "Out": ptr, "SCALE": "constexpr", "G": "constexpr", "D": "constexpr",
+                 "BLOCK_D": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "PRECISION": "constexpr"}
+    constexprs = {"SCALE": float(scale), "G": group, "D": head_dim,
+                  "BLOCK_D": max(16, triton.next_power_of_2(head_dim)), "BLOCK_M": block_m, "BLOCK_N": block_n,
+                  "PRECISION": "ieee" if dtype == "fp32" else "tf32"}
+    src = triton.compiler.ASTSource(fn=_speculative_attention_aot_kernel, signature=signature, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32))
 
 
 # ---- launcher -----------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +22,7 @@ from transformers import AutoTokenizer
 
 from specdraft.errors import SpecdraftError
 from specdraft.pipeline.config import RunConfig
+from specdraft.pipeline.exports import backend_models
 from specdraft.pipeline.tokenizer import stop_token_ids
 from specdraft.pipeline.tracking import Tracker
 from specdraft.pipeline.trees import FIRST_DRAFTERS, tree_drafting
@@ -137,6 +138,19 @@ def suite_prompts(world, suite: str, n: int, tokenizer, enable_thinking: bool = 
     return [ids for _, ids in encode_requests(reqs, tokenizer, context, enable_thinking, warn=lambda m: None)]
 
 
+@dataclass
+class _Entry:
+    """What one bench method decodes with."""
+
+    drafter: object  # None for AR
+    method: str  # ar, a drafter architecture, d2sd
+    stage: str
+    dir: str
+    tree: object  # TreeDrafting or None
+    target: object
+    backend: str  # torch, onnx, trt
+
+
 def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
     """Run the benchmark grid: AR and each (method, stage) drafter, interleaved on the same prompt batches."""
 
@@ -146,22 +160,32 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
     tok = AutoTokenizer.from_pretrained(str(world.target_dir), trust_remote_code=False)
     stops = stop_token_ids(tok)
     stages = b.stages or [cfg.train.export]
-    loaded = {}  # label -> (drafter, method, stage, dir, tree or None)
+    loaded = {"ar": _Entry(None, "ar", "", "", None, tgt, "torch")}  # label -> what a row decodes with
     for st in stages:
         d = Path(cfg.decode.drafter) if cfg.decode.drafter and len(stages) == 1 else cfg.drafter_dir(st)
         drafter = load_drafter(d, tgt)
-        loaded[f"{drafter.arch_name}:{st}"] = (drafter, drafter.arch_name, st, str(d), None)
+        for backend in b.backends:
+            if backend == "torch":
+                loaded[f"{drafter.arch_name}:{st}"] = _Entry(drafter, drafter.arch_name, st, str(d), None, tgt, backend)
+                continue
+            if drafter.arch_name not in FIRST_DRAFTERS:
+                raise SpecdraftError(f"config key 'bench.backends': the {backend} backend decodes dflash and vp "
+                                     f"drafters, not {drafter.arch_name} ({st})")
+            b_tgt, b_drafter = backend_models(backend, d, world)
+            loaded.setdefault(f"ar@{backend}", _Entry(None, "ar", "", str(d), None, b_tgt, backend))
+            loaded[f"{drafter.arch_name}:{st}@{backend}"] = _Entry(b_drafter, drafter.arch_name, st, str(d), None,
+                                                                   b_tgt, backend)
         trees = {}  # the second drafter is loaded once per first drafter
         for k in b.tree_ks if drafter.arch_name in FIRST_DRAFTERS else []:
             trees[k] = replace(trees[min(trees)], num_branches=k) if trees else tree_drafting(cfg, tgt, drafter, k)
             trees[k].check(drafter)
-            loaded[f"d2sd{k}:{st}"] = (drafter, "d2sd", st, str(d), trees[k])
+            loaded[f"d2sd{k}:{st}"] = _Entry(drafter, "d2sd", st, str(d), trees[k], tgt, "torch")
     dev = tgt.lm_head.weight.device
 
     d = cfg.decode
     settings = {"top_k": d.top_k, "top_p": d.top_p, "draft_sampling": d.draft_sampling, "repeats": b.repeats,
                 "seed": b.seed}
-    methods = ["ar", *loaded]
+    methods = list(loaded)
     context = tgt.args.max_position_embeddings
     suites = {s: suite_prompts(world, s, b.num_prompts, tok, cfg.data.enable_thinking, context) for s in b.suites}
     for suite in [s for s, p in suites.items() if not p]:
@@ -172,9 +196,9 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
         gen = GenerationConfig(max_new_tokens=8, stop_token_ids=stops, sampling=SamplingParams(temp, d.top_k, d.top_p),
                                draft_sampling=d.draft_sampling)
         for method in methods:
-            drafter, tree = (loaded[method][0], loaded[method][4]) if method != "ar" else (None, None)
-            generate(tgt, warm, gen, drafter=drafter, generator=torch.Generator(device=dev).manual_seed(b.seed),
-                     tree=tree)
+            e = loaded[method]
+            generate(e.target, warm, gen, drafter=e.drafter,
+                     generator=torch.Generator(device=dev).manual_seed(b.seed), tree=e.tree)
     rows = []
     turn = 0  # the order of methods alternates from one batch to the next across the whole grid
     for suite, prompts in suites.items():
@@ -191,10 +215,10 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
                         # interleaved on the same batch, the order alternating so no method always runs first
                         turn += 1
                         for method in (methods if turn % 2 else methods[::-1]):
-                            drafter, tree = (loaded[method][0], loaded[method][4]) if method != "ar" else (None, None)
+                            e = loaded[method]
                             g = torch.Generator(device=dev).manual_seed(b.seed + 1000 * rep + i)
                             t0 = time.perf_counter()
-                            res = generate(tgt, batch, gen, drafter=drafter, generator=g, tree=tree)
+                            res = generate(e.target, batch, gen, drafter=e.drafter, generator=g, tree=e.tree)
                             dt = time.perf_counter() - t0
                             a = acc[method]
                             a["seconds"] += dt
@@ -204,11 +228,12 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
                 d2 = distinct2([r.tokens for r in acc["ar"]["results"]])
                 for method in methods:
                     a = acc[method]
-                    block = loaded[method][0].block_size if method != "ar" else 1
+                    e = loaded[method]
+                    block = e.drafter.block_size if e.drafter is not None else 1
                     tps = a["tokens"] / a["seconds"]
-                    _, m_name, stage, ddir, tree = loaded.get(method, (None, "ar", "", "", None))
+                    m_name, stage, ddir, tree = e.method, e.stage, e.dir, e.tree
                     per_prompt = per_prompt_counts(a["results"], len(prompts))
-                    row = {"method": m_name, "drafter": ddir, "stage": stage, "suite": suite,
+                    row = {"method": m_name, "backend": e.backend, "drafter": ddir, "stage": stage, "suite": suite,
                            "temperature": temp, "batch_size": bs, **summarize(a["results"], block),
                            "tau_ci95": tau_interval(per_prompt, seed=b.seed), "tokens_per_s": tps,
                            "speedup": tps / ar_tps, "target_distinct2": d2, "num_prompts": len(prompts),
@@ -224,7 +249,9 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
     report = write_reports(rows, out_dir)
     for r in rows:
         if r["method"] != "ar":
-            key = f"bench/{r['method']}_{r['stage']}_{r['suite']}_T{r['temperature']:g}_bs{r['batch_size']}"
+            backend = f"_{r['backend']}" if r.get("backend", "torch") != "torch" else ""
+            key = (f"bench/{r['method']}{backend}_{r['stage']}_{r['suite']}_T{r['temperature']:g}"
+                   f"_bs{r['batch_size']}")
             tracker.log_metrics({f"{key}_tau": r["tau"], f"{key}_speedup": r["speedup"],
                                  f"{key}_acceptance_rate": r["acceptance_rate"]})
     tracker.log_artifact(out_dir, "bench")
@@ -241,6 +268,8 @@ def write_reports(rows: list[dict], out_dir: Path) -> dict:
         lo, hi = r["tau_ci95"]
         method = (f"d2sd K={r['tree_k']}" + (f" {r['placement']}" if r["placement"] != "confidence" else "")
                   + (" distinct" if r.get("distinct") else "")) if r["method"] == "d2sd" else r["method"]
+        if r.get("backend", "torch") != "torch":
+            method += f" @{r['backend']}"
         lines.append(f"| {method} | {r['stage'] or '-'} | {r['suite']} | {r['temperature']:g} | {r['batch_size']} "
                      f"| {r['num_prompts']} x {r['repeats']} | {r['tau']:.2f} ({lo:.2f}-{hi:.2f}) "
                      f"| {r['acceptance_rate']:.3f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x "

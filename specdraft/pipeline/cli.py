@@ -6,6 +6,7 @@
     specdraft train CONFIG                      train the drafter (Lightning), export the best to HF format
     specdraft decode CONFIG --input I --output O   batch speculative decoding over JSONL (resumable)
     specdraft bench CONFIG                      AR vs drafters on held-out suites -> JSON, markdown, PNG, MLflow
+    specdraft export CONFIG --to hf|onnx|trt    the drafter's deployment artifacts (ONNX graphs, TensorRT engines)
     specdraft init-drafter --target DIR --out DIR  write a freshly initialised drafter for a target
 
 User errors print one line (``error: ...``) and exit 2; ``--print-config`` prints the resolved config and exits.
@@ -41,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, help="JSONL: {id, prompt} or {id, messages} per line")
     p.add_argument("--output", required=True, help="JSONL results, appended; a rerun resumes")
     _config_parser(sub, "bench", "benchmark AR vs drafters on held-out suites")
+    p = _config_parser(sub, "export", "write the drafter's deployment artifacts next to it and log them to MLflow")
+    p.add_argument("--to", choices=["hf", "onnx", "trt"], default="onnx",
+                   help="hf: the training export; onnx: ONNX graphs (decomposed and fused); trt: those and TensorRT "
+                        "engines (needs TensorRT and a GPU)")
     p = sub.add_parser("init-drafter", help="write a freshly initialised DFlash drafter for a target")
     p.add_argument("--target", required=True, help="local HF target checkpoint directory")
     p.add_argument("--out", required=True, help="output drafter directory")
@@ -94,6 +99,8 @@ def _dispatch(args) -> int:
         return 0
     if args.command == "decode":
         stages.decode(cfg, Path(args.input), Path(args.output))
+    elif args.command == "export":
+        stages.export(cfg, args.to)
     else:
         getattr(stages, args.command)(cfg)
     return 0

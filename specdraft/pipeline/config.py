@@ -20,6 +20,7 @@ from typing import Literal
 import yaml
 
 from specdraft.errors import OptionError, SpecdraftError, check_range
+from specdraft.export.tensorrt import EngineShapes
 from specdraft.lit_modules.stage_table import STAGES, Objective
 from specdraft.runtime.models import available_drafters
 from specdraft.runtime.models.retrace import ReTraceOptions
@@ -206,12 +207,20 @@ class DecodeConfig:
     max_new_tokens: int = 256
     batch_size: int = 8
     seed: int = 0
+    backend: Literal["torch", "onnx", "trt"] = "torch"
+    """What runs the target and the drafter: PyTorch, the ONNX export in ONNX Runtime, or the TensorRT engines
+    (``specdraft export CONFIG --to onnx|trt`` writes them next to the drafter)."""
     cuda_graphs: bool = False
     """Decode through the static-shape path: CUDA graphs per batch-size bucket on a GPU (the same static rounds run
     without graphs on a CPU); greedy jobs take tokens from the fused LM-head argmax. Chains only, with ar or a drafter
     without cross-round state (dflash, vp)."""
 
     def __post_init__(self):
+        if self.backend not in ("torch", "onnx", "trt"):
+            raise OptionError("backend", f"{self.backend!r} is not one of torch, onnx, trt")
+        if self.backend != "torch" and (self.cuda_graphs or self.method in ("d2sd", "retrace")):
+            raise OptionError("backend", f"the {self.backend} backend decodes chains with ar, dflash or vp (no CUDA "
+                              "graphs, no trees, no cross-round state)")
         if self.cuda_graphs and self.method in ("d2sd", "retrace"):
             raise OptionError("cuda_graphs", f"the static path decodes chains with ar, dflash or vp, not "
                               f"{self.method!r}")
@@ -239,6 +248,9 @@ class BenchConfig:
     max_new_tokens: int = 128
     repeats: int = 1
     seed: int = 0
+    backends: list[str] = field(default_factory=lambda: ["torch"])
+    """Backends each chain drafter (and AR) runs on, side by side: torch, onnx, trt (rows ``<method>@<backend>``;
+    the exports must exist: ``specdraft export CONFIG --to onnx|trt``)."""
     tree_ks: list[int] = field(default_factory=list)
     """D²SD rows: for each DFlash drafter in ``stages`` and each K here, a d2sd row with that first drafter and K
     branches (second drafter and placement from ``decode.second_drafter`` / ``decode.tree_placement``)."""
@@ -256,6 +268,15 @@ class BenchConfig:
             check_range(key, getattr(self, key), 1)
         for bs in self.batch_sizes:
             check_range("batch_sizes", bs, 1)
+        for backend in self.backends:
+            if backend not in ("torch", "onnx", "trt"):
+                raise OptionError("backends", f"{backend!r} is not one of torch, onnx, trt")
+
+
+@dataclass
+class ExportConfig:
+    trt: EngineShapes = field(default_factory=EngineShapes)
+    """TensorRT engines (``--to trt``): optimisation profiles and precision."""
 
 
 @dataclass
@@ -277,6 +298,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     @property

@@ -14,6 +14,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.pipeline.bench import run_bench
 from specdraft.pipeline.config import RunConfig, dump_yaml, to_flat_dict
 from specdraft.pipeline.data import regenerate
+from specdraft.pipeline.exports import backend_models, run_export
 from specdraft.pipeline.tokenizer import stop_token_ids
 from specdraft.pipeline.tracking import Tracker, make_tracker
 from specdraft.pipeline.train import train_drafter
@@ -107,8 +108,12 @@ def decode(cfg: RunConfig, input_path: Path, output_path: Path):
                                  f"a {arch!r} drafter")
         check_compatible(dcfg, read_target_args(world.target_dir))
     with tracked(cfg, "decode") as tr:
-        tgt = load_target(world.target_dir, dtype=cfg.target.dtype, device=cfg.target.device)
-        drafter = load_drafter(drafter_dir, tgt) if drafter_dir else None
+        if d.backend == "torch":
+            tgt = load_target(world.target_dir, dtype=cfg.target.dtype, device=cfg.target.device)
+            drafter = load_drafter(drafter_dir, tgt) if drafter_dir else None
+        else:  # the exports of the configured drafter hold the target too (for AR as well)
+            tgt, drafter = backend_models(d.backend, drafter_dir or default_drafter_dir(cfg), world,
+                                          with_drafter=drafter_dir is not None)
         tree = tree_drafting(cfg, tgt, drafter) if d.method == "d2sd" else None
         tok = AutoTokenizer.from_pretrained(str(world.target_dir), trust_remote_code=False)
         gen = GenerationConfig(max_new_tokens=d.max_new_tokens, stop_token_ids=stop_token_ids(tok),
@@ -128,6 +133,17 @@ def decode(cfg: RunConfig, input_path: Path, output_path: Path):
             f"skipped) -> {output_path}; "
             f"tau {stats['tau']:.2f}, {tps:.1f} tok/s")
         return stats
+
+
+def export(cfg: RunConfig, to: str = "onnx"):
+    """Write the drafter's deployment artifacts (``hf``: the training export itself; ``onnx``: both ONNX
+    flavours; ``trt``: those and the TensorRT engines) and log them to MLflow."""
+    world = existing_world(cfg)
+    drafter_dir = default_drafter_dir(cfg)
+    if not (drafter_dir / "config.json").is_file():
+        raise SpecdraftError(f"no drafter in {drafter_dir}: train one (specdraft train CONFIG) or set decode.drafter")
+    with tracked(cfg, "export") as tr:
+        return run_export(cfg, world, drafter_dir, to, tr, log)
 
 
 def bench(cfg: RunConfig, world=None):

@@ -1,0 +1,74 @@
+"""TensorRT plugins for the fused graphs' custom ops, through TensorRT's Python plugin API ("quickly deployable
+plugins", ``tensorrt.plugin``; TensorRT >= 10.7 for ahead-of-time implementations), with the Triton kernels compiled
+ahead of time to PTX so the engine carries them and runs without Python.
+
+Each op is registered under ``<domain>::<name>`` of its spec (:mod:`specdraft.runtime.backends.custom_ops`), with its
+inputs and attributes in the spec's order, so the ONNX parser maps the fused graph's nodes onto it. TensorRT cannot be
+installed on the CPU machines this project is developed on: everything here up to ``register_plugins`` is checked
+there (the PTX compiles for a target GPU without one, see ``tests/export/test_tensorrt.py``); the registration and
+engine build run only where TensorRT is installed.
+"""
+
+from __future__ import annotations
+
+from specdraft.errors import SpecdraftError
+from specdraft.kernels.speculative_attention import AOT_BLOCK_M, compile_aot
+from specdraft.runtime.backends.custom_ops import DOMAIN, SPECULATIVE_ATTENTION
+
+try:
+    import tensorrt as trt
+    import tensorrt.plugin as trtp
+except ImportError:  # the [trt] extra: NVIDIA's index, not reachable from every machine
+    trt = trtp = None
+
+SPECULATIVE_ATTENTION_ID = f"{DOMAIN}::{SPECULATIVE_ATTENTION.name}"
+_registered: dict[str, int] = {}
+
+
+def _triton_dtype(dtype) -> str:
+    names = {trt.float16: "fp16", trt.bfloat16: "bf16", trt.float32: "fp32"}
+    if dtype not in names:
+        raise SpecdraftError(f"{SPECULATIVE_ATTENTION_ID}: unsupported dtype {dtype}")
+    return names[dtype]
+
+
+def _constant(expr, what: str) -> int:
+    if not expr.is_constant:
+        raise SpecdraftError(f"{SPECULATIVE_ATTENTION_ID}: {what} must be fixed when the engine is built")
+    return int(expr.constant_value())
+
+
+def register_plugins(arch: int) -> None:
+    """Register every custom op's plugin for SM ``arch`` (e.g. 90), once per process."""
+    if trtp is None:
+        raise SpecdraftError("TensorRT is not installed (pip install '.[trt]' from NVIDIA's index on a GPU machine)")
+    if _registered:
+        if _registered["arch"] != arch:
+            raise SpecdraftError(f"plugins were registered for sm_{_registered['arch']}, not sm_{arch}")
+        return
+
+    @trtp.register(SPECULATIVE_ATTENTION_ID)
+    def _desc(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDesc, lengths: trtp.TensorDesc,
+              mask_bits: trtp.TensorDesc, scale: float) -> trtp.TensorDesc:
+        return q.like()  # [B, H, T, Dh] in q's dtype
+
+    @trtp.autotune(SPECULATIVE_ATTENTION_ID)
+    def _formats(q, k, v, lengths, mask_bits, outputs) -> list:
+        return [trtp.AutoTuneCombination(f"{t}, {t}, {t}, INT64, INT32, {t}") for t in ("BF16", "FP16", "FP32")]
+
+    @trtp.aot_impl(SPECULATIVE_ATTENTION_ID)
+    def _aot(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDesc, lengths: trtp.TensorDesc,
+             mask_bits: trtp.TensorDesc, scale: float, outputs, tactic: int):
+        B, H, T, D = q.shape_expr
+        Hkv, S, W = k.shape_expr[1], k.shape_expr[2], mask_bits.shape_expr[2]
+        heads, kv_heads = _constant(H, "query heads"), _constant(Hkv, "KV heads")
+        kernel = compile_aot(_triton_dtype(q.dtype), _constant(D, "head dim"), heads // kv_heads, scale, arch)
+        launch = trtp.KernelLaunchParams()
+        launch.grid_x = trtp.cdiv(T * (heads // kv_heads), AOT_BLOCK_M)
+        launch.grid_y = B * kv_heads
+        launch.block_x = kernel.metadata.num_warps * 32
+        launch.shared_mem = kernel.metadata.shared
+        scalars = trtp.SymIntExprs.from_tuple([trtp.SymInt32(e) for e in (T, W, Hkv, S)])  # the kernel's i32 args
+        return kernel.metadata.name.encode(), kernel.asm["ptx"].encode(), launch, scalars
+
+    _registered["arch"] = arch

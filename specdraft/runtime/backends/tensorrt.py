@@ -1,0 +1,141 @@
+"""TensorRT backend: engines built by :mod:`specdraft.export.tensorrt` behind the engine's interfaces
+(:class:`TrtTarget`, :class:`TrtDrafter`; the shared half is :mod:`.exported`), on CUDA tensors.
+
+:func:`load_engine_manifest` refuses, in one line, engines this machine or this run must not load: another TensorRT
+version or GPU, engine or ONNX files changed since the build, or an export of another drafter or target.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from specdraft.errors import SpecdraftError
+from specdraft.runtime.backends.exported import DTYPES, ExportedDrafter, ExportedTarget
+from specdraft.runtime.backends.onnx import load_manifest, sha256_file
+
+try:
+    import tensorrt as trt
+except ImportError:  # the [trt] extra
+    trt = None
+
+ENGINE_MANIFEST = "engine_manifest.json"
+FORMAT = "specdraft-tensorrt"
+
+
+def load_engine_manifest(engine_dir: str | Path, drafter_sha256: str | None = None,
+                         target_sha256: str | None = None, check_runtime: bool = True) -> dict:
+    """Read and check an engine manifest (one clear line per refusal)."""
+    d = Path(engine_dir)
+    path = d / ENGINE_MANIFEST
+    if not path.is_file():
+        raise SpecdraftError(f"{d} holds no TensorRT engines: no {ENGINE_MANIFEST} "
+                             "(run specdraft export CONFIG --to trt)")
+    try:
+        m = json.loads(path.read_text())
+    except ValueError as e:
+        raise SpecdraftError(f"{path} is corrupt: {e}") from None
+    if m.get("format") != FORMAT:
+        raise SpecdraftError(f"{path}: format {m.get('format')!r} is not {FORMAT!r}")
+    for kind, e in m["engines"].items():
+        f = d / e["file"]
+        if not f.is_file():
+            raise SpecdraftError(f"{d}: engine {kind} ({e['file']}) is missing")
+        if sha256_file(f) != e["sha256"]:
+            raise SpecdraftError(f"{f} does not match its manifest hash: the engine was changed after the build")
+        if e["onnx_sha256"] != m["onnx_manifest"]["graphs"][kind]["sha256"]:
+            raise SpecdraftError(f"{f} was built from another ONNX graph than the manifest's {kind}")
+    onnx = m["onnx_manifest"]
+    if drafter_sha256 is not None and onnx["drafter"]["weights_sha256"] != drafter_sha256:
+        raise SpecdraftError(f"{d} was built for another drafter (weights sha256 "
+                             f"{onnx['drafter']['weights_sha256'][:12]}, this drafter {drafter_sha256[:12]}): "
+                             "rebuild")
+    if target_sha256 is not None and onnx["target"]["weights_sha256"] != target_sha256:
+        raise SpecdraftError(f"{d} was built for another target (weights sha256 "
+                             f"{onnx['target']['weights_sha256'][:12]}, this target {target_sha256[:12]}): rebuild")
+    if check_runtime:
+        if trt is None:
+            raise SpecdraftError("TensorRT is not installed (pip install '.[trt]' from NVIDIA's index on a GPU "
+                                 "machine)")
+        v = m["versions"]
+        if v["tensorrt"] != trt.__version__:
+            raise SpecdraftError(f"{d} was built with TensorRT {v['tensorrt']}, this is {trt.__version__}: rebuild")
+        if not torch.cuda.is_available():
+            raise SpecdraftError("TensorRT engines need a CUDA GPU")
+        major, minor = torch.cuda.get_device_capability()
+        if v["sm"] != 10 * major + minor:
+            raise SpecdraftError(f"{d} was built for sm_{v['sm']} ({v['gpu']}), this GPU is sm_{10 * major + minor} "
+                                 f"({torch.cuda.get_device_name()}): rebuild")
+    return m
+
+
+class _Engine:
+    """One deserialised engine run on torch CUDA tensors; the profile is the smallest bucket holding the batch."""
+
+    def __init__(self, path: Path, entry: dict, runtime, dtype: torch.dtype):
+        self.engine = runtime.deserialize_cuda_engine(path.read_bytes())
+        if self.engine is None:
+            raise SpecdraftError(f"{path}: TensorRT could not deserialise the engine")
+        self.context = self.engine.create_execution_context()
+        self.inputs, self.outputs, self.dtype = entry["inputs"], entry["outputs"], dtype
+        self.max_batch = [p[self.inputs[0]][2][0] for p in entry["profiles"]]  # per profile, dim 0 of its max shape
+
+    def __call__(self, **feeds: torch.Tensor) -> dict[str, torch.Tensor]:
+        B = feeds[self.inputs[0]].shape[0]
+        profile = next((i for i, b in enumerate(self.max_batch) if B <= b), None)
+        if profile is None:
+            raise SpecdraftError(f"batch of {B} rows exceeds the engines' largest bucket ({self.max_batch[-1]})")
+        stream = torch.cuda.current_stream()
+        self.context.set_optimization_profile_async(profile, stream.cuda_stream)
+        keep = []
+        for name in self.inputs:
+            t = feeds[name].cuda()
+            t = (t.to(self.dtype) if t.is_floating_point() else t).contiguous()
+            keep.append(t)
+            self.context.set_input_shape(name, tuple(t.shape))
+            self.context.set_tensor_address(name, t.data_ptr())
+        out = {}
+        for name in self.outputs:
+            shape = tuple(self.context.get_tensor_shape(name))
+            dtype = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16,
+                     trt.int64: torch.int64, trt.int32: torch.int32}[self.engine.get_tensor_dtype(name)]
+            out[name] = torch.empty(shape, dtype=dtype, device="cuda")
+            self.context.set_tensor_address(name, out[name].data_ptr())
+        if not self.context.execute_async_v3(stream.cuda_stream):
+            raise SpecdraftError("TensorRT failed to run the engine")
+        return out
+
+
+def _opener(engine_dir: Path, manifest: dict):
+    runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[manifest["precision"]]
+    return lambda kind: _Engine(engine_dir / manifest["engines"][kind]["file"], manifest["engines"][kind], runtime,
+                                dtype)
+
+
+class TrtTarget(ExportedTarget):
+    """The target as a TensorRT engine."""
+
+    def __init__(self, engine_dir: str | Path, manifest: dict | None = None):
+        d = Path(engine_dir)
+        m = manifest or load_engine_manifest(d)
+        super().__init__({**m["onnx_manifest"], "dtype": DTYPES_BY_PRECISION[m["precision"]]}, _opener(d, m), "cuda")
+
+
+class TrtDrafter(ExportedDrafter):
+    """The drafter as TensorRT engines (the target's embedding from the ONNX export beside them)."""
+
+    def __init__(self, engine_dir: str | Path, onnx_dir: str | Path, manifest: dict | None = None):
+        d = Path(engine_dir)
+        m = manifest or load_engine_manifest(d)
+        load_manifest(onnx_dir)  # the embedding's export must be intact too
+        embed = load_file(str(Path(onnx_dir) / "embed_tokens.safetensors"))["weight"]
+        super().__init__({**m["onnx_manifest"], "dtype": DTYPES_BY_PRECISION[m["precision"]]}, _opener(d, m), embed,
+                         "cuda")
+
+
+DTYPES_BY_PRECISION = {"bf16": "bfloat16", "fp16": "float16"}
+assert set(DTYPES_BY_PRECISION.values()) <= set(DTYPES)

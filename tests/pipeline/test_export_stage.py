@@ -1,0 +1,81 @@
+"""`specdraft export --to onnx` end to end on a seconds-sized world, and the engine backends in decode and bench:
+the ONNX backend writes what the torch backend writes; an export of another drafter, a changed graph or a missing
+export is one line before any compute; MLflow gets the artifacts as a new version of the drafter's model."""
+
+import json
+import shutil
+
+import pytest
+
+from specdraft.pipeline.cli import main
+from tests.pipeline.test_decode_job import _args, _write, drafter_dir  # noqa: F401  (a fixture)
+
+
+@pytest.fixture(scope="module")
+def exported_drafter(tiny_world, tmp_path_factory):
+    """A drafter exported once for this module (the last test to use it tampers with the export)."""
+    root = tmp_path_factory.mktemp("export")
+    out = root / "drafter"
+    assert main(["init-drafter", "--target", str(tiny_world.target_dir), "--out", str(out), "--layers", "1",
+                 "--block-size", "4"]) == 0
+    args = ["configs/tiny.yaml", f"target.path={tiny_world.target_dir}", f"decode.drafter={out}",
+            f"work_dir={root / 'work'}", f"tracking.uri=sqlite:///{root / 'mlflow.db'}"]
+    assert main(["export", *args, "--to", "onnx"]) == 0
+    return out
+
+
+def test_export_writes_both_flavours_with_manifests_and_registers_them(exported_drafter):
+    for flavour in ("decomposed", "fused"):
+        m = json.loads((exported_drafter / "onnx" / flavour / "manifest.json").read_text())
+        assert m["flavour"] == flavour and set(m["graphs"]) == {"drafter_ingest", "drafter_draft", "target_verify"}
+        assert m["target"]["fingerprint"] and m["drafter"]["weights_sha256"]
+    import mlflow  # noqa: PLC0415  (slow to import; this test only)
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{exported_drafter.parent / 'mlflow.db'}")
+    versions = client.search_model_versions("name LIKE 'tiny%'")
+    assert any(v.tags.get("backend") == "onnx" for v in versions)
+
+
+def test_decode_on_the_onnx_backend_writes_what_torch_writes(exported_drafter, tiny_world, tmp_path, capsys):
+    inp = tmp_path / "in.jsonl"
+    _write(inp, [json.dumps({"id": str(i), "prompt": p}) for i, p in
+                 enumerate(["Mia has 3 apples.", "Tom has 12 coins. Then Tom finds 4 more coins.", "Ava"])])
+    outs = {}
+    for backend, method in (("torch", "dflash"), ("onnx", "dflash"), ("onnx", "ar")):
+        outs[backend, method] = tmp_path / f"{backend}-{method}.jsonl"
+        assert main(["decode", *_args(tiny_world, exported_drafter, tmp_path, f"decode.backend={backend}",
+                                      f"decode.method={method}"),
+                     "--input", str(inp), "--output", str(outs[backend, method])]) == 0
+    rows = {k: {json.loads(line)["id"]: json.loads(line) for line in p.read_text().splitlines()}
+            for k, p in outs.items()}
+    assert {i: r["completion"] for i, r in rows["onnx", "dflash"].items()} == \
+        {i: r["completion"] for i, r in rows["torch", "dflash"].items()} == \
+        {i: r["completion"] for i, r in rows["onnx", "ar"].items()}
+    assert {i: r["accept_lengths"] for i, r in rows["onnx", "dflash"].items()} == \
+        {i: r["accept_lengths"] for i, r in rows["torch", "dflash"].items()}
+
+    # a changed graph, and an export left behind by another drafter, are refused in one line
+    other = tmp_path / "other"
+    shutil.copytree(exported_drafter, other)
+    fused = exported_drafter / "onnx" / "decomposed" / "target_verify.onnx"
+    fused.write_bytes(fused.read_bytes() + b"\0")
+    capsys.readouterr()
+    assert main(["decode", *_args(tiny_world, exported_drafter, tmp_path, "decode.backend=onnx"),
+                 "--input", str(inp), "--output", str(tmp_path / "x.jsonl")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not match its manifest hash" in err[0]
+    assert main(["init-drafter", "--target", str(tiny_world.target_dir), "--out", str(tmp_path / "fresh"),
+                 "--layers", "1", "--block-size", "4", "--seed", "5"]) == 0
+    shutil.copy(tmp_path / "fresh" / "model.safetensors", other / "model.safetensors")
+    capsys.readouterr()
+    assert main(["decode", *_args(tiny_world, other, tmp_path, "decode.backend=onnx"),
+                 "--input", str(inp), "--output", str(tmp_path / "y.jsonl")]) == 2
+    assert "another drafter" in capsys.readouterr().err
+
+
+def test_decode_without_an_export_says_which_command_writes_it(drafter_dir, tiny_world, tmp_path, capsys):  # noqa: F811
+    inp = tmp_path / "in.jsonl"
+    _write(inp, [json.dumps({"id": "a", "prompt": "Ava"})])
+    assert main(["decode", *_args(tiny_world, drafter_dir, tmp_path, "decode.backend=onnx"),
+                 "--input", str(inp), "--output", str(tmp_path / "o.jsonl")]) == 2
+    assert "specdraft export CONFIG --to onnx" in capsys.readouterr().err
