@@ -9,8 +9,16 @@ import onnxscript
 import torch
 from onnx.defs import OpSchema
 
+from specdraft.kernels.retrace_fusion import FusionWeights, retrace_fusion
 from specdraft.kernels.speculative_attention import AttentionPlan, speculative_attention
-from specdraft.runtime.backends.custom_ops import CUSTOM_OPS, DOMAIN, SPECULATIVE_ATTENTION, VERSION, CustomOp
+from specdraft.runtime.backends.custom_ops import (
+    CUSTOM_OPS,
+    DOMAIN,
+    RETRACE_FUSION,
+    SPECULATIVE_ATTENTION,
+    VERSION,
+    CustomOp,
+)
 
 
 @torch.library.custom_op("specdraft::speculative_attention", mutates_args=())
@@ -24,6 +32,21 @@ def speculative_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 @speculative_attention_op.register_fake
 def _(q, k, v, lengths, mask_bits, scale):
     return torch.empty_like(q)
+
+
+@torch.library.custom_op("specdraft::retrace_fusion", mutates_args=())
+def retrace_fusion_op(x: torch.Tensor, hidden: torch.Tensor, signals: torch.Tensor, valid: torch.Tensor,
+                      shift: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Tensor, w_in: torch.Tensor,
+                      b_in: torch.Tensor, w_go: torch.Tensor, b_go: torch.Tensor, lo: int, use_correction: int,
+                      ln_eps: float) -> torch.Tensor:
+    """The ReTrace fusion launcher as one opaque operator (``RetraceFusion`` in the fused graphs)."""
+    weights = FusionWeights(ln_weight, ln_bias, ln_eps, w_in, b_in, w_go, b_go)
+    return retrace_fusion(x, hidden, signals, valid, shift, weights, lo, bool(use_correction))
+
+
+@retrace_fusion_op.register_fake
+def _(x, hidden, signals, valid, shift, ln_weight, ln_bias, w_in, b_in, w_go, b_go, lo, use_correction, ln_eps):
+    return torch.empty_like(x)
 
 
 _TYPES = {"float": ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]}
@@ -55,7 +78,15 @@ def _speculative_attention_onnx(q, k, v, lengths, mask_bits, scale: float):
     return _opset.SpeculativeAttention(q, k, v, lengths, mask_bits, scale=scale)
 
 
-TRANSLATIONS = {torch.ops.specdraft.speculative_attention.default: _speculative_attention_onnx}
+def _retrace_fusion_onnx(x, hidden, signals, valid, shift, ln_weight, ln_bias, w_in, b_in, w_go, b_go, lo: int,
+                         use_correction: int, ln_eps: float):
+    return _opset.RetraceFusion(x, hidden, signals, valid, shift, ln_weight, ln_bias, w_in, b_in, w_go, b_go, lo=lo,
+                                use_correction=use_correction, ln_eps=ln_eps)
+
+
+TRANSLATIONS = {torch.ops.specdraft.speculative_attention.default: _speculative_attention_onnx,
+                torch.ops.specdraft.retrace_fusion.default: _retrace_fusion_onnx}
 """``custom_translation_table`` of the fused export."""
 
-assert {SPECULATIVE_ATTENTION.name} == set(CUSTOM_OPS), "every custom op needs a torch op and a translation here"
+assert {SPECULATIVE_ATTENTION.name, RETRACE_FUSION.name} == set(CUSTOM_OPS), \
+    "every custom op needs a torch op and a translation here"

@@ -10,10 +10,13 @@ Layout of an export directory::
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import platform
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -24,6 +27,7 @@ from specdraft.export.custom_ops import TRANSLATIONS
 from specdraft.export.onnx_graphs import GRAPHS, DrafterDraft, DrafterIngest, TargetVerify, example_inputs
 from specdraft.runtime.backends.onnx import MANIFEST, sha256_file
 from specdraft.runtime.models.dflash import DFlashDrafter
+from specdraft.runtime.models.retrace import ReTraceDrafter
 from specdraft.runtime.models.target import TargetLM
 
 OPSET = 18
@@ -35,24 +39,32 @@ def weights_hash(module: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for name, t in sorted(module.state_dict().items()):
         h.update(name.encode())
-        h.update(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().to("cpu").reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
-def _dynamic_shapes(kind: str):
+def _dynamic_shapes(kind: str, retrace: bool = False):
     B, N, S = torch.export.Dim.DYNAMIC, torch.export.Dim.DYNAMIC, torch.export.Dim.DYNAMIC
     if kind == "drafter_ingest":
         return ({0: B, 1: N}, {0: B, 1: N})
-    return ({0: B, 1: N}, {0: B, 1: N}, {0: B, 1: N, 2: N}, {1: B, 3: S}, {1: B, 3: S}, {0: B})
+    prior = ({0: B, 1: N}, {0: B, 1: N}, {0: B, 1: N}, {0: B}) if retrace else ()
+    return ({0: B, 1: N}, {0: B, 1: N}, {0: B, 1: N, 2: N}, {1: B, 3: S}, {1: B, 3: S}, {0: B}, *prior)
 
 
 def export_graph(module: torch.nn.Module, kind: str, path: Path, flavour: str = "decomposed") -> dict:
     """One graph to ``path``; returns its manifest entry."""
     args = example_inputs(kind, module)
     table = TRANSLATIONS if flavour == "fused" else None
-    program = torch.onnx.export(module, args, dynamo=True, input_names=list(module.input_names),
-                                output_names=list(module.output_names), dynamic_shapes=_dynamic_shapes(kind),
-                                opset_version=OPSET, verbose=False, custom_translation_table=table)
+    chatter = io.StringIO()  # the exporter narrates every step on stdout; keep it for a failure's message
+    with contextlib.redirect_stdout(chatter), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        try:
+            program = torch.onnx.export(module, args, dynamo=True, input_names=list(module.input_names),
+                                        output_names=list(module.output_names),
+                                        dynamic_shapes=_dynamic_shapes(kind, getattr(module, "retrace", False)),
+                                        opset_version=OPSET, verbose=False, custom_translation_table=table)
+        except Exception as e:
+            raise SpecdraftError(f"ONNX export of {kind} failed: {str(e).strip().splitlines()[-1]}") from e
     program.save(str(path))
     return {"file": path.name, "inputs": list(module.input_names), "outputs": list(module.output_names),
             "opset": OPSET, "sha256": sha256_file(path)}
@@ -66,13 +78,16 @@ def export_onnx(drafter: DFlashDrafter, target: TargetLM, out_dir: str | Path, t
     ``flavour``: ``decomposed`` (standard ONNX ops only) or ``fused`` (speculative attention as ``specdraft``
     custom-op nodes, for TensorRT plugins; ONNX Runtime runs them by their references).
 
-    The drafter must be bound to ``target``; both are exported in their current dtype on the CPU. Drafters with
-    cross-round state (ReTrace) export their backbone's graphs only: the state's fusion is not in these graphs."""
+    The drafter must be bound to ``target``; both are exported in their current dtype on the CPU. A ReTrace drafter
+    (hard alignment) takes its prior as inputs of ``drafter_draft``; the backend builds the next prior from the
+    draft and verify outputs, as the torch drafter does."""
     if not isinstance(drafter, DFlashDrafter):
         raise SpecdraftError(f"ONNX export takes a DFlash-family drafter, got {type(drafter).__name__}")
-    if type(drafter).next_round_state is not DFlashDrafter.next_round_state:
-        raise SpecdraftError(f"{type(drafter).__name__} keeps cross-round state, which the ONNX graphs do not carry "
-                             "yet: export a dflash or vp drafter")
+    retrace = isinstance(drafter, ReTraceDrafter)
+    if type(drafter).next_round_state is not DFlashDrafter.next_round_state and not retrace:
+        raise SpecdraftError(f"{type(drafter).__name__} keeps cross-round state the ONNX graphs do not carry")
+    if retrace and drafter.config.retrace.alignment != "hard":
+        raise SpecdraftError("ReTrace with soft alignment (a training ablation) cannot be exported: use hard")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     drafter, target = drafter.cpu().eval(), target.cpu().eval()
@@ -91,7 +106,9 @@ def export_onnx(drafter: DFlashDrafter, target: TargetLM, out_dir: str | Path, t
         "drafter": {"arch": c.to_hf_config()["architectures"][0], "weights_sha256": weights_hash(drafter),
                     "block_size": c.block_size, "mask_token_id": c.mask_token_id,
                     "target_layer_ids": list(c.target_layer_ids), "num_layers": c.num_hidden_layers,
-                    "num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "hidden_size": c.hidden_size},
+                    "num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "hidden_size": c.hidden_size,
+                    "retrace": ({"embed_drafted": c.retrace.embed_drafted, "gate_anchor": c.retrace.gate_anchor,
+                                 "use_correction": c.retrace.use_correction} if retrace else None)},
         "target": {"weights_sha256": weights_hash(target), "fingerprint": target_fingerprint,
                    "vocab_size": target.args.vocab_size, "num_layers": target.args.num_hidden_layers,
                    "num_kv_heads": target.args.num_key_value_heads, "head_dim": target.args.head_dim,

@@ -24,10 +24,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdraft.export.custom_ops import speculative_attention_op
+from specdraft.export.custom_ops import retrace_fusion_op, speculative_attention_op
+from specdraft.kernels.retrace_fusion import retrace_fusion_reference
 from specdraft.kernels.speculative_attention import pack_mask
 from specdraft.runtime.models.dflash import DFlashDrafter
 from specdraft.runtime.models.layers import AttentionProjections, rope_cos_sin
+from specdraft.runtime.models.retrace import ReTraceDrafter
 from specdraft.runtime.models.target import TargetLM
 
 
@@ -86,21 +88,43 @@ class DrafterIngest(nn.Module):
         return torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv]), fused
 
 
-class DrafterDraft(nn.Module):
-    """``(block_embeds [B, Q, D], positions [B, Q], new_mask [B, Q, Q], cache_k/v [L, B, H_kv, S, Dh], lengths [B])
-    -> (hidden [B, Q, D], logits [B, Q, V])``."""
+PRIOR_INPUTS = ("prior_hidden", "prior_signals", "prior_valid", "prior_shift")
 
-    input_names = ("block_embeds", "positions", "new_mask", "cache_k", "cache_v", "lengths")
+
+def fuse_prior(drafter: ReTraceDrafter, flavour: str, x, hidden, signals, valid, shift):
+    """ReTrace's gated residual from the previous round's rejected suffix into the block's embeddings ``x``."""
+    opts = drafter.config.retrace
+    w = drafter.fusion_weights()
+    lo = 0 if opts.gate_anchor else 1
+    if flavour == "fused":
+        return retrace_fusion_op(x, hidden, signals, valid, shift, w.ln_weight, w.ln_bias, w.w_in, w.b_in, w.w_go,
+                                 w.b_go, lo, int(opts.use_correction), w.ln_eps)
+    return retrace_fusion_reference(x, hidden, signals, valid, shift, w, lo, opts.use_correction)
+
+
+class DrafterDraft(nn.Module):
+    """``(block_embeds [B, Q, D], positions [B, Q], new_mask [B, Q, Q], cache_k/v [L, B, H_kv, S, Dh], lengths [B]
+    [, prior_hidden [B, Q, Hd], prior_signals [B, Q, C], prior_valid [B, Q], prior_shift [B]])
+    -> (hidden [B, Q, D], logits [B, Q, V])``. A ReTrace drafter takes the previous round's retained suffix (the
+    prior) and fuses it into the block first; its next prior is built from ``hidden`` and the verify pass."""
+
     output_names = ("hidden", "logits")
 
     def __init__(self, drafter: DFlashDrafter, flavour: str = "decomposed"):
         super().__init__()
-        self.drafter = drafter
+        self.drafter, self.flavour = drafter, flavour
         self.lm_head = drafter.borrowed[1]
         self.attention = ATTENTION[flavour]
+        self.retrace = isinstance(drafter, ReTraceDrafter)
+        self.input_names = ("block_embeds", "positions", "new_mask", "cache_k", "cache_v", "lengths") + (
+            PRIOR_INPUTS if self.retrace else ())
 
-    def forward(self, block_embeds, positions, new_mask, cache_k, cache_v, lengths):
+    def forward(self, block_embeds, positions, new_mask, cache_k, cache_v, lengths, prior_hidden=None,
+                prior_signals=None, prior_valid=None, prior_shift=None):
         d = self.drafter
+        if self.retrace:
+            block_embeds = fuse_prior(d, self.flavour, block_embeds, prior_hidden, prior_signals, prior_valid,
+                                      prior_shift)
         cos, sin = rope_cos_sin(positions, d.inv_freq, block_embeds.dtype)
         h = block_embeds
         for i, layer in enumerate(d.layers):
@@ -150,11 +174,18 @@ def example_inputs(kind: str, module: nn.Module, batch: int = 2, new: int = 3, c
         return (torch.randn(batch, new, F, dtype=d.fc.weight.dtype),
                 torch.arange(new)[None, :].repeat(batch, 1) + context)
     g = torch.Generator().manual_seed(0)
+    prior = ()
     if kind == "drafter_draft":
         c = module.drafter.config
         L, Hkv, Dh, D, dtype = c.num_hidden_layers, c.num_key_value_heads, c.head_dim, c.hidden_size, \
             module.drafter.fc.weight.dtype
         first = torch.randn(batch, new, D, generator=g).to(dtype)
+        if module.retrace:
+            w = module.drafter.fusion_weights()
+            C = w.ln_weight.shape[0]
+            Hd = w.w_in.shape[1] - C
+            prior = (torch.randn(batch, new, Hd, generator=g).to(dtype), torch.randn(batch, new, C, generator=g).to(
+                dtype), torch.rand(batch, new, generator=g) < 0.5, torch.ones(batch, dtype=torch.long))
     else:
         a = module.target.args
         L, Hkv, Dh, dtype = a.num_hidden_layers, a.num_key_value_heads, a.head_dim, module.target.lm_head.weight.dtype
@@ -163,7 +194,7 @@ def example_inputs(kind: str, module: nn.Module, batch: int = 2, new: int = 3, c
     positions = lengths[:, None] + torch.arange(new)
     mask = torch.ones(new, new, dtype=torch.bool).tril().expand(batch, new, new).contiguous()
     cache = torch.randn(2, L, batch, Hkv, context, Dh, generator=g).to(dtype)
-    return first, positions, mask, cache[0], cache[1], lengths
+    return (first, positions, mask, cache[0], cache[1], lengths, *prior)
 
 
 GRAPHS = {"drafter_ingest": DrafterIngest, "drafter_draft": DrafterDraft, "target_verify": TargetVerify}

@@ -2,6 +2,10 @@
 plugins", ``tensorrt.plugin``; TensorRT >= 10.7 for ahead-of-time implementations), with the Triton kernels compiled
 ahead of time to PTX so the engine carries them and runs without Python.
 
+``SpeculativeAttention`` is an AOT plugin (one kernel, PTX in the engine). ``RetraceFusion`` is two kernels, which
+the AOT interface (one kernel per plugin) cannot carry: it is a JIT plugin whose implementation calls the Triton
+launcher on the plugin's stream, so its engine needs Python at run time.
+
 Each op is registered under ``<domain>::<name>`` of its spec (:mod:`specdraft.runtime.backends.custom_ops`), with its
 inputs and attributes in the spec's order, so the ONNX parser maps the fused graph's nodes onto it. TensorRT cannot be
 installed on the CPU machines this project is developed on: everything here up to ``register_plugins`` is checked
@@ -11,9 +15,12 @@ engine build run only where TensorRT is installed.
 
 from __future__ import annotations
 
+import torch
+
 from specdraft.errors import SpecdraftError
+from specdraft.kernels.retrace_fusion import FusionWeights, retrace_fusion
 from specdraft.kernels.speculative_attention import AOT_BLOCK_M, compile_aot
-from specdraft.runtime.backends.custom_ops import DOMAIN, SPECULATIVE_ATTENTION
+from specdraft.runtime.backends.custom_ops import DOMAIN, RETRACE_FUSION, SPECULATIVE_ATTENTION
 
 try:
     import tensorrt as trt
@@ -22,6 +29,7 @@ except ImportError:  # the [trt] extra: NVIDIA's index, not reachable from every
     trt = trtp = None
 
 SPECULATIVE_ATTENTION_ID = f"{DOMAIN}::{SPECULATIVE_ATTENTION.name}"
+RETRACE_FUSION_ID = f"{DOMAIN}::{RETRACE_FUSION.name}"
 _registered: dict[str, int] = {}
 
 
@@ -70,5 +78,28 @@ def register_plugins(arch: int) -> None:
         launch.shared_mem = kernel.metadata.shared
         scalars = trtp.SymIntExprs.from_tuple([trtp.SymInt32(e) for e in (T, W, Hkv, S)])  # the kernel's i32 args
         return kernel.metadata.name.encode(), kernel.asm["ptx"].encode(), launch, scalars
+
+    @trtp.register(RETRACE_FUSION_ID)
+    def _fusion_desc(x: trtp.TensorDesc, hidden: trtp.TensorDesc, signals: trtp.TensorDesc, valid: trtp.TensorDesc,
+                     shift: trtp.TensorDesc, ln_weight: trtp.TensorDesc, ln_bias: trtp.TensorDesc,
+                     w_in: trtp.TensorDesc, b_in: trtp.TensorDesc, w_go: trtp.TensorDesc, b_go: trtp.TensorDesc,
+                     lo: int, use_correction: int, ln_eps: float) -> trtp.TensorDesc:
+        return x.like()  # [b, Bk, E]
+
+    @trtp.autotune(RETRACE_FUSION_ID)
+    def _fusion_formats(x, hidden, signals, valid, shift, ln_weight, ln_bias, w_in, b_in, w_go, b_go,
+                        outputs) -> list:
+        return [trtp.AutoTuneCombination(", ".join([t, t, t, "BOOL", "INT64", *[t] * 6, t]))
+                for t in ("BF16", "FP16", "FP32")]
+
+    @trtp.impl(RETRACE_FUSION_ID)
+    def _fusion_impl(x, hidden, signals, valid, shift, ln_weight, ln_bias, w_in, b_in, w_go, b_go, lo: int,
+                     use_correction: int, ln_eps: float, outputs, stream: int) -> None:
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+            t = [torch.as_tensor(a, device="cuda") for a in (x, hidden, signals, valid, shift, ln_weight, ln_bias,
+                                                               w_in, b_in, w_go, b_go)]
+            weights = FusionWeights(t[5], t[6], ln_eps, t[7], t[8], t[9], t[10])
+            out = retrace_fusion(t[0], t[1], t[2], t[3], t[4], weights, lo, bool(use_correction))
+            torch.as_tensor(outputs[0], device="cuda").copy_(out)
 
     _registered["arch"] = arch

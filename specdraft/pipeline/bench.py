@@ -168,9 +168,6 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
             if backend == "torch":
                 loaded[f"{drafter.arch_name}:{st}"] = _Entry(drafter, drafter.arch_name, st, str(d), None, tgt, backend)
                 continue
-            if drafter.arch_name not in FIRST_DRAFTERS:
-                raise SpecdraftError(f"config key 'bench.backends': the {backend} backend decodes dflash and vp "
-                                     f"drafters, not {drafter.arch_name} ({st})")
             b_tgt, b_drafter = backend_models(backend, d, world)
             loaded.setdefault(f"ar@{backend}", _Entry(None, "ar", "", str(d), None, b_tgt, backend))
             loaded[f"{drafter.arch_name}:{st}@{backend}"] = _Entry(b_drafter, drafter.arch_name, st, str(d), None,

@@ -218,9 +218,9 @@ class DecodeConfig:
     def __post_init__(self):
         if self.backend not in ("torch", "onnx", "trt"):
             raise OptionError("backend", f"{self.backend!r} is not one of torch, onnx, trt")
-        if self.backend != "torch" and (self.cuda_graphs or self.method in ("d2sd", "retrace")):
-            raise OptionError("backend", f"the {self.backend} backend decodes chains with ar, dflash or vp (no CUDA "
-                              "graphs, no trees, no cross-round state)")
+        if self.backend != "torch" and (self.cuda_graphs or self.method == "d2sd"):
+            raise OptionError("backend", f"the {self.backend} backend decodes chains (ar, dflash, vp, retrace): no "
+                              "D²SD trees, no CUDA graphs")
         if self.cuda_graphs and self.method in ("d2sd", "retrace"):
             raise OptionError("cuda_graphs", f"the static path decodes chains with ar, dflash or vp, not "
                               f"{self.method!r}")

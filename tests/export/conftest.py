@@ -3,7 +3,7 @@
 import pytest
 
 from specdraft.export.onnx import export_onnx
-from tests.helpers import make_drafter, make_target
+from tests.helpers import make_drafter, make_target, retrace_from
 
 
 @pytest.fixture(scope="session", params=["decomposed", "fused"])
@@ -12,5 +12,15 @@ def exported(request, tmp_path_factory):
     target = make_target(seed=7, vocab=6, std=0.5)
     drafter = make_drafter(target, seed=2, block_size=4)
     out = tmp_path_factory.mktemp(request.param)
+    export_onnx(drafter, target, out, flavour=request.param)
+    return target, drafter, out
+
+
+@pytest.fixture(scope="session", params=["decomposed", "fused"])
+def exported_retrace(request, tmp_path_factory):
+    """``(target, ReTrace drafter with an active fusion, export dir)`` for each flavour."""
+    target = make_target(seed=7, vocab=6, std=0.5)
+    drafter = retrace_from(make_drafter(target, seed=2, block_size=4), active=True)
+    out = tmp_path_factory.mktemp(f"retrace-{request.param}")
     export_onnx(drafter, target, out, flavour=request.param)
     return target, drafter, out

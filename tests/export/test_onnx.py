@@ -16,6 +16,7 @@ from specdraft.runtime.backends.onnx import OnnxDrafter, OnnxTarget, load_manife
 from specdraft.runtime.d2sd import TreeDrafting
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.drafter_io import convert_drafter
+from specdraft.runtime.models.retrace import build_prior, verify_stats
 from tests.helpers import make_drafter, make_target
 
 TOL = 1e-4
@@ -130,3 +131,38 @@ def test_a_wrong_export_is_refused_in_one_line(exported, tmp_path):
     (broken / "manifest.json").write_text(json.dumps({"format": "something-else"}))
     with pytest.raises(SpecdraftError, match="format"):
         load_manifest(broken)
+
+
+def test_retrace_through_onnx_runtime_carries_its_prior_like_torch(exported_retrace):
+    target, drafter, out = exported_retrace
+    m = load_manifest(out)
+    assert m["drafter"]["retrace"] is not None
+    draft_inputs = [i.name for i in onnx.load(str(out / m["graphs"]["drafter_draft"]["file"])).graph.input]
+    assert draft_inputs[-4:] == ["prior_hidden", "prior_signals", "prior_valid", "prior_shift"]
+    if m["flavour"] == "fused":
+        nodes = onnx.load(str(out / m["graphs"]["drafter_draft"]["file"])).graph.node
+        assert sum(n.op_type == "RetraceFusion" and n.domain == "specdraft" for n in nodes) == 1
+    ot, od = OnnxTarget(out), OnnxDrafter(out)
+    prompts = [[1, 2, 3], [5, 4, 3, 2, 1, 0], [4], [2, 2], [3, 1, 4, 1, 5]]
+    gen = GenerationConfig(max_new_tokens=[10, 14, 7, 12, 9])
+    want = generate(target, prompts, gen, drafter=drafter)
+    got = generate(ot, prompts, gen, drafter=od)
+    assert [r.tokens for r in got] == [r.tokens for r in want] == [r.tokens for r in generate(target, prompts, gen)]
+    assert [r.accepted for r in got] == [r.accepted for r in want]  # the prior changes the drafts the same way
+    # one draft pass with a prior: ORT's fused block equals torch's, and the prior changes it
+    g = torch.Generator().manual_seed(0)
+    B, Bk, D, V = 2, drafter.block_size, drafter.config.hidden_size, drafter.config.vocab_size
+    drafts = torch.randint(0, V, (B, Bk - 1), generator=g)
+    prior = build_prior(torch.randn(B, Bk, D, generator=g), drafts, torch.tensor([0, 1]),
+                        verify_stats(torch.randn(B, Bk, V, generator=g), drafts), torch.randn(B, Bk, D, generator=g),
+                        drafter.embed, drafter.config.retrace.embed_drafted)
+    feats = torch.randn(B, 6, drafter.fc.in_features, generator=g)
+    blk = torch.tensor([[1, 5, 5, 5], [2, 5, 5, 5]])
+    hidden = {}
+    for name, d in (("torch", drafter), ("onnx", od)):
+        cache = d.new_cache(B, 16)
+        with torch.no_grad():
+            d.ingest(cache, feats, torch.tensor([6, 4]))
+            hidden[name] = [d.draft_hidden(cache, d.block_embeds(blk, p)) for p in (prior, None)]
+    assert (hidden["torch"][0] - hidden["onnx"][0]).abs().max() <= TOL
+    assert (hidden["onnx"][0] - hidden["onnx"][1]).abs().max() > 1e-2  # the prior is not ignored

@@ -8,6 +8,11 @@ attributes (:mod:`specdraft.export.trt_plugins`).
 ``[B, H_kv, S, Dh]`` holding each row's committed entries below ``lengths[b]`` and the new tokens' at
 ``lengths[b] + r``, ``lengths [B]`` int64, ``mask_bits [B, T, ceil(T / 32)]`` int32 (bit ``r`` of query ``t``: it
 sees new token ``r``); attribute ``scale``; output ``[B, H, T, Dh]``.
+
+``RetraceFusion`` (same domain and version) has the fusion launcher's contract
+(:func:`~specdraft.kernels.retrace_fusion.retrace_fusion`): the block's embeddings ``x [b, Bk, E]``, the prior
+(``hidden``, ``signals``, ``valid`` bool, ``shift`` int64) and the fusion's weights as inputs; attributes ``lo``,
+``use_correction`` (0/1) and ``ln_eps``; output the fused embeddings ``[b, Bk, E]``.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specdraft.kernels.retrace_fusion import FusionWeights, retrace_fusion_reference
 from specdraft.kernels.speculative_attention import AttentionPlan, speculative_attention_reference
 
 try:
@@ -44,7 +50,15 @@ SPECULATIVE_ATTENTION = CustomOp(
     outputs=(("out", "float"),),
     attributes=(("scale", "float"),),
 )
-CUSTOM_OPS = {op.name: op for op in (SPECULATIVE_ATTENTION,)}
+RETRACE_FUSION = CustomOp(
+    "RetraceFusion",
+    inputs=(("x", "float"), ("hidden", "float"), ("signals", "float"), ("valid", "bool"), ("shift", "int64"),
+            ("ln_weight", "float"), ("ln_bias", "float"), ("w_in", "float"), ("b_in", "float"), ("w_go", "float"),
+            ("b_go", "float")),
+    outputs=(("out", "float"),),
+    attributes=(("lo", "int"), ("use_correction", "int"), ("ln_eps", "float")),
+)
+CUSTOM_OPS = {op.name: op for op in (SPECULATIVE_ATTENTION, RETRACE_FUSION)}
 
 
 def speculative_attention_numpy(q, k, v, lengths, mask_bits, scale: float):
@@ -53,6 +67,16 @@ def speculative_attention_numpy(q, k, v, lengths, mask_bits, scale: float):
     lengths, bits = torch.from_numpy(np.asarray(lengths)).long(), torch.from_numpy(np.asarray(mask_bits))
     plan = AttentionPlan(lengths, bits, q.shape[2])
     return speculative_attention_reference(q, k, v, lengths, bits, float(scale), plan).numpy()
+
+
+def retrace_fusion_numpy(x, hidden, signals, valid, shift, ln_weight, ln_bias, w_in, b_in, w_go, b_go, lo: int,
+                         use_correction: int, ln_eps: float):
+    """The fusion on numpy arrays (ONNX Runtime's Python op), by the PyTorch reference."""
+    t = [torch.from_numpy(np.ascontiguousarray(a)) for a in (x, hidden, signals, valid, shift, ln_weight, ln_bias,
+                                                              w_in, b_in, w_go, b_go)]
+    weights = FusionWeights(t[5], t[6], float(ln_eps), t[7], t[8], t[9], t[10])
+    return retrace_fusion_reference(t[0], t[1], t[2], t[3].bool(), t[4].long(), weights, int(lo),
+                                    bool(use_correction)).numpy()
 
 
 _registered: list[bool] = []
@@ -65,11 +89,12 @@ def register_ort_python_ops() -> str:
         raise RuntimeError("running a fused ONNX graph in ONNX Runtime needs onnxruntime-extensions "
                            "(pip install onnxruntime-extensions)")
     if not _registered:
-        types = {"float": PyCustomOpDef.dt_float, "int64": PyCustomOpDef.dt_int64, "int32": PyCustomOpDef.dt_int32}
+        types = {"float": PyCustomOpDef.dt_float, "int64": PyCustomOpDef.dt_int64, "int32": PyCustomOpDef.dt_int32,
+                 "bool": PyCustomOpDef.dt_bool}
         attrs = {"float": PyCustomOpDef.dt_float, "int": PyCustomOpDef.dt_int64}
-        op = SPECULATIVE_ATTENTION
-        onnx_op(op_type=op.name, inputs=[types[t] for _, t in op.inputs], outputs=[types[t] for _, t in op.outputs],
-                attrs={n: attrs[t] for n, t in op.attributes})(speculative_attention_numpy)
+        for op, fn in ((SPECULATIVE_ATTENTION, speculative_attention_numpy), (RETRACE_FUSION, retrace_fusion_numpy)):
+            onnx_op(op_type=op.name, inputs=[types[t] for _, t in op.inputs],
+                    outputs=[types[t] for _, t in op.outputs], attrs={n: attrs[t] for n, t in op.attributes})(fn)
         _registered.append(True)
     return get_library_path()
 

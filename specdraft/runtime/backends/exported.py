@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from specdraft.runtime.kv_cache import KVCache
+from specdraft.runtime.models.retrace import N_SCALARS, Prior, build_prior, verify_stats
 from specdraft.runtime.models.target import TargetOutput
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -108,9 +109,9 @@ class ExportedTarget:
 
 class ExportedDrafter:
     """A block drafter as exported ``drafter_ingest`` and ``drafter_draft`` graphs (the Drafter protocol);
-    ``embed_weight`` is the target's input embedding the export saved."""
-
-    wants_verify_context = False
+    ``embed_weight`` is the target's input embedding the export saved. A ReTrace export carries its cross-round
+    state (the prior) into ``drafter_draft`` and builds the next one here, from the draft and verify outputs, with
+    the same functions as the torch drafter (:func:`~specdraft.runtime.models.retrace.build_prior`)."""
 
     def __init__(self, manifest: dict, open_graph, embed_weight: torch.Tensor, device: torch.device | str = "cpu"):
         self.manifest = m = manifest
@@ -119,6 +120,9 @@ class ExportedDrafter:
         self.ingest_graph = open_graph("drafter_ingest")
         self.draft_graph = open_graph("drafter_draft")
         self.embed_weight = embed_weight.to(self.device, self.dtype)
+        self.retrace = m["drafter"].get("retrace")
+        self.wants_verify_context = self.retrace is not None  # the prior reads the verify pass's fused context
+        self._prior: Prior | None = None
         dm = m["drafter"]
         self.config = SimpleNamespace(mask_token_id=dm["mask_token_id"], block_size=dm["block_size"],
                                       num_hidden_layers=dm["num_layers"], num_key_value_heads=dm["num_kv_heads"],
@@ -142,7 +146,7 @@ class ExportedDrafter:
     def ingest(self, cache: StackedKVCache, ctx_features: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         B, T, _ = ctx_features.shape
         cache.check_room(T)
-        T_kv = min(T, int(counts.max()))
+        T_kv = T if self.wants_verify_context else min(T, int(counts.max()))  # rows past counts land in scratch
         slots = cache.lengths[:, None] + torch.arange(T_kv, device=self.device)  # [B, T_kv]
         out = self.ingest_graph(features=ctx_features[:, :T_kv], positions=slots)
         cache.append(out["k"], out["v"], slots)
@@ -150,13 +154,29 @@ class ExportedDrafter:
         return out["fused"]
 
     def block_embeds(self, block_tokens: torch.Tensor, state=None) -> torch.Tensor:
-        return F.embedding(block_tokens, self.embed_weight)  # [b, Bk, D]
+        """Embeddings ``[b, Bk, D]``; a ReTrace prior is fused inside ``drafter_draft`` (kept for that call)."""
+        self._prior = state
+        return F.embedding(block_tokens, self.embed_weight)
+
+    def _prior_inputs(self, B: int, Q: int) -> dict[str, torch.Tensor]:
+        if self.retrace is None:
+            return {}
+        p = self._prior
+        if p is None:  # no retained suffix: nothing lands, the fusion adds nothing
+            D = self.config.hidden_size
+            Hd = 2 * D if self.retrace["embed_drafted"] else D
+            z = torch.zeros(B, Q, device=self.device)
+            p = Prior(z[..., None].expand(B, Q, Hd), z[..., None].expand(B, Q, 2 * D + N_SCALARS), z.bool(),
+                      torch.ones(B, dtype=torch.long, device=self.device))
+        if p.valid.shape != (B, Q):
+            raise ValueError(f"a ReTrace prior of {tuple(p.valid.shape)} slots does not fit a block of {(B, Q)}")
+        return {"prior_hidden": p.hidden, "prior_signals": p.signals, "prior_valid": p.valid, "prior_shift": p.shift}
 
     def _draft(self, cache: StackedKVCache, embeds: torch.Tensor, positions: torch.Tensor,
                new_mask: torch.Tensor) -> torch.Tensor:
         cache_k, cache_v = cache.used()
         out = self.draft_graph(block_embeds=embeds, positions=positions, new_mask=new_mask, cache_k=cache_k,
-                               cache_v=cache_v, lengths=cache.lengths)
+                               cache_v=cache_v, lengths=cache.lengths, **self._prior_inputs(*embeds.shape[:2]))
         self._last = (out["hidden"], out["logits"])
         return out["hidden"]
 
@@ -187,4 +207,8 @@ class ExportedDrafter:
         return last_logits[..., start:start + hidden.shape[-2], :]
 
     def next_round_state(self, state, hidden, draft_tokens, num_accepted, target_logits, target_context):
-        return None
+        if self.retrace is None:
+            return None
+        stats = verify_stats(target_logits.to(self.device), draft_tokens)
+        return build_prior(hidden, draft_tokens, num_accepted, stats, target_context,
+                           lambda t: F.embedding(t, self.embed_weight), self.retrace["embed_drafted"])

@@ -71,6 +71,9 @@ def _session(path: Path, providers: list[str] | None, fused: bool = False):
     """An ORT session; a fused graph's ``specdraft`` nodes run as Python ops (their PyTorch references)."""
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    # ORT's pool would otherwise spin between calls and starve the engine's torch ops on the same cores
+    opts.intra_op_num_threads = torch.get_num_threads()
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     providers = providers or ["CPUExecutionProvider"]
     if not fused:
         return ort.InferenceSession(str(path), opts, providers=providers)
