@@ -34,6 +34,17 @@ if [ -d artifacts/tiny/drafter/vp ]; then
   timeout 240 "$py" benchmarks/d2sd_cost.py configs/tiny.yaml --prompts 16 --k 4 target.device=cuda \
     --out "$out/d2sd_cost.json" > "$out/d2sd_cost.txt" 2>&1 || status=1
 fi
+# TensorRT, where it can be imported: engines of the tiny world's drafter from its fused ONNX export, and engine vs
+# torch per pass on the GPU (needs the tiny world's artifacts, as above)
+# (only while the whole script stays under ten minutes: bash counts SECONDS since it started)
+if "$py" -c "import tensorrt" 2>/dev/null && [ -d artifacts/tiny/drafter/sft ] && [ "$SECONDS" -lt 420 ]; then
+  timeout 150 "$py" -m specdraft.pipeline.cli export configs/tiny.yaml --to trt tracking.enabled=false \
+    'export.trt.batch_sizes=[1,8]' export.trt.max_context=1024 > "$out/trt_export.txt" 2>&1 || status=1
+  timeout 60 "$py" benchmarks/backend_costs.py configs/tiny.yaml --backend trt --device cuda --repeats 10 \
+    --out "$out/trt_costs.json" > "$out/trt_costs.txt" 2>&1 || status=1
+else
+  echo "TensorRT not importable, no tiny world, or no time left: the TensorRT path is unrun" | tee "$out/trt_costs.txt"
+fi
 "$py" - "$out" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])

@@ -25,13 +25,12 @@ from safetensors.torch import save_file
 from specdraft.errors import SpecdraftError
 from specdraft.export.custom_ops import TRANSLATIONS
 from specdraft.export.onnx_graphs import GRAPHS, DrafterDraft, DrafterIngest, TargetVerify, example_inputs
-from specdraft.runtime.backends.onnx import MANIFEST, sha256_file
+from specdraft.runtime.backends.onnx import FORMAT_VERSION, MANIFEST, sha256_file
 from specdraft.runtime.models.dflash import DFlashDrafter
 from specdraft.runtime.models.retrace import ReTraceDrafter
 from specdraft.runtime.models.target import TargetLM
 
 OPSET = 18
-FORMAT_VERSION = 1
 
 
 def weights_hash(module: torch.nn.Module) -> str:
@@ -100,9 +99,12 @@ def export_onnx(drafter: DFlashDrafter, target: TargetLM, out_dir: str | Path, t
     graphs = {kind: export_graph(m.eval(), kind, out / f"{kind}.onnx", flavour) for kind, m in modules.items()}
     save_file({"weight": target.model.embed_tokens.weight.detach().contiguous()}, str(out / "embed_tokens.safetensors"))
     c = drafter.config
+    files = {f.name: sha256_file(f) for f in sorted(out.iterdir())
+             if f.is_file() and f.name != MANIFEST and not f.name.endswith((".pyops.onnx", ".trt.onnx"))}
     manifest = {
         "format": "specdraft-onnx", "format_version": FORMAT_VERSION, "flavour": flavour,
         "graphs": graphs,
+        "files": files,
         "drafter": {"arch": c.to_hf_config()["architectures"][0], "weights_sha256": weights_hash(drafter),
                     "block_size": c.block_size, "mask_token_id": c.mask_token_id,
                     "target_layer_ids": list(c.target_layer_ids), "num_layers": c.num_hidden_layers,

@@ -19,9 +19,9 @@ import torch
 
 from specdraft.errors import OptionError, SpecdraftError, check_range
 from specdraft.export.tensorrt_compat import check_tensorrt_compat
-from specdraft.export.trt_plugins import register_plugins, trt
 from specdraft.runtime.backends.custom_ops import DOMAIN, VERSION
 from specdraft.runtime.backends.onnx import load_manifest, sha256_file
+from specdraft.runtime.backends.trt_plugins import register_plugins, trt
 
 ENGINE_MANIFEST = "engine_manifest.json"
 
@@ -80,13 +80,17 @@ def engine_profiles(manifest: dict, shapes: EngineShapes) -> dict[str, list[dict
     return out
 
 
-def _with_plugin_fields(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Name the plugin namespace and version on each custom node, as the ONNX parser's plugin fallback reads them."""
+def _with_plugin_fields(path: Path) -> Path:
+    """A copy of the graph at ``path`` whose custom nodes name their plugin's namespace and version (what the ONNX
+    parser's plugin fallback reads), saved beside it so external weight files still resolve (no 2 GB limit)."""
+    model = onnx.load(str(path), load_external_data=False)
     for node in model.graph.node:
         if node.domain == DOMAIN:
             node.attribute.extend([onnx.helper.make_attribute("plugin_namespace", DOMAIN),
                                    onnx.helper.make_attribute("plugin_version", str(VERSION))])
-    return model
+    out = path.with_suffix(".trt.onnx")
+    onnx.save(model, str(out))
+    return out
 
 
 def build_engines(onnx_dir: str | Path, out_dir: str | Path, shapes: EngineShapes,
@@ -113,8 +117,7 @@ def build_engines(onnx_dir: str | Path, out_dir: str | Path, shapes: EngineShape
     for kind, g in m["graphs"].items():
         network = builder.create_network(0)
         parser = trt.OnnxParser(network, logger)
-        model = _with_plugin_fields(onnx.load(str(onnx_dir / g["file"])))
-        if not parser.parse(model.SerializeToString(), str(onnx_dir / g["file"])):
+        if not parser.parse_from_file(str(_with_plugin_fields(onnx_dir / g["file"]))):
             raise SpecdraftError(f"{kind}: TensorRT's parser failed: {parser.get_error(0).desc()}")
         config = builder.create_builder_config()
         config.set_flag({"bf16": trt.BuilderFlag.BF16, "fp16": trt.BuilderFlag.FP16}[shapes.precision])

@@ -22,8 +22,15 @@ from specdraft.kernels.dispatch import GPUTarget, tl, triton, wants_triton
 # ---- the bitmask ------------------------------------------------------------------------------------------------
 
 
-_POW2 = torch.tensor([1 << i for i in range(32)], dtype=torch.int64)  # bit weights (products, not shifts, so the
-# packing exports to ONNX ops that TensorRT's parser takes: it has no BitShift)
+_POW2 = {torch.device("cpu"): torch.tensor([1 << i for i in range(32)], dtype=torch.int64)}
+"""Bit weights per device (products, not shifts, so the packing exports to ONNX ops TensorRT's parser takes: it has
+no BitShift). A device's copy is made on its first use, outside any CUDA graph capture (warm-ups run first)."""
+
+
+def _bit_weights(device: torch.device) -> torch.Tensor:
+    if device not in _POW2:
+        _POW2[device] = _POW2[torch.device("cpu")].to(device)
+    return _POW2[device]
 
 
 def pack_mask(new_mask: torch.Tensor) -> torch.Tensor:
@@ -31,7 +38,7 @@ def pack_mask(new_mask: torch.Tensor) -> torch.Tensor:
     B, T, _ = new_mask.shape
     W = (T + 31) // 32
     padded = torch.nn.functional.pad(new_mask.to(torch.int64), (0, 32 * W - T)).view(B, T, W, 32)
-    words = (padded * _POW2.to(new_mask.device)).sum(-1)  # [B, T, W] in 0..2^32-1
+    words = (padded * _bit_weights(new_mask.device)).sum(-1)  # [B, T, W] in 0..2^32-1
     return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
 
 

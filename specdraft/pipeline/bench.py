@@ -177,7 +177,6 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
             trees[k] = replace(trees[min(trees)], num_branches=k) if trees else tree_drafting(cfg, tgt, drafter, k)
             trees[k].check(drafter)
             loaded[f"d2sd{k}:{st}"] = _Entry(drafter, "d2sd", st, str(d), trees[k], tgt, "torch")
-    dev = tgt.lm_head.weight.device
 
     d = cfg.decode
     settings = {"top_k": d.top_k, "top_p": d.top_p, "draft_sampling": d.draft_sampling, "repeats": b.repeats,
@@ -195,7 +194,7 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
         for method in methods:
             e = loaded[method]
             generate(e.target, warm, gen, drafter=e.drafter,
-                     generator=torch.Generator(device=dev).manual_seed(b.seed), tree=e.tree)
+                     generator=torch.Generator(device=e.target.lm_head.weight.device).manual_seed(b.seed), tree=e.tree)
     rows = []
     turn = 0  # the order of methods alternates from one batch to the next across the whole grid
     for suite, prompts in suites.items():
@@ -213,7 +212,8 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
                         turn += 1
                         for method in (methods if turn % 2 else methods[::-1]):
                             e = loaded[method]
-                            g = torch.Generator(device=dev).manual_seed(b.seed + 1000 * rep + i)
+                            g = torch.Generator(device=e.target.lm_head.weight.device).manual_seed(
+                                b.seed + 1000 * rep + i)
                             t0 = time.perf_counter()
                             res = generate(e.target, batch, gen, drafter=e.drafter, generator=g, tree=e.tree)
                             dt = time.perf_counter() - t0

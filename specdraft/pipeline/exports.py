@@ -99,7 +99,7 @@ def backend_models(backend: str, drafter_dir: Path, world, with_drafter: bool = 
         return OnnxTarget(dirs["onnx"], manifest=m), OnnxDrafter(dirs["onnx"], manifest=m) if with_drafter else None
     if backend != "trt":
         raise SpecdraftError(f"backend {backend!r} is not one of torch, onnx, trt")
-    m = load_engine_manifest(dirs["trt"], drafter_sha256=drafter_sha)
-    load_manifest(dirs["fused"], target_fingerprint=fingerprint)
+    fused = load_manifest(dirs["fused"], drafter_sha256=drafter_sha, target_fingerprint=fingerprint)
+    m = load_engine_manifest(dirs["trt"], drafter_sha256=drafter_sha, onnx_manifest=fused)
     return TrtTarget(dirs["trt"], manifest=m), TrtDrafter(dirs["trt"], dirs["fused"], manifest=m) if with_drafter \
         else None

@@ -175,7 +175,8 @@ class StaticDecoder:
                 drafter.ingest(dcache, bk.features, bk.counts)
             return ()
 
-        steps = {"verify": verify, "commit": commit, **({"draft": draft} if drafter is not None else {})}
+        # captured in the order they replay (draft, verify, commit): graphs sharing one memory pool are only safe so
+        steps = {**({"draft": draft} if drafter is not None else {}), "verify": verify, "commit": commit}
         if self.graphs:
             saved = [c.lengths.clone() for c in (self.tcache, self.dcache) if c is not None]
 
@@ -279,6 +280,7 @@ class StaticDecoder:
                 draft_tokens, draft_probs = bk.anchor.new_zeros(n, 0), None
             elif self.argmax_heads:
                 (draft_tokens,), draft_probs = bk.draft(), None
+                draft_tokens = draft_tokens.clone()  # a graph output: the next replay overwrites it
             else:
                 (draft_logits,) = bk.draft()
                 draft_tokens, draft_probs = propose(draft_logits, params, config.draft_sampling, generator)

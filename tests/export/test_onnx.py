@@ -124,9 +124,9 @@ def test_a_wrong_export_is_refused_in_one_line(exported, tmp_path):
     broken.mkdir()
     for f in out.iterdir():
         (broken / f.name).write_bytes(f.read_bytes())
-    with (broken / "drafter_draft.onnx").open("ab") as f:
+    with (broken / "embed_tokens.safetensors").open("ab") as f:  # every file of the export is hashed
         f.write(b"\0")
-    with pytest.raises(SpecdraftError, match="does not match its manifest hash"):
+    with pytest.raises(SpecdraftError, match="embed_tokens.safetensors does not match its manifest hash"):
         load_manifest(broken)
     (broken / "manifest.json").write_text(json.dumps({"format": "something-else"}))
     with pytest.raises(SpecdraftError, match="format"):

@@ -114,6 +114,12 @@ def test_an_engine_manifest_that_does_not_match_is_refused_in_one_line(exported,
         load_engine_manifest(d, drafter_sha256="0" * 64, check_runtime=False)
     with pytest.raises(SpecdraftError, match="another target"):
         load_engine_manifest(d, target_sha256="0" * 64, check_runtime=False)
+    current = load_manifest(out)
+    assert load_engine_manifest(d, onnx_manifest=current, check_runtime=False)
+    reexported = json.loads(json.dumps(current))
+    reexported["graphs"]["target_verify"]["sha256"] = "0" * 64  # the drafter or target was exported again
+    with pytest.raises(SpecdraftError, match="another ONNX export"):
+        load_engine_manifest(d, onnx_manifest=reexported, check_runtime=False)
     (d / "drafter_draft.engine").write_bytes(b"tampered")
     with pytest.raises(SpecdraftError, match="changed after the build"):
         load_engine_manifest(d, check_runtime=False)

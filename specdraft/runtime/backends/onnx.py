@@ -24,27 +24,41 @@ from specdraft.runtime.backends.exported import DTYPES, ExportedDrafter, Exporte
 
 MANIFEST = "manifest.json"
 FORMAT = "specdraft-onnx"
+FORMAT_VERSION = 2
+"""2: every file of the export is hashed (``files``)."""
+
+
+def read_manifest(path: Path, fmt: str, missing: str) -> dict:
+    """A manifest's JSON, refused in one line when missing (``missing``), corrupt or of another format."""
+    if not path.is_file():
+        raise SpecdraftError(missing)
+    try:
+        m = json.loads(path.read_text())
+    except ValueError as e:
+        raise SpecdraftError(f"{path} is corrupt: {e}") from None
+    if m.get("format") != fmt:
+        raise SpecdraftError(f"{path}: format {m.get('format')!r} is not {fmt!r}")
+    return m
 
 
 def load_manifest(export_dir: str | Path, drafter_sha256: str | None = None, target_sha256: str | None = None,
                   target_fingerprint: str | None = None, check_files: bool = True) -> dict:
     """Read and check an export's manifest; raises :class:`SpecdraftError` with one line naming the problem."""
     d = Path(export_dir)
-    path = d / MANIFEST
-    if not path.is_file():
-        raise SpecdraftError(f"{d} is not an ONNX export: no {MANIFEST} (run specdraft export CONFIG --to onnx)")
-    try:
-        m = json.loads(path.read_text())
-    except ValueError as e:
-        raise SpecdraftError(f"{path} is corrupt: {e}") from None
-    if m.get("format") != FORMAT:
-        raise SpecdraftError(f"{path}: format {m.get('format')!r} is not {FORMAT!r}")
+    m = read_manifest(d / MANIFEST, FORMAT, f"{d} is not an ONNX export: no {MANIFEST} (run specdraft export CONFIG "
+                      "--to onnx)")
+    if m.get("format_version") != FORMAT_VERSION:
+        raise SpecdraftError(f"{d} was exported by another specdraft version (format {m.get('format_version')}, this "
+                             f"one reads {FORMAT_VERSION}): re-export with specdraft export CONFIG --to onnx")
     if check_files:
         for kind, g in m["graphs"].items():
-            f = d / g["file"]
-            if not f.is_file():
+            if not (d / g["file"]).is_file():
                 raise SpecdraftError(f"{d}: graph {kind} ({g['file']}) is missing")
-            if sha256_file(f) != g["sha256"]:
+        for name, digest in m["files"].items():  # the graphs, their external weights, the embedding
+            f = d / name
+            if not f.is_file():
+                raise SpecdraftError(f"{d}: {name} is missing")
+            if sha256_file(f) != digest:
                 raise SpecdraftError(f"{f} does not match its manifest hash: the file was changed after export")
     if drafter_sha256 is not None and m["drafter"]["weights_sha256"] != drafter_sha256:
         raise SpecdraftError(f"{d} was exported from another drafter (weights sha256 "
@@ -74,12 +88,15 @@ def _session(path: Path, providers: list[str] | None, fused: bool = False):
     # ORT's pool would otherwise spin between calls and starve the engine's torch ops on the same cores
     opts.intra_op_num_threads = torch.get_num_threads()
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    providers = providers or ["CPUExecutionProvider"]
+    if not providers:  # the CUDA provider where onnxruntime-gpu offers it, the CPU provider everywhere
+        providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in ort.get_available_providers()]
     if not fused:
         return ort.InferenceSession(str(path), opts, providers=providers)
     opts.register_custom_ops_library(register_ort_python_ops())
-    model = rename_domain(onnx.load(str(path)))
-    return ort.InferenceSession(model.SerializeToString(), opts, providers=providers)
+    # the renamed graph is saved beside the original so its external weight files resolve (no 2 GB limit)
+    renamed = path.with_suffix(".pyops.onnx")
+    onnx.save(rename_domain(onnx.load(str(path), load_external_data=False)), str(renamed))
+    return ort.InferenceSession(str(renamed), opts, providers=providers)
 
 
 class _Graph:

@@ -7,47 +7,42 @@ version or GPU, engine or ONNX files changed since the build, or an export of an
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from specdraft.errors import SpecdraftError
-from specdraft.runtime.backends.exported import DTYPES, ExportedDrafter, ExportedTarget
-from specdraft.runtime.backends.onnx import load_manifest, sha256_file
+from specdraft.runtime.backends.exported import ExportedDrafter, ExportedTarget
+from specdraft.runtime.backends.onnx import load_manifest, read_manifest, sha256_file
+from specdraft.runtime.backends.trt_plugins import register_plugins, trt
 
-try:
-    import tensorrt as trt
-except ImportError:  # the [trt] extra
-    trt = None
+_TORCH_DTYPES = {}
+if trt is not None:
+    _TORCH_DTYPES = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16,
+                     trt.int64: torch.int64, trt.int32: torch.int32, trt.bool: torch.bool}
 
 ENGINE_MANIFEST = "engine_manifest.json"
 FORMAT = "specdraft-tensorrt"
 
 
 def load_engine_manifest(engine_dir: str | Path, drafter_sha256: str | None = None,
-                         target_sha256: str | None = None, check_runtime: bool = True) -> dict:
-    """Read and check an engine manifest (one clear line per refusal)."""
+                         target_sha256: str | None = None, check_runtime: bool = True,
+                         onnx_manifest: dict | None = None) -> dict:
+    """Read and check an engine manifest (one clear line per refusal); ``onnx_manifest`` is the current fused ONNX
+    export's, whose graphs the engines must have been built from."""
     d = Path(engine_dir)
-    path = d / ENGINE_MANIFEST
-    if not path.is_file():
-        raise SpecdraftError(f"{d} holds no TensorRT engines: no {ENGINE_MANIFEST} "
-                             "(run specdraft export CONFIG --to trt)")
-    try:
-        m = json.loads(path.read_text())
-    except ValueError as e:
-        raise SpecdraftError(f"{path} is corrupt: {e}") from None
-    if m.get("format") != FORMAT:
-        raise SpecdraftError(f"{path}: format {m.get('format')!r} is not {FORMAT!r}")
+    m = read_manifest(d / ENGINE_MANIFEST, FORMAT, f"{d} holds no TensorRT engines: no {ENGINE_MANIFEST} (run "
+                      "specdraft export CONFIG --to trt)")
     for kind, e in m["engines"].items():
         f = d / e["file"]
         if not f.is_file():
             raise SpecdraftError(f"{d}: engine {kind} ({e['file']}) is missing")
         if sha256_file(f) != e["sha256"]:
             raise SpecdraftError(f"{f} does not match its manifest hash: the engine was changed after the build")
-        if e["onnx_sha256"] != m["onnx_manifest"]["graphs"][kind]["sha256"]:
-            raise SpecdraftError(f"{f} was built from another ONNX graph than the manifest's {kind}")
+        if onnx_manifest is not None and e["onnx_sha256"] != onnx_manifest["graphs"][kind]["sha256"]:
+            raise SpecdraftError(f"{f} was built from another ONNX export than the current one (the drafter or "
+                                 "target was exported again): rebuild with specdraft export CONFIG --to trt")
     onnx = m["onnx_manifest"]
     if drafter_sha256 is not None and onnx["drafter"]["weights_sha256"] != drafter_sha256:
         raise SpecdraftError(f"{d} was built for another drafter (weights sha256 "
@@ -73,14 +68,15 @@ def load_engine_manifest(engine_dir: str | Path, drafter_sha256: str | None = No
 
 
 class _Engine:
-    """One deserialised engine run on torch CUDA tensors; the profile is the smallest bucket holding the batch."""
+    """One deserialised engine run on torch CUDA tensors (each input cast to the dtype the engine declares); the
+    profile is the smallest bucket holding the batch."""
 
-    def __init__(self, path: Path, entry: dict, runtime, dtype: torch.dtype):
+    def __init__(self, path: Path, entry: dict, runtime):
         self.engine = runtime.deserialize_cuda_engine(path.read_bytes())
         if self.engine is None:
             raise SpecdraftError(f"{path}: TensorRT could not deserialise the engine")
         self.context = self.engine.create_execution_context()
-        self.inputs, self.outputs, self.dtype = entry["inputs"], entry["outputs"], dtype
+        self.inputs, self.outputs = entry["inputs"], entry["outputs"]
         self.max_batch = [p[self.inputs[0]][2][0] for p in entry["profiles"]]  # per profile, dim 0 of its max shape
 
     def __call__(self, **feeds: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -92,17 +88,14 @@ class _Engine:
         self.context.set_optimization_profile_async(profile, stream.cuda_stream)
         keep = []
         for name in self.inputs:
-            t = feeds[name].cuda()
-            t = (t.to(self.dtype) if t.is_floating_point() else t).contiguous()
+            t = feeds[name].cuda().to(_TORCH_DTYPES[self.engine.get_tensor_dtype(name)]).contiguous()
             keep.append(t)
             self.context.set_input_shape(name, tuple(t.shape))
             self.context.set_tensor_address(name, t.data_ptr())
         out = {}
         for name in self.outputs:
             shape = tuple(self.context.get_tensor_shape(name))
-            dtype = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16,
-                     trt.int64: torch.int64, trt.int32: torch.int32}[self.engine.get_tensor_dtype(name)]
-            out[name] = torch.empty(shape, dtype=dtype, device="cuda")
+            out[name] = torch.empty(shape, dtype=_TORCH_DTYPES[self.engine.get_tensor_dtype(name)], device="cuda")
             self.context.set_tensor_address(name, out[name].data_ptr())
         if not self.context.execute_async_v3(stream.cuda_stream):
             raise SpecdraftError("TensorRT failed to run the engine")
@@ -110,10 +103,9 @@ class _Engine:
 
 
 def _opener(engine_dir: Path, manifest: dict):
+    register_plugins(manifest["versions"]["sm"])  # a JIT plugin (ReTrace's fusion) runs in this process
     runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[manifest["precision"]]
-    return lambda kind: _Engine(engine_dir / manifest["engines"][kind]["file"], manifest["engines"][kind], runtime,
-                                dtype)
+    return lambda kind: _Engine(engine_dir / manifest["engines"][kind]["file"], manifest["engines"][kind], runtime)
 
 
 class TrtTarget(ExportedTarget):
@@ -122,7 +114,7 @@ class TrtTarget(ExportedTarget):
     def __init__(self, engine_dir: str | Path, manifest: dict | None = None):
         d = Path(engine_dir)
         m = manifest or load_engine_manifest(d)
-        super().__init__({**m["onnx_manifest"], "dtype": DTYPES_BY_PRECISION[m["precision"]]}, _opener(d, m), "cuda")
+        super().__init__(m["onnx_manifest"], _opener(d, m), "cuda")  # caches in the export's dtype, as the I/O
 
 
 class TrtDrafter(ExportedDrafter):
@@ -133,9 +125,4 @@ class TrtDrafter(ExportedDrafter):
         m = manifest or load_engine_manifest(d)
         load_manifest(onnx_dir)  # the embedding's export must be intact too
         embed = load_file(str(Path(onnx_dir) / "embed_tokens.safetensors"))["weight"]
-        super().__init__({**m["onnx_manifest"], "dtype": DTYPES_BY_PRECISION[m["precision"]]}, _opener(d, m), embed,
-                         "cuda")
-
-
-DTYPES_BY_PRECISION = {"bf16": "bfloat16", "fp16": "float16"}
-assert set(DTYPES_BY_PRECISION.values()) <= set(DTYPES)
+        super().__init__(m["onnx_manifest"], _opener(d, m), embed, "cuda")

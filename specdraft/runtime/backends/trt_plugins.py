@@ -9,8 +9,9 @@ launcher on the plugin's stream, so its engine needs Python at run time.
 Each op is registered under ``<domain>::<name>`` of its spec (:mod:`specdraft.runtime.backends.custom_ops`), with its
 inputs and attributes in the spec's order, so the ONNX parser maps the fused graph's nodes onto it. TensorRT cannot be
 installed on the CPU machines this project is developed on: everything here up to ``register_plugins`` is checked
-there (the PTX compiles for a target GPU without one, see ``tests/export/test_tensorrt.py``); the registration and
-engine build run only where TensorRT is installed.
+there (the PTX compiles for a target GPU without one, see ``tests/export/test_tensorrt.py``); the registration, the
+engine build (:mod:`specdraft.export.tensorrt`) and the engine's loading (:mod:`.tensorrt`, which registers the
+plugins first: a JIT plugin must be registered in the process that runs its engine) run where TensorRT is installed.
 """
 
 from __future__ import annotations
@@ -89,8 +90,8 @@ def register_plugins(arch: int) -> None:
     @trtp.autotune(RETRACE_FUSION_ID)
     def _fusion_formats(x, hidden, signals, valid, shift, ln_weight, ln_bias, w_in, b_in, w_go, b_go,
                         outputs) -> list:
-        return [trtp.AutoTuneCombination(", ".join([t, t, t, "BOOL", "INT64", *[t] * 6, t]))
-                for t in ("BF16", "FP16", "FP32")]
+        # no BF16: TensorRT's Python tensors cannot hand bf16 buffers to torch (TensorRT casts around the plugin)
+        return [trtp.AutoTuneCombination(", ".join([t, t, t, "BOOL", "INT64", *[t] * 6, t])) for t in ("FP16", "FP32")]
 
     @trtp.impl(RETRACE_FUSION_ID)
     def _fusion_impl(x, hidden, signals, valid, shift, ln_weight, ln_bias, w_in, b_in, w_go, b_go, lo: int,
