@@ -54,30 +54,41 @@ def is_validation(conv_id: str, val_fraction: float) -> bool:
 
 
 class LengthGroupedSampler(Sampler[list[int]]):
-    """Batches of similar lengths, shuffled per (seed, epoch).
+    """Batches of similar lengths, shuffled per (seed, epoch), sharded over data-parallel ranks.
+
+    The stream is one of GLOBAL batches of ``batch_size * num_replicas`` items, the same on every rank; rank ``r``
+    takes items ``r, r + num_replicas, ...`` of each, so ``N`` processes at ``batch_size`` see exactly the batches one
+    process sees at ``N * batch_size`` (a global batch too short to give every rank an item repeats its first items).
 
     ``position_fn(batches_per_epoch) -> (epoch, skip)``, read at every ``iter()``, places the stream: the trainer
     passes one derived from its optimizer step, so a resumed run continues exactly where the interrupted one stopped.
     """
 
-    def __init__(self, lengths: list[int], batch_size: int, seed: int, shuffle: bool = True, position_fn=None):
+    def __init__(self, lengths: list[int], batch_size: int, seed: int, shuffle: bool = True, position_fn=None,
+                 num_replicas: int = 1, rank: int = 0):
         self.lengths, self.batch_size, self.seed, self.shuffle = lengths, batch_size, seed, shuffle
         self.position_fn = position_fn
+        self.num_replicas, self.rank = num_replicas, rank
         self.epoch, self.skip = 0, 0
 
     def _batches(self) -> list[list[int]]:
         g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
         n = len(self.lengths)
+        size = self.batch_size * self.num_replicas  # the global batch
         order = torch.randperm(n, generator=g).tolist() if self.shuffle else list(range(n))
-        mega = self.batch_size * 16
+        mega = size * 16
         batches = []
         for i in range(0, len(order), mega):
             chunk = sorted(order[i:i + mega], key=lambda j: self.lengths[j])
-            batches += [chunk[k:k + self.batch_size] for k in range(0, len(chunk), self.batch_size)]
+            batches += [chunk[k:k + size] for k in range(0, len(chunk), size)]
         if self.shuffle:
             perm = torch.randperm(len(batches), generator=g).tolist()
             batches = [batches[p] for p in perm]
-        return batches
+        if self.num_replicas == 1:
+            return batches
+        padded = [b + b[:self.num_replicas - len(b)] * self.num_replicas if len(b) < self.num_replicas else b
+                  for b in batches]
+        return [b[self.rank::self.num_replicas] for b in padded]
 
     def __iter__(self):
         if self.position_fn is not None:
@@ -87,7 +98,7 @@ class LengthGroupedSampler(Sampler[list[int]]):
         return iter(batches)
 
     def __len__(self) -> int:
-        return math.ceil(len(self.lengths) / self.batch_size)
+        return math.ceil(len(self.lengths) / (self.batch_size * self.num_replicas))
 
 
 def collate(items: list[dict]) -> dict:
@@ -140,12 +151,17 @@ class ShareGPTDataModule(L.LightningDataModule):
             raise SpecdraftError(f"no usable training conversations in {self.data_file} (need >= "
                                  f"{2 * self.block_size} assistant tokens each)")
 
+    def _ranks(self) -> dict:
+        """This process's share of the data (the trainer's world size and rank; one process without a trainer)."""
+        trainer = getattr(self, "trainer", None)
+        return {"num_replicas": trainer.world_size, "rank": trainer.global_rank} if trainer is not None else {}
+
     def train_dataloader(self):
         sampler = LengthGroupedSampler([len(it["input_ids"]) for it in self.train_items], self.batch_size, self.seed,
-                                       position_fn=self.position_fn)
+                                       position_fn=self.position_fn, **self._ranks())
         return DataLoader(self.train_items, batch_sampler=sampler, collate_fn=collate)
 
     def val_dataloader(self):
         sampler = LengthGroupedSampler([len(it["input_ids"]) for it in self.val_items], self.batch_size, self.seed,
-                                       shuffle=False)
+                                       shuffle=False, **self._ranks())
         return DataLoader(self.val_items, batch_sampler=sampler, collate_fn=collate)

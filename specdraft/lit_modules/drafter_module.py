@@ -190,16 +190,18 @@ class DrafterModule(L.LightningModule):
         g = torch.Generator(device="cpu").manual_seed(self.hparams.seed + batch_idx)
         n = batch["input_ids"].shape[0]
         db, _, stats = self.stage.step(self, batch, "val", g)
+        # sync_dist: under data parallelism every rank holds the same (averaged) scores, so every rank takes the same
+        # checkpoint decisions (a no-op in one process)
         for k, v in stats.items():
-            self.log(f"eval/{k}", v, batch_size=n)
+            self.log(f"eval/{k}", v, batch_size=n, sync_dist=True)
         self.log("eval/loss", decayed_ce(db.logits, db.blocks.labels, db.blocks.label_mask, self.slot_weights),
-                 prog_bar=True, batch_size=n)
+                 prog_bar=True, batch_size=n, sync_dist=True)
         self.log("eval/sim_tau", self.simulated_tau(db.logits, db.blocks, db.target_tokens), prog_bar=True,
-                 batch_size=n)
+                 batch_size=n, sync_dist=True)
         if db.target_logits is not None:
             self.log("eval/sim_tau_sampled", self.simulated_tau_sampled(db.logits, db.blocks, db.target_logits,
                                                                         self.objective.temperature),
-                     batch_size=n)
+                     batch_size=n, sync_dist=True)
 
     def configure_optimizers(self):
         hp = self.hparams

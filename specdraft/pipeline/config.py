@@ -143,6 +143,7 @@ class TrainConfig(Objective):
     max_steps: int = -1
     """-1 = run all epochs."""
     batch_size: int = 4
+    """Conversations per process and step; the global batch is ``batch_size * devices * num_nodes``."""
     max_seq_len: int = 3072
     num_anchors: int = 512
     weight_decay: float = 0.0
@@ -150,6 +151,8 @@ class TrainConfig(Objective):
     precision: str = "auto"
     """Lightning precision; auto = bf16-mixed on CUDA, 32-true on CPU."""
     strategy: str = "auto"
+    """Lightning strategy: ddp (gloo on a CPU, nccl on GPUs), fsdp, ... Only the first process logs to MLflow and
+    exports."""
     devices: str = "auto"
     num_nodes: int = 1
     accumulate_grad_batches: int = 1

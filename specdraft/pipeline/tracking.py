@@ -110,5 +110,12 @@ class MLflowTracker(Tracker):
         return str(mv.version)
 
 
+def is_rank_zero() -> bool:
+    """Whether this is the first process of a multi-process job (or the only one). Lightning's DDP launcher re-runs
+    the command in the other processes with ``LOCAL_RANK``/``NODE_RANK`` set; torchrun sets ``RANK``."""
+    return all(int(os.environ.get(k, "0") or 0) == 0 for k in ("RANK", "LOCAL_RANK", "NODE_RANK"))
+
+
 def make_tracker(cfg: TrackingConfig) -> Tracker:
-    return MLflowTracker(cfg) if cfg.enabled else Tracker()
+    """MLflow when enabled, on the first process only: one run per job, however many processes train."""
+    return MLflowTracker(cfg) if cfg.enabled and is_rank_zero() else Tracker()

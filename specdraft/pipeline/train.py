@@ -51,7 +51,7 @@ class DecodeEvalCallback(L.Callback):
                        stop_token_ids=self.stop_ids), drafter=pl_module.drafter)
         pl_module.drafter.train(was_training)
         rounds = [a for r in res for a in r.accept_lengths]
-        pl_module.log("eval/tau", sum(rounds) / max(len(rounds), 1), prog_bar=True)
+        pl_module.log("eval/tau", sum(rounds) / max(len(rounds), 1), prog_bar=True, sync_dist=True)
 
 
 def warm_start_dir(cfg: RunConfig) -> Path | None:
@@ -120,7 +120,8 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
     dm.setup()
     log(f"train: {len(dm.train_items)} train / {len(dm.val_items)} val conversations "
         f"({dm.dropped} dropped: < {2 * drafter.block_size} supervised tokens)")
-    steps_per_epoch = max(1, len(dm.train_items) // t.batch_size // t.accumulate_grad_batches)
+    ranks = (int(t.devices) if t.devices != "auto" else max(1, torch.cuda.device_count())) * t.num_nodes
+    steps_per_epoch = max(1, len(dm.train_items) // (t.batch_size * ranks) // t.accumulate_grad_batches)
     total = t.max_steps if t.max_steps > 0 else steps_per_epoch * t.epochs
 
     offline = None
@@ -156,6 +157,7 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
         # the evaluations, and so the best checkpoint, of the steps after its end)
         accumulate_grad_batches=t.accumulate_grad_batches, val_check_interval=t.eval_every * t.accumulate_grad_batches,
         check_val_every_n_epoch=None, logger=False, enable_model_summary=False, num_sanity_val_steps=0,
+        use_distributed_sampler=False,  # the length-grouped sampler shards global batches over the ranks itself
         callbacks=[best_cb, last_cb, DecodeEvalCallback(eval_prompts, stop_token_ids(tokenizer)),
                    TrackerCallback(tracker, every=t.log_every),
                    L.pytorch.callbacks.TQDMProgressBar(refresh_rate=10), *(callbacks or [])],
@@ -170,8 +172,10 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
     # full state, so a rerun resumes (and finds nothing left to do)
     trainer.save_checkpoint(str(resume), weights_only=False)
     train_s = time.perf_counter() - t0
-    trainer.validate(module, datamodule=dm, verbose=False, weights_only=True)  # final numbers
-    best, best_score = _best_including_final(trainer, best_cb, ckpt_dir, objective.selection_metric)
+    trainer.validate(module, datamodule=dm, verbose=False, weights_only=True)  # final numbers (every rank takes part)
+    best, best_score = _best_including_final(trainer, best_cb, ckpt_dir, objective.selection_metric)  # collective
+    if trainer.global_rank != 0:  # one export, one run, one registered version: the first process's
+        return cfg.drafter_dir(t.export)
 
     out = export_checkpoint(best, drafter, cfg.drafter_dir(t.export))
     (out / "specdraft.json").write_text(json.dumps({"stage": t.stage, "export_name": t.export, "run_id": tracker.run_id,
