@@ -8,6 +8,7 @@
     specdraft bench CONFIG                      AR vs drafters on held-out suites -> JSON, markdown, PNG, MLflow
     specdraft export CONFIG --to hf|onnx|trt    the drafter's deployment artifacts (ONNX graphs, TensorRT engines)
     specdraft init-drafter --target DIR --out DIR  write a freshly initialised drafter for a target
+    specdraft merge --input I --output O        merge a sharded decode's O.rank* files into O, in I's order
 
 User errors print one line (``error: ...``) and exit 2; ``--print-config`` prints the resolved config and exits.
 """
@@ -53,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16, help="block size (default 16)")
     p.add_argument("--mask-token-id", type=int, default=None, help="default: the tokenizer's mask token")
     p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("merge", help="merge the per-rank outputs of a sharded decode (torchrun) into one file")
+    p.add_argument("--input", required=True, help="the JSONL requests the job decoded (gives the order)")
+    p.add_argument("--output", required=True, help="the job's --output: its .rank* files are merged into it")
     return parser
 
 
@@ -89,6 +93,12 @@ def _dispatch(args) -> int:
     from specdraft.pipeline.config import dump_yaml, load_config  # noqa: PLC0415
     from specdraft.pipeline.drafter_init import init_drafter  # noqa: PLC0415
 
+    if args.command == "merge":
+        from specdraft.runtime.batch_job import merge_shards, warn_stderr  # noqa: PLC0415
+
+        stats = merge_shards(args.input, args.output, warn_stderr)
+        print(f"merged {stats['rows']} rows from {stats['shards']} shard file(s) into {args.output}")
+        return 0
     if args.command == "init-drafter":
         out = init_drafter(args.target, args.out, args.layers, args.block_size, args.mask_token_id, args.seed)
         print(f"wrote drafter to {out}")

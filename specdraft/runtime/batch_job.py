@@ -107,6 +107,44 @@ def shard_for_rank(requests: list[Request], output: Path) -> tuple[list[Request]
     return requests[rank::world], output.with_name(output.name + f".rank{rank}")
 
 
+def merge_shards(input_path: str | Path, output: str | Path, warn: Callable[[str], None]) -> dict:
+    """Merge the per-rank outputs of a sharded job (``<output>.rank<r>``, see :func:`shard_for_rank`, and
+    ``<output>`` itself if an unsharded run wrote some) into ``output``, one row per id in the input's order.
+
+    A row whose id is not in the input is refused; two rows for one id must agree (a rerun of a shard writes nothing
+    twice, so a disagreement means two jobs wrote one output); ids with no row (requests the job refused) are
+    reported through ``warn``. Returns counts."""
+    output = Path(output)
+    order = [r.id for r in read_requests(input_path, lambda m: None)]
+    known = set(order)
+    rows: dict[str, str] = {}
+    sources = sorted(output.parent.glob(output.name + ".rank*")) + ([output] if output.is_file() else [])
+    if not sources:
+        raise SpecdraftError(f"no shard outputs {output.name}.rank* next to {output}")
+    for src in sources:
+        for n, line in enumerate(src.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
+            try:
+                row_id = str(json.loads(line)["id"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                warn(f"{src}:{n}: not a result row (a torn last line?); skipped")
+                continue
+            if row_id not in known:
+                raise SpecdraftError(f"{src}:{n}: id {row_id!r} is not in {input_path}: the shards belong to another "
+                                     "input")
+            if row_id in rows and json.loads(rows[row_id]) != json.loads(line):
+                raise SpecdraftError(f"{src}:{n}: id {row_id!r} has two different results: two jobs wrote these "
+                                     "outputs")
+            rows[row_id] = line
+    missing = [i for i in order if i not in rows]
+    if missing:
+        warn(f"{len(missing)} request(s) have no result (refused by the job): {', '.join(missing[:10])}"
+             + (" ..." if len(missing) > 10 else ""))
+    tmp = output.with_name(output.name + ".merging")
+    tmp.write_text("".join(rows[i] + "\n" for i in order if i in rows), encoding="utf-8")
+    tmp.replace(output)
+    return {"rows": len(rows), "missing": len(missing), "shards": len(sources)}
+
+
 def warn_stderr(msg: str) -> None:
     print(msg, file=sys.stderr)
 

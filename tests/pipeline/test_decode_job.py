@@ -2,11 +2,15 @@
 resume without duplicates or losses, vocab mismatch refused before compute."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 from transformers import AutoTokenizer
 
+from specdraft.errors import SpecdraftError
 from specdraft.lit_modules.data import tokenize_conversation
 from specdraft.pipeline.cli import main
 from specdraft.pipeline.tokenizer import format_chat
@@ -210,3 +214,46 @@ def test_a_base_model_trains_on_the_prompt_ids_its_decode_job_serves(tiny_world,
     assert ids[:prompt_len] == served[0][1] and ids[-1] == tok.eos_token_id and all(mask[prompt_len:])
     with pytest.raises(ValueError, match="chat template"):
         tokenize_conversation(tok, [{"role": "system", "content": "x"}, {"role": "user", "content": "y"}])
+
+
+def test_a_torchrun_sharded_job_writes_every_id_once_and_merges_in_input_order(tiny_world, drafter_dir, tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    prompts = ["Mia has 3 apples.", "Tom has 12 coins. Then Tom finds 4 more coins.", "Ava", "Ben has 7 pens.",
+               "Zoe reads 9 pages.", "Kim has 2 cats. Then Kim finds 5 more cats.", "Leo"]
+    _write(inp, [json.dumps({"id": f"r{i}", "prompt": p}) for i, p in enumerate(prompts)] + ["{not json"])
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29577",
+           "-m", "specdraft.pipeline.cli", "decode", *_args(tiny_world, drafter_dir, tmp_path), "--input", str(inp),
+           "--output", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    shards = [json.loads(line)["id"] for r in (0, 1) for line in (tmp_path / f"out.jsonl.rank{r}").read_text(
+        ).splitlines()]
+    assert sorted(shards) == sorted(f"r{i}" for i in range(len(prompts)))  # every id once, across the shards
+    assert main(["merge", "--input", str(inp), "--output", str(out)]) == 0
+    merged = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in merged] == [f"r{i}" for i in range(len(prompts))]  # the input's order
+    single = tmp_path / "single.jsonl"
+    assert main(["decode", *_args(tiny_world, drafter_dir, tmp_path), "--input", str(inp), "--output",
+                 str(single)]) == 0
+    alone = {json.loads(line)["id"]: json.loads(line)["completion"] for line in single.read_text().splitlines()}
+    assert {r["id"]: r["completion"] for r in merged} == alone  # greedy: sharding changes nothing
+    assert main(["merge", "--input", str(inp), "--output", str(out)]) == 0  # merging again is idempotent
+    assert [json.loads(line) for line in out.read_text().splitlines()] == merged
+
+
+def test_merge_refuses_foreign_and_conflicting_rows_and_reports_missing_ones(tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write(inp, [json.dumps({"id": i, "prompt": "x"}) for i in ("a", "b", "c")])
+    _write(tmp_path / "out.jsonl.rank0", [json.dumps({"id": "c", "completion": "3"}), '{"id": "a", "compl'])
+    _write(tmp_path / "out.jsonl.rank1", [json.dumps({"id": "a", "completion": "1"})])
+    warnings = []
+    assert batch_job.merge_shards(inp, out, warnings.append) == {"rows": 2, "missing": 1, "shards": 2}
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["a", "c"]
+    assert any("torn" in w for w in warnings) and any("no result" in w and "b" in w for w in warnings)
+    _write(tmp_path / "out.jsonl.rank1", [json.dumps({"id": "a", "completion": "other"})])
+    with pytest.raises(SpecdraftError, match="two different results"):
+        batch_job.merge_shards(inp, out, warnings.append)
+    _write(tmp_path / "out.jsonl.rank1", [json.dumps({"id": "zz", "completion": "1"})])
+    with pytest.raises(SpecdraftError, match="another input"):
+        batch_job.merge_shards(inp, out, warnings.append)
