@@ -7,7 +7,7 @@ import torch
 
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.models.dflash import DFlashDrafter
-from specdraft.runtime.static_decode import StaticDecoder
+from specdraft.runtime.static_decode import StaticDecoder, StaticEngine
 from tests.helpers import make_drafter, make_target, retrace_from
 from tests.lossless import SAMPLING_SETTINGS, sampling_pvalues
 
@@ -17,15 +17,13 @@ CAPS = [10, 25, 17, 30, 8, 21, 14, 19, 12]
 
 
 def static_engine(buckets=(1, 2, 4, 8, 16)):
-    """An engine with :func:`generate`'s signature that decodes through a fresh :class:`StaticDecoder`."""
+    """An engine with :func:`generate`'s signature that decodes through a fresh :class:`StaticEngine` per call (its
+    decoders are kept for inspection)."""
     def engine(target, prompts, gen, drafter=None, generator=None, tree=None):
-        assert tree is None, "the static path decodes chains"
-        caps = [gen.max_new_tokens] * len(prompts) if isinstance(gen.max_new_tokens, int) else gen.max_new_tokens
-        block = drafter.block_size if drafter is not None else 1
-        max_len = max(len(p) + c for p, c in zip(prompts, caps)) + 2 * block
-        decoder = StaticDecoder(target, drafter, max(len(prompts), max(buckets)), max_len, buckets, graphs=False)
-        engine.decoders.append(decoder)
-        return decoder.generate(prompts, gen, generator)
+        static = StaticEngine(target, drafter, max(len(prompts), max(buckets)), graphs=False, buckets=buckets)
+        results = static(target, prompts, gen, drafter=drafter, generator=generator, tree=tree)
+        engine.decoders.append(static.decoder)
+        return results
     engine.decoders = []
     return engine
 
