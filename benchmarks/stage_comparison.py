@@ -17,6 +17,11 @@ From one base drafter (the run's ``sft`` export), train each variant for the sam
     grpo-t1  the same, groups sampled at drafter temperature 1 (the default samples at 0.5)
     grpo-wtv sampling GRPO (reward: speculative sampling's acceptance at T) from wtv-len -> compare with wtv-len at T=1
     retrace-main  ReTrace on the DFlash backbone          -> compare with sft (plus the ablations below)
+    opd      Draft-OPD from sft: greedy rollouts refreshed every 10 steps -> compare with sft (continued) at T=0
+    opd-offline / opd-norej / opd-exact / opd-sampled  its ablations: no refresh (offline replay), no rejected-draft
+             stream, every rejected slot scored on the drafted prefix, the sampled-token response KL -> compare with opd
+    opd-t1   Draft-OPD with T=1 rollouts                   -> compare with sft at T=1
+    opd-eal  Draft-OPD from the eal-len export             -> compare with eal-len (its start) and with opd
 
 Each variant exports to ``drafter/<variant>`` (``train.export_name``); its stage is the longest stage-table name
 that the variant's name starts with.
@@ -57,15 +62,22 @@ VARIANTS = {
     "wtv": ["train.features=online", "train.acceptance_form=log"],
     "wtv-len": ["train.features=online", "train.acceptance_form=log_len"],
     "wtv-sg": ["train.features=online", "train.wtv_variant=stopgrad"],
-    "grpo": ["train.features=online"],  # starts from the eal-mix export (GRPO_START); groups sampled at T_d 0.5
+    "grpo": ["train.features=online"],  # starts from the eal-mix export (STARTS); groups sampled at T_d 0.5
     "grpo-t1": ["train.features=online", "train.grpo.draft_temperature=1.0"],  # groups sampled at T_d 1
     "grpo-len": ["train.features=online"],  # starts from the eal-len export
     # sampling GRPO (reward: the min(1, p/q) test at T) from the wtv-len export; train it on data sampled at T
     "grpo-wtv": ["train.features=online", "train.grpo.mode=sampling"],
     "retrace-main": ["train.features=online"],  # hard alignment, correction signals, mask slots only
+    "opd": ["train.features=online"],
+    "opd-offline": ["train.features=online", "train.opd.refresh_every=0"],
+    "opd-norej": ["train.features=online", "train.opd.rejected_weight=0"],
+    "opd-exact": ["train.features=online", "train.opd.rejected_teacher=exact"],
+    "opd-sampled": ["train.features=online", "train.opd.response_loss=sampled"],
+    "opd-t1": ["train.features=online", "train.opd.rollout_temperature=1.0"],
+    "opd-eal": ["train.features=online"],  # starts from the eal-len export (STARTS)
 }
-# each GRPO variant's start export
-GRPO_START = {"grpo": "eal-mix", "grpo-t1": "eal-mix", "grpo-len": "eal-len", "grpo-wtv": "wtv-len"}
+# the variants that do not start from sft: their start export
+STARTS = {"grpo": "eal-mix", "grpo-t1": "eal-mix", "grpo-len": "eal-len", "grpo-wtv": "wtv-len", "opd-eal": "eal-len"}
 ABLATIONS = {  # ReTrace ablations, each its own export dir
     "retrace-soft": ["train.features=online", "drafter.retrace.alignment=soft"],
     "retrace-nocorr": ["train.features=online", "drafter.retrace.use_correction=false"],
@@ -127,7 +139,7 @@ def main() -> None:
     timings = {}
     for name, extra in todo.items():
         stage = stage_of(name)
-        start = out_cfg.drafter_dir(GRPO_START[name]) if stage == "grpo" else base
+        start = out_cfg.drafter_dir(STARTS[name]) if name in STARTS else base
         cfg = load_config(args.config, [*common, f"train.stage={stage}", f"train.export_name={name}",
                                         f"drafter.init_from={start}", *extra])
         if args.bench_only or ((cfg.drafter_dir(name) / "config.json").is_file() and not args.retrain):
@@ -173,6 +185,9 @@ def main() -> None:
     pairs += [(a, "eal-mix", t) for a in ("grpo", "grpo-t1") for t in (0.0, 1.0)]
     pairs += [("retrace-main", "sft", 0.0), ("retrace-main", "sft", 1.0)]
     pairs += [(a, "sft", t) for a in ABLATIONS for t in (0.0, 1.0)]
+    pairs += [("opd", "sft", 0.0), ("opd", "sft", 1.0), ("opd-t1", "sft", 1.0), ("opd-t1", "opd", 1.0)]
+    pairs += [(a, "opd", 0.0) for a in ("opd-offline", "opd-norej", "opd-exact", "opd-sampled", "opd-eal")]
+    pairs += [("opd-eal", "eal-len", 0.0)]
     if (out / "train_seconds.json").is_file():
         timings = json.loads((out / "train_seconds.json").read_text())
     summary = {"steps": args.steps, "bench_batch_size": args.batch_size, "train_seconds": timings, "ratios": {}}

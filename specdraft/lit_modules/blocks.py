@@ -33,6 +33,7 @@ class DraftBatch(NamedTuple):
     target_logits: torch.Tensor | None  # [B, N, K, V] target logits for slots 1..K (teacher-forced)
     ctx: tuple  # (block embeds, block positions, ctx features, ctx positions) to re-run a drafter (GRPO reference)
     slot_weights: torch.Tensor | None = None  # [B, N, K] per-block loss weights (default: the stage's decay [K])
+    replay: object = None  # opd: the rollout rounds these blocks re-draft (lit_modules.opd.Replay)
 
 
 def full_windows(blk) -> torch.Tensor:

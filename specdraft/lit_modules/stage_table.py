@@ -9,7 +9,8 @@ Where each stage's method comes from: DFlash's decayed CE (arXiv:2602.06036 §4.
 KL-TV hybrid (arXiv:2602.23881) as the sampling baselines; expected accepted length under greedy verification (EAL)
 or speculative sampling (WTV); GRPO rewarded by simulated acceptance length (:mod:`specdraft.lit_modules.grpo`);
 ReTrace's rejected-trajectory conditioning (:mod:`specdraft.lit_modules.retrace_step`); D²SD's variable-prefix
-drafter (:mod:`specdraft.lit_modules.vp_step`).
+drafter (:mod:`specdraft.lit_modules.vp_step`); Draft-OPD's on-policy distillation from target-assisted rollouts
+(:mod:`specdraft.lit_modules.opd`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from specdraft.errors import OptionError, check_range
 from specdraft.lit_modules.blocks import DraftBatch
 from specdraft.lit_modules.grpo import GRPOConfig, grpo_stage_loss
 from specdraft.lit_modules.losses import AcceptanceForm
+from specdraft.lit_modules.opd import OPDConfig, opd_loss, opd_step
 from specdraft.lit_modules.retrace_step import ReTraceTraining, retrace_step
 from specdraft.lit_modules.stage_losses import eal_stage_loss, kl_loss, sft_loss, tv_loss, vp_loss, wtv_stage_loss
 from specdraft.lit_modules.vp_step import vp_step
@@ -60,6 +62,8 @@ class Objective:
     """The grpo stage's options."""
     retrace: ReTraceTraining = field(default_factory=ReTraceTraining)
     """The retrace stage's training options."""
+    opd: OPDConfig = field(default_factory=OPDConfig)
+    """The opd stage's options (rollouts, refresh, the two loss streams)."""
 
     def __post_init__(self):
         if self.stage not in STAGES:
@@ -137,6 +141,10 @@ def _retrace_cheap(objective: Objective) -> bool:
     return objective.retrace.signals == "cheap"
 
 
+def _opd_online(objective: Objective) -> str:
+    return "rolls out through the decode engine and scores each rollout with the target"
+
+
 def _no_lr_scales(objective: Objective) -> dict[str, float]:
     return {}
 
@@ -184,4 +192,5 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("retrace", sft_loss, step=retrace_step, arch="retrace", target_logits=_retrace_cheap,
           online=_retrace_online, lr_scales=_retrace_lr_scales),
     Stage("vp", vp_loss, step=vp_step, arch="vp", metric="eval/vp_tau"),
+    Stage("opd", opd_loss, step=opd_step, target_logits=_always, online=_opd_online, metric="eval/opd_tau"),
 )}

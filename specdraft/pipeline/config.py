@@ -146,6 +146,7 @@ class TrainConfig(Objective):
     """Conversations per process and step; the global batch is ``batch_size * devices * num_nodes``."""
     max_seq_len: int = 3072
     num_anchors: int = 512
+    """Blocks per sequence and step: random anchors, or (opd) the rollout rounds replayed, drawn uniformly."""
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     precision: str = "auto"

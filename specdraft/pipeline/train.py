@@ -18,6 +18,7 @@ from specdraft.export.hf import export_checkpoint
 from specdraft.lit_modules.data import ShareGPTDataModule
 from specdraft.lit_modules.drafter_module import DrafterModule
 from specdraft.lit_modules.features import OfflineFeatures, build_offline_cache
+from specdraft.lit_modules.opd_data import RolloutDataModule, make_rollout_fn
 from specdraft.lit_modules.stage_table import STAGES, Objective
 from specdraft.pipeline.config import RunConfig
 from specdraft.pipeline.data import regenerated_temperature
@@ -34,24 +35,32 @@ from specdraft.runtime.drafter_io import (
     load_drafter,
 )
 from specdraft.runtime.load import load_target, target_fingerprint
+from specdraft.runtime.sampling import SamplingParams
 
 
 class DecodeEvalCallback(L.Callback):
-    """After each validation, decode a few held-out prompts through the runtime and log ``eval/tau``."""
+    """After each validation, decode prompts through the runtime and log their acceptance as ``metric`` (committed
+    tokens per verify round): ``eval/tau`` on a few held-out prompts; the opd stage's ``eval/opd_tau`` on held-in
+    validation prompts at its rollout temperature (a fixed sampling seed, so evaluations compare drafters, not
+    draws)."""
 
-    def __init__(self, prompts: list[list[int]], stop_ids: tuple[int, ...], max_new_tokens: int = 64):
+    def __init__(self, prompts: list[list[int]], stop_ids: tuple[int, ...], max_new_tokens: int = 64,
+                 metric: str = "eval/tau", temperature: float = 0.0, seed: int = 0):
         self.prompts, self.stop_ids, self.max_new_tokens = prompts, stop_ids, max_new_tokens
+        self.metric, self.temperature, self.seed = metric, temperature, seed
 
     def on_validation_epoch_end(self, trainer, pl_module):
         if not self.prompts or trainer.sanity_checking:
             return
         was_training = pl_module.drafter.training
         pl_module.drafter.eval()
-        res = generate(pl_module.target, self.prompts, GenerationConfig(max_new_tokens=self.max_new_tokens,
-                       stop_token_ids=self.stop_ids), drafter=pl_module.drafter)
+        g = torch.Generator(device=pl_module.target.lm_head.weight.device).manual_seed(self.seed)
+        res = generate(pl_module.target, self.prompts, GenerationConfig(
+            max_new_tokens=self.max_new_tokens, stop_token_ids=self.stop_ids,
+            sampling=SamplingParams(self.temperature)), drafter=pl_module.drafter, generator=g)
         pl_module.drafter.train(was_training)
         rounds = [a for r in res for a in r.accept_lengths]
-        pl_module.log("eval/tau", sum(rounds) / max(len(rounds), 1), prog_bar=True, sync_dist=True)
+        pl_module.log(self.metric, sum(rounds) / max(len(rounds), 1), prog_bar=True, sync_dist=True)
 
 
 def warm_start_dir(cfg: RunConfig) -> Path | None:
@@ -115,11 +124,19 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
     if init is not None and (init / "specdraft.json").is_file():
         tags["warm_start_run_id"] = json.loads((init / "specdraft.json").read_text()).get("run_id", "")
     tracker.set_tags(tags)
-    dm = ShareGPTDataModule(str(data_file), tokenizer, t.batch_size, t.max_seq_len, drafter.block_size, t.seed,
-                            enable_thinking=cfg.data.enable_thinking)
+    opd = t.stage == "opd"
+    if opd and drafter.arch_name != "dflash":
+        raise SpecdraftError(f"config key 'train.stage': opd replays DFlash blocks; the warm start is a "
+                             f"{drafter.arch_name!r} drafter (set drafter.init_from to a dflash export)")
+    data_args = (str(data_file), tokenizer, t.batch_size, t.max_seq_len, drafter.block_size, t.seed)
+    dm = (RolloutDataModule(*data_args, opd=t.opd, total_steps=0, accumulate=t.accumulate_grad_batches,
+                            max_rounds=t.num_anchors, enable_thinking=cfg.data.enable_thinking) if opd else
+          ShareGPTDataModule(*data_args, enable_thinking=cfg.data.enable_thinking))
     dm.setup()
     log(f"train: {len(dm.train_items)} train / {len(dm.val_items)} val conversations "
-        f"({dm.dropped} dropped: < {2 * drafter.block_size} supervised tokens)")
+        f"({dm.dropped} dropped: < {2 * drafter.block_size} supervised tokens)"
+        + (f"; {len(dm.prompts)} rollout prompts ({dm.too_long} longer than train.max_seq_len leaves room for "
+           f"train.opd.max_new_tokens)" if opd else ""))
     ranks = (int(t.devices) if t.devices != "auto" else max(1, torch.cuda.device_count())) * t.num_nodes
     steps_per_epoch = max(1, len(dm.train_items) // (t.batch_size * ranks) // t.accumulate_grad_batches)
     total = t.max_steps if t.max_steps > 0 else steps_per_epoch * t.epochs
@@ -137,6 +154,12 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
         reqs = read_requests(world.bench_dir / "math.jsonl", lambda m: None)[: t.eval_prompts]
         eval_prompts = [ids for _, ids in encode_requests(reqs, tokenizer, target.args.max_position_embeddings,
                                                           cfg.data.enable_thinking, warn=lambda m: None)]
+    stop_ids = stop_token_ids(tokenizer)
+    evals = [DecodeEvalCallback(eval_prompts, stop_ids)]
+    if opd:  # serving-style acceptance on held-in prompts at the rollout temperature picks the export
+        dm.total_steps = total
+        evals.append(DecodeEvalCallback(dm.eval_prompts(), stop_ids, t.opd.max_new_tokens, "eval/opd_tau",
+                                        t.opd.rollout_temperature, t.seed))
     ckpt_dir = cfg.checkpoint_dir(t.export)
     best_cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, filename="drafter-best",
                                                   monitor=objective.selection_metric, mode="max", save_last=False,
@@ -158,12 +181,15 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
         accumulate_grad_batches=t.accumulate_grad_batches, val_check_interval=t.eval_every * t.accumulate_grad_batches,
         check_val_every_n_epoch=None, logger=False, enable_model_summary=False, num_sanity_val_steps=0,
         use_distributed_sampler=False,  # the length-grouped sampler shards global batches over the ranks itself
-        callbacks=[best_cb, last_cb, DecodeEvalCallback(eval_prompts, stop_token_ids(tokenizer)),
+        callbacks=[best_cb, last_cb, *evals,
                    TrackerCallback(tracker, every=t.log_every),
                    L.pytorch.callbacks.TQDMProgressBar(refresh_rate=10), *(callbacks or [])],
         log_every_n_steps=t.log_every)
     # the data stream is a function of the optimizer step alone, so resuming (even mid-epoch) replays nothing
     dm.position_fn = lambda per_epoch: divmod(trainer.global_step * t.accumulate_grad_batches, per_epoch)
+    if opd:
+        dm.attach(make_rollout_fn(module, t.opd, stop_ids, t.seed),
+                  lambda: trainer.global_step * t.accumulate_grad_batches)
     resume = ckpt_dir / "drafter-last.ckpt"
     check_resumable(ckpt_dir, {"target": target_fingerprint(world.target_dir),
                                "data": hashlib.sha256(Path(data_file).read_bytes()).hexdigest()[:16]})

@@ -151,6 +151,19 @@ def test_stages_chain_sft_eal_wtv_grpo_with_warm_starts(tiny_world, tmp_path):
         train_drafter(_cfg(tiny_world, work, "train.stage=wtv", "train.features=offline"), tiny_world, data,
                       TagTracker(), lambda m: None)
 
+    # Draft-OPD warm-starts from sft, rolls out through the engine (refreshed every 2 steps), logs the rollout's
+    # acceptance and both loss streams, and exports the checkpoint with the best serving-style acceptance
+    ot = TagTracker()
+    out = train_drafter(_cfg(tiny_world, work, "train.stage=opd", "train.opd.refresh_every=2",
+                             "train.opd.max_new_tokens=24", "train.opd.eval_prompts=2", *base), tiny_world, data, ot,
+                        lambda m: None)
+    assert ot.tags["warm_start"] == str(work / "drafter" / "sft")
+    assert json.loads((out / "specdraft.json").read_text())["selected_by"] == "eval/opd_tau"
+    for key in ("train/opd_rollout_tau", "train/opd_rollout_share", "train/opd_response_loss",
+                "train/opd_rejected_loss", "eval/opd_tau"):
+        assert key in ot.metrics, key
+    assert not torch.equal(load_drafter(out, target).fc.weight, sft.fc.weight)
+
     # ReTrace warm-starts from the sft DFlash drafter; its fusion starts at zero, so it begins exactly as sft
     rt = TagTracker()
     out = train_drafter(_cfg(tiny_world, work, "train.stage=retrace", "drafter.retrace.alignment=soft", *base),
@@ -160,6 +173,9 @@ def test_stages_chain_sft_eal_wtv_grpo_with_warm_starts(tiny_world, tmp_path):
     r = load_drafter(out, target)
     assert r.arch_name == "retrace" and "train/retrace_round1_tau" in rt.metrics
     assert "eval/sim_tau_noprior" in rt.metrics
+    with pytest.raises(SpecdraftError, match="opd replays DFlash"):  # a ReTrace warm start cannot replay blocks
+        train_drafter(_cfg(tiny_world, work, "train.stage=opd", f"drafter.init_from={out}", *base), tiny_world, data,
+                      TagTracker(), lambda m: None)
     with pytest.raises(SpecdraftError, match="verify pass"):  # exact correction signals need the target in the loop
         train_drafter(_cfg(tiny_world, work, "train.stage=retrace", "train.features=offline"), tiny_world, data,
                       TagTracker(), lambda m: None)
