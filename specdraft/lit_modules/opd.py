@@ -21,10 +21,12 @@ Loss (per batch): ``response_weight * L_resp + rejected_weight * L_rej``
   prefix (the recorded verify pass); ``cheap`` only the first rejected slot (the published code's stream), whose
   prefix is committed text.
 
-Choices the method leaves open, made here: distributions are taken at the rollout temperature, or at T=1 under
-greedy rollouts (greedy acceptance depends only on the argmax, which the T=1 distributions train); the response
-stream carries no per-slot decay (each committed token once); a round whose commit was cut by the row's length cap
-contributes no rejected drafts (its correction is not in the text).
+Choices the method leaves open, made here: the response stream's teacher is the target at the rollout temperature,
+so under greedy rollouts (the teacher is the target's argmax) both KL forms are the cross-entropy of the committed
+tokens; the rejected stream compares distributions at the rollout temperature, or at T=1 under greedy rollouts (at
+T -> 0 a rejected draft has target probability 0 and k3 diverges); the response stream carries no per-slot decay
+(each committed token once); a round whose commit was cut by the row's length cap contributes no rejected drafts
+(its correction is not in the text).
 """
 
 from __future__ import annotations
@@ -60,6 +62,10 @@ class OPDConfig:
     """Rows per engine call while rolling out."""
     response_loss: Literal["full", "sampled"] = "full"
     """Forward KL on committed tokens over the full distribution, or its sampled-token (Bernoulli) form."""
+    response_teacher: Literal["serving", "raw"] = "serving"
+    """The response stream's teacher: the target at the rollout temperature (greedy rollouts: its argmax, so both
+    KL forms become cross-entropy on the committed tokens, their T -> 0 limit), or its raw T=1 distribution whatever
+    the rollout temperature (the ablation)."""
     rejected_teacher: Literal["exact", "cheap"] = "cheap"
     """Rejected-draft stream: every rejected slot, scored by the target on the drafted prefix (exact), or only the
     first rejected slot (cheap, the published code's)."""
@@ -85,8 +91,15 @@ class OPDConfig:
 
     @property
     def loss_temperature(self) -> float:
-        """The temperature of the distributions both streams compare."""
+        """The temperature of the rejected-draft stream's distributions (and of the recorded teacher log-probs): the
+        rollout temperature, or 1 under greedy rollouts (at T -> 0 the target gives a rejected draft probability 0 and
+        the k3 estimator diverges)."""
         return self.rollout_temperature if self.rollout_temperature > 0 else 1.0
+
+    @property
+    def response_temperature(self) -> float:
+        """The response stream's temperature (0 = the target's argmax: cross-entropy)."""
+        return self.rollout_temperature if self.response_teacher == "serving" else 1.0
 
 
 @dataclass
@@ -224,7 +237,12 @@ def stream_masks(replay: Replay, label_mask: torch.Tensor, rejected_teacher: str
 def response_kl(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor,
                 form: str, temperature: float) -> torch.Tensor:
     """Mean forward KL on committed tokens: ``sum_v p log(p/q)`` (full) or the sampled-token Bernoulli form at the
-    committed token ``y``. Logits ``[..., V]``, labels and mask ``[...]``."""
+    committed token ``y``; at ``temperature`` 0 the teacher is the target's argmax, where both forms are the
+    cross-entropy of ``y`` (the committed token of a greedy rollout is that argmax). Logits ``[..., V]``, labels and
+    mask ``[...]``."""
+    if temperature == 0:
+        ce = F.cross_entropy(draft_logits[mask].float(), labels[mask], reduction="sum")
+        return ce / mask.sum().clamp_min(1)
     logq = F.log_softmax(draft_logits[mask].float() / temperature, -1)  # [M, V]
     logp = F.log_softmax(target_logits[mask].float() / temperature, -1)
     if form == "full":
@@ -253,10 +271,10 @@ def opd_loss(module, db: DraftBatch, generator: torch.Generator | None = None) -
     """The opd stage's loss on a replayed batch (see the module docstring)."""
     cfg: OPDConfig = module.objective.opd
     replay: Replay = db.replay
-    T = cfg.loss_temperature
     response, rejected = stream_masks(replay, db.blocks.label_mask, cfg.rejected_teacher, cfg.rejected_decay)
-    l_resp = response_kl(db.logits, db.target_logits, db.blocks.labels, response, cfg.response_loss, T)
-    l_rej = rejected_k3(db.logits, replay.drafts, replay.teacher_logp, rejected, T)
+    l_resp = response_kl(db.logits, db.target_logits, db.blocks.labels, response, cfg.response_loss,
+                         cfg.response_temperature)
+    l_rej = rejected_k3(db.logits, replay.drafts, replay.teacher_logp, rejected, cfg.loss_temperature)
     loss = cfg.response_weight * l_resp + cfg.rejected_weight * l_rej
     return loss, {"response_loss": float(l_resp.detach()), "rejected_loss": float(l_rej.detach()),
                   "rejected_drafts": float((rejected > 0).sum())}

@@ -217,9 +217,11 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
                                      tags={"target": str(world.target_dir), "stage": t.stage,
                                            "sim_tau": round(best_score, 3),
                                            "selected_by": objective.selection_metric})
+    rollouts = getattr(module, "opd_rollout_stats", None)
     log(f"train: {trainer.global_step} steps in {train_s:.0f}s ({tps:.0f} tokens/s); best "
         f"{objective.selection_metric} {best_score:.2f}; exported {out}"
-        + (f"; registered model version {version}" if version else ""))
+        + (f"; registered model version {version}" if version else "")
+        + (f"; rollouts took {rollouts['rollout_share']:.0%} of the training time" if rollouts else ""))
     return out
 
 

@@ -126,6 +126,10 @@ def test_losses_equal_brute_force_on_a_tiny_vocabulary():
             n += 1
     assert float(response_kl(q_logits, p_logits, labels, mask, "full", T)) == pytest.approx(full / n, rel=1e-5)
     assert float(response_kl(q_logits, p_logits, labels, mask, "sampled", T)) == pytest.approx(sampled / n, rel=1e-5)
+    ce = -sum(math.log(float(torch.softmax(q_logits[i, k], -1)[labels[i, k]])) for i in range(2) for k in range(3)
+              if mask[i, k])
+    for form in ("full", "sampled"):  # T -> 0: the teacher is the argmax, and both forms are the committed token's CE
+        assert float(response_kl(q_logits, p_logits, labels, mask, form, 0.0)) == pytest.approx(ce / n, rel=1e-5)
 
     drafts = torch.randint(0, V, (2, 3), generator=g)
     teacher = torch.log(torch.rand(2, 3, generator=g))
