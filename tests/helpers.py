@@ -16,6 +16,7 @@ from specdraft.pipeline.tokenizer import train_tokenizer
 from specdraft.pipeline.world import World
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.drafter_io import build_drafter, convert_drafter, drafter_config_for_target
+from specdraft.runtime.models.dflash import DFlashDrafter
 from specdraft.runtime.models.retrace import ReTraceOptions
 from specdraft.runtime.models.target import TargetArgs, TargetLM
 
@@ -109,3 +110,44 @@ def retrace_from(backbone, active: bool, seed: int = 0, **opts):
         torch.nn.init.normal_(r.retrace_gate_out.weight, std=0.5)  # [W_g ; W_o], W_o no longer zero
         torch.nn.init.zeros_(r.retrace_gate_out.bias)
     return r.eval()
+
+
+class BigramOracle(DFlashDrafter):
+    """A real DFlash drafter (its caches, ingest and draft pass all run) whose logits are replaced by a pinned guess
+    of the target's next tokens. Against a target whose attention output projections are zero, the next token is a
+    fixed function of the current one (a bigram map), so the guess is exact: slot ``k`` proposes the map's ``k``-th
+    iterate of the anchor while ``k <= right`` and a wrong token after, pinning ``right`` accepted drafts per round."""
+
+    def pin(self, bigram: torch.Tensor, right: int):
+        self.bigram, self.right = bigram, right
+        return self
+
+    def block_embeds(self, block_tokens, state=None):
+        self._anchor = block_tokens[:, 0]
+        return super().block_embeds(block_tokens, state)
+
+    def logits(self, hidden):
+        super().logits(hidden)  # the real LM head runs too
+        K, V = hidden.shape[1], self.bigram.shape[0]
+        tok, out = self._anchor, []
+        for k in range(K):
+            tok = self.bigram[tok]
+            out.append(tok if k < self.right else (tok + 1) % V)
+        return torch.nn.functional.one_hot(torch.stack(out, 1), V).float() * 20  # [b, K, V]
+
+
+def bigram_target(V=6):
+    target = make_target(seed=7, vocab=V, std=1.0)
+    with torch.no_grad():
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+        bigram = target(torch.arange(V)[:, None]).logits[:, 0].argmax(-1)  # [V] next token of each token
+    return target, bigram
+
+
+def bigram_oracle(right: int, block_size: int = 4, V: int = 6):
+    """``(target, drafter)``: a bigram target and a :class:`BigramOracle` pinned to ``right`` accepted drafts."""
+    target, bigram = bigram_target(V)
+    oracle = make_drafter(target, seed=2, block_size=block_size)
+    oracle.__class__ = BigramOracle
+    return target, oracle.pin(bigram, right)

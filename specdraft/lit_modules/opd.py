@@ -54,8 +54,8 @@ class OPDConfig:
     """Optimizer steps between rollout refreshes with the current drafter; 0 = never (offline replay: the prompts of
     the whole run are rolled out once, by the starting drafter)."""
     buffer_prompts: int = 0
-    """Prompts rolled out per refresh (0 = ``refresh_every * batch_size``: each rollout is replayed once); steps
-    between refreshes cycle through the buffer."""
+    """Prompts rolled out per refresh (0 = ``refresh_every * batch_size``: each rollout is replayed once; fewer are
+    replayed more than once; more would never be replayed and are refused)."""
     max_new_tokens: int = 160
     """Rollout response cap (tokens)."""
     rollout_batch_size: int = 16
@@ -79,9 +79,9 @@ class OPDConfig:
 
     def __post_init__(self):
         check_range("rollout_temperature", self.rollout_temperature, 0.0)
-        for key in ("refresh_every", "buffer_prompts", "eval_prompts"):
+        for key in ("refresh_every", "buffer_prompts"):
             check_range(key, getattr(self, key), 0)
-        for key in ("max_new_tokens", "rollout_batch_size"):
+        for key in ("max_new_tokens", "rollout_batch_size", "eval_prompts"):
             check_range(key, getattr(self, key), 1)
         check_range("rejected_decay", self.rejected_decay, 0.0, 1.0, low_open=True)
         check_range("response_weight", self.response_weight, 0.0)
@@ -160,7 +160,7 @@ def rollout(target, drafter, prompts: list[list[int]], cfg: OPDConfig, stop_toke
             if r.accepted != res.accepted:
                 raise RuntimeError("rollout records disagree with the engine's accepted lengths")
             r.tokens = r.tokens + res.tokens
-            if res.finish_reason == "stop":  # the stop token was committed too: keep it (the drafter learns to end)
+            if res.finish_reason == "stop" and r.anchors:  # the stop token was committed: keep it (learn to end)
                 last = r.drafts[-1][: r.accepted[-1]] + [r.corrections[-1]]
                 r.tokens.append(last[res.accept_lengths[-1] - 1])
             emitted += sum(res.accept_lengths)
@@ -261,6 +261,8 @@ def rejected_k3(draft_logits: torch.Tensor, drafts: torch.Tensor, teacher_logp: 
     """Weighted mean of the reverse-KL k3 estimator ``(r - 1) - log r``, ``r = p(x) / q(x)``, over rejected drafts
     ``x`` (``weights`` ``[...]`` 0 elsewhere). Logits ``[..., V]``, drafts and teacher log-probs ``[...]``."""
     on = weights > 0
+    if not on.any():
+        return draft_logits.sum() * 0.0
     logq = F.log_softmax(draft_logits[on].float() / temperature, -1).gather(-1, drafts[on][:, None])[:, 0]  # [M]
     log_r = (teacher_logp[on] - logq).clamp(max=30.0)  # r = p/q; the clamp only guards exp against overflow
     k3 = log_r.exp() - 1 - log_r

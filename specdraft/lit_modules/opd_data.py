@@ -10,7 +10,6 @@ weights it resumed (the only difference from an uninterrupted run).
 
 from __future__ import annotations
 
-import itertools
 import time
 from typing import Callable
 
@@ -50,21 +49,29 @@ class RolloutStream(IterableDataset):
     def cycle_prompts(self, cycle: int) -> list[list[int]]:
         """This rank's prompts of refresh cycle ``cycle`` (the global buffer is dealt over the ranks)."""
         n, size = len(self.prompts), self.buffer * self.num_replicas
+        perms: dict[int, list[int]] = {}
         out, start = [], cycle * size
         for i in range(start, start + size):
             epoch, j = divmod(i, n)
-            perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch)).tolist()
-            out.append(self.prompts[perm[j]])
+            if epoch not in perms:
+                perms[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(
+                    self.seed * 100_003 + epoch)).tolist()
+            out.append(self.prompts[perms[epoch][j]])
         return out[self.rank::self.num_replicas]
 
     def __iter__(self):
+        """Batches up to the run's last one (the loader's look-ahead must not start a rollout nobody trains on).
+        Lightning fetches one batch ahead, so a refresh rolls out with the weights of one step before the cycle's
+        first step; a resumed run rolls its current cycle out again (offline: the whole run) with the resumed
+        weights."""
+        if not self.prompts:
+            raise ValueError("no rollout prompts: every training prompt leaves no room for the response")
         done = self.position_fn()
-        per_cycle = self.refresh_batches
-        cycle, skip = divmod(done, per_cycle) if per_cycle else (0, done)
-        while True:
+        per_cycle = self.refresh_batches or self.total_batches
+        cycle, skip = divmod(done, per_cycle) if self.refresh_batches else (0, done)
+        while cycle * per_cycle < self.total_batches:
             rollouts = self.rollout_fn(self.cycle_prompts(cycle), cycle)
-            batches = range(skip, per_cycle) if per_cycle else itertools.count(skip)
-            for i in batches:
+            for i in range(skip, min(per_cycle, self.total_batches - cycle * per_cycle)):
                 g = torch.Generator().manual_seed((self.seed * 1_000_003 + cycle) * 10_007 + i)
                 yield collate_rollouts([rollouts[(i * self.batch_size + j) % len(rollouts)]
                                         for j in range(self.batch_size)], self.max_rounds, g)
@@ -86,8 +93,10 @@ def make_rollout_fn(module, cfg: OPDConfig, stop_token_ids: tuple[int, ...], see
         drafter.eval()
         dev = module.target.lm_head.weight.device
         g = torch.Generator(device=dev).manual_seed(seed * 1_000_003 + cycle)
-        rollouts, stats = rollout(module.target, drafter, prompts, cfg, stop_token_ids, g)
-        drafter.train(was_training)
+        try:
+            rollouts, stats = rollout(module.target, drafter, prompts, cfg, stop_token_ids, g)
+        finally:
+            drafter.train(was_training)
         spent["rollout_s"] += time.perf_counter() - t0
         wall = max(time.perf_counter() - spent["t0"], 1e-6)
         module.opd_rollout_stats = {"rollout_tau": stats["tau"], "rollout_share": spent["rollout_s"] / wall,

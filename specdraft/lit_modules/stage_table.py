@@ -141,6 +141,10 @@ def _retrace_cheap(objective: Objective) -> bool:
     return objective.retrace.signals == "cheap"
 
 
+def _opd_target_logits(objective: Objective) -> bool:
+    return objective.opd.response_temperature > 0  # greedy rollouts' response stream is CE on committed tokens
+
+
 def _opd_online(objective: Objective) -> str:
     return "rolls out through the decode engine and scores each rollout with the target"
 
@@ -192,5 +196,6 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("retrace", sft_loss, step=retrace_step, arch="retrace", target_logits=_retrace_cheap,
           online=_retrace_online, lr_scales=_retrace_lr_scales),
     Stage("vp", vp_loss, step=vp_step, arch="vp", metric="eval/vp_tau"),
-    Stage("opd", opd_loss, step=opd_step, target_logits=_always, online=_opd_online, metric="eval/opd_tau"),
+    Stage("opd", opd_loss, step=opd_step, target_logits=_opd_target_logits, online=_opd_online,
+          metric="eval/opd_tau"),
 )}

@@ -125,6 +125,10 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
         tags["warm_start_run_id"] = json.loads((init / "specdraft.json").read_text()).get("run_id", "")
     tracker.set_tags(tags)
     opd = t.stage == "opd"
+    if opd and t.opd.buffer_prompts > t.opd.refresh_every * t.batch_size * t.accumulate_grad_batches > 0:
+        raise SpecdraftError(f"config key 'train.opd.buffer_prompts': {t.opd.buffer_prompts} prompts per refresh, but "
+                             f"the {t.opd.refresh_every} steps between refreshes replay only "
+                             f"{t.opd.refresh_every * t.batch_size * t.accumulate_grad_batches}")
     if opd and drafter.arch_name != "dflash":
         raise SpecdraftError(f"config key 'train.stage': opd replays DFlash blocks; the warm start is a "
                              f"{drafter.arch_name!r} drafter (set drafter.init_from to a dflash export)")

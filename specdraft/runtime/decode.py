@@ -22,6 +22,7 @@ from specdraft.runtime.d2sd import TreeDrafting, tree_round
 from specdraft.runtime.drafter import Drafter, RoundRecord
 from specdraft.runtime.models.target import TargetLM
 from specdraft.runtime.phase_clock import PhaseClock
+from specdraft.runtime.policy import AdaptivePolicy
 from specdraft.runtime.sampling import SamplingParams, logits_to_probs, sample, sample_from_probs
 from specdraft.runtime.verify import accept_greedy, accept_speculative_sampling
 
@@ -52,6 +53,8 @@ class RowResult:
     winner: list[int] = field(default_factory=list)
     """D²SD: the candidate holding the accepted path per round (0 = the first draft, j = the second drafter's
     j-th branch by prefix length; the first draft wins ties)."""
+    verified: list[int] = field(default_factory=list)
+    """Drafts verified per round: the block's K, or what an adaptive policy chose (0 = a plain decoding round)."""
 
     @property
     def tau(self) -> float:
@@ -84,7 +87,7 @@ def _pad(prompts: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.
 def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: GenerationConfig,
              drafter: Drafter | None = None, generator: torch.Generator | None = None,
              observer: Callable[[RoundRecord], None] | None = None, tree: TreeDrafting | None = None,
-             timings: dict[str, float] | None = None) -> list[RowResult]:
+             timings: dict[str, float] | None = None, policy: AdaptivePolicy | None = None) -> list[RowResult]:
     """Decode a batch of prompts with the target alone (``drafter=None``) or speculatively.
 
     Args:
@@ -97,6 +100,8 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
         tree: D²SD tree drafting (needs ``drafter``, a first drafter without cross-round state).
         timings: when given, wall seconds per round phase are added to it (draft, second_draft, tree, verify,
             compaction, commit), synchronising the device at each phase boundary.
+        policy: chain rounds only: an :class:`AdaptivePolicy` choosing whether to draft and how many drafts to
+            verify each round (None: the whole block every round).
     Returns:
         one :class:`RowResult` per prompt, in order.
     """
@@ -106,6 +111,8 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
         if drafter is None:
             raise ValueError("tree drafting needs a first drafter")
         tree.check(drafter)
+    if policy is not None and (drafter is None or tree is not None):
+        raise ValueError("an adaptive policy chooses chain rounds: it needs a drafter and no tree")
     dev = target.lm_head.weight.device
     B = len(prompts)
     block = drafter.block_size if drafter is not None else 1
@@ -138,6 +145,7 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
     accepted: list[list[int]] = [[] for _ in range(B)]
     nodes: list[list[int]] = [[] for _ in range(B)]
     winners: list[list[int]] = [[] for _ in range(B)]
+    verified: list[list[int]] = [[] for _ in range(B)]
     results: list[RowResult | None] = [None] * B
 
     def emit(row: int, new_tokens: list[int]) -> int:
@@ -146,12 +154,12 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
         for i, t in enumerate(new_tokens):
             if t in stop:
                 results[row] = RowResult(generated[row], accept_lengths[row], "stop", time.perf_counter() - start,
-                                         accepted[row], nodes[row], winners[row])
+                                         accepted[row], nodes[row], winners[row], verified[row])
                 return i + 1
             generated[row].append(t)
             if len(generated[row]) >= max_new[row]:
                 results[row] = RowResult(generated[row], accept_lengths[row], "length", time.perf_counter() - start,
-                                         accepted[row], nodes[row], winners[row])
+                                         accepted[row], nodes[row], winners[row], verified[row])
                 return i + 1
         return len(new_tokens)
 
@@ -171,24 +179,28 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
             draft_tokens, draft_logits, hidden = rnd.draft_tokens, rnd.draft_logits, rnd.hidden
             n_acc, nxt, target_logits = rnd.acceptance.num_accepted, rnd.acceptance.next_token, rnd.path_logits
             features, tree_nodes, tree_winner = rnd.path_features, rnd.tree.num_nodes, rnd.acceptance.winner
-        elif drafter is not None:
+        elif drafter is not None and (policy is None or policy.draft_this_round(b)):
             blk = torch.full((b, block), drafter.config.mask_token_id, dtype=torch.long, device=dev)
             blk[:, 0] = state.anchor
             hidden = drafter.draft_hidden(dcache, drafter.block_embeds(blk, state.draft_state))  # [b, Bk, D]
             draft_logits = drafter.logits(hidden[:, 1:])  # [b, K, V]
             draft_tokens, draft_probs = propose(draft_logits, params, config.draft_sampling, generator)
+            if policy is not None:  # verify only the first k drafts: a block of k drafts, just as lossless
+                k = policy.verify_len(draft_confidence(draft_logits, draft_tokens, draft_probs))
+                draft_tokens, draft_logits = draft_tokens[:, :k], draft_logits[:, :k]
+                draft_probs = draft_probs[:, :k] if draft_probs is not None else None
             clock.lap("draft")
             out = target(torch.cat([state.anchor[:, None], draft_tokens], dim=1), cache=tcache,
                          feature_layers=feature_layers)  # verify [anchor, d_1..d_K]
             n_acc, nxt = verify_round(draft_tokens, draft_probs, out.logits, params, generator)  # [b], [b]
             features, target_logits = out.features, out.logits
             clock.lap("verify")
-        else:
+        else:  # the target alone, or a plain round of an adaptive policy (features still feed the drafter)
             draft_tokens = state.anchor.new_zeros(b, 0)
             draft_logits = hidden = None
-            out = target(state.anchor[:, None], cache=tcache)  # [b, 1]
+            out = target(state.anchor[:, None], cache=tcache, feature_layers=feature_layers)  # [b, 1]
             n_acc, nxt = verify_round(draft_tokens, None, out.logits, params, generator)
-            features, target_logits = None, out.logits
+            features, target_logits = out.features, out.logits
             clock.lap("verify")
         if observer is not None:
             observer(RoundRecord(state.rows, draft_tokens, draft_logits, hidden, n_acc, nxt, target_logits,
@@ -204,12 +216,15 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
             second.ingest(scache, features, n_acc + 1)
             second.next_round_state(None, None, draft_tokens, n_acc, target_logits, None)
         state.anchor = nxt
+        if policy is not None and draft_tokens.shape[1] > 0:
+            policy.observe(float(n_acc.float().mean()) + 1)
         keep = []
         tree_nodes = tree_nodes.tolist() if tree_nodes is not None else [0] * b
         tree_winner = tree_winner.tolist() if tree_winner is not None else [0] * b
         for i, (row, a, d, t) in enumerate(zip(state.rows.tolist(), n_acc.tolist(), draft_tokens.tolist(),
                                                nxt.tolist())):
             accepted[row].append(a)
+            verified[row].append(len(d))
             if tree is not None:
                 nodes[row].append(tree_nodes[i])
                 winners[row].append(tree_winner[i])
@@ -219,6 +234,14 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
         _compact(state, tcache, dcache, keep, b, scache if second is not None else None)
     clock.lap("commit")
     return results  # type: ignore[return-value]
+
+
+def draft_confidence(draft_logits: torch.Tensor, draft_tokens: torch.Tensor,
+                     draft_probs: torch.Tensor | None) -> torch.Tensor:
+    """``[b, K]``: the drafter's probability of each of its drafts (under the distribution they were drawn from, or
+    its plain softmax for argmax drafts)."""
+    q = draft_probs if draft_probs is not None else torch.softmax(draft_logits.float(), -1)
+    return q.gather(-1, draft_tokens[..., None])[..., 0]
 
 
 def propose(draft_logits: torch.Tensor, params: SamplingParams, draft_sampling: str = "sample",

@@ -72,7 +72,8 @@ def test_rollout_records_replay_to_the_engines_text_and_acceptance(models, tempe
 def test_replayed_draft_logits_equal_the_serving_logits_and_the_teacher_is_exact(models):
     target, drafter = models
     rollouts, _ = _rollouts(models)
-    module = DrafterModule(drafter, target, 1e-3, 0.0, 10, 8, Objective(stage="opd"))
+    raw = Objective(stage="opd", opd=OPDConfig(response_teacher="raw"))  # the target's slot logits, at T=1
+    module = DrafterModule(drafter, target, 1e-3, 0.0, 10, 8, raw)
     batch = collate_rollouts(rollouts, max_rounds=4, generator=torch.Generator().manual_seed(1))
     db, _, _ = opd_step(module, batch, "train", None)
     K = drafter.block_size - 1
@@ -146,21 +147,36 @@ def test_losses_equal_brute_force_on_a_tiny_vocabulary():
     assert float(rejected_k3(q_logits, drafts, teacher, weights, T)) == pytest.approx(num / den, rel=1e-5)
 
 
-@pytest.mark.parametrize("opts", [{}, {"rejected_teacher": "exact", "response_loss": "sampled"}])
+@pytest.mark.parametrize("opts", [{}, {"rejected_teacher": "exact", "response_loss": "sampled",
+                                      "response_teacher": "raw"}, {"rollout_temperature": 1.0}])
 def test_opd_loss_trains_both_streams_with_finite_gradients(models, opts):
     target, _ = models
     drafter = make_drafter(target, seed=4, block_size=5, layers=1).train().requires_grad_(True)
-    rollouts, _ = _rollouts((target, drafter))
-    module = DrafterModule(drafter, target, 1e-3, 0.0, 10, 8, Objective(stage="opd", opd=OPDConfig(**opts)))
+    cfg = OPDConfig(**opts)
+    rollouts, _ = _rollouts((target, drafter), cfg.rollout_temperature)
+    module = DrafterModule(drafter, target, 1e-3, 0.0, 10, 8, Objective(stage="opd", opd=cfg))
     db, _, _ = opd_step(module, collate_rollouts(rollouts), "train", None)
+    assert (db.target_logits is None) == (cfg.response_temperature == 0)  # greedy CE needs no target logits
     loss, stats = opd_loss(module, db)
     assert stats["response_loss"] > 0 and stats["rejected_loss"] > 0 and stats["rejected_drafts"] > 0
     loss.backward()
     grads = [p.grad for p in drafter.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(gr).all() for gr in grads) and any(gr.abs().sum() > 0 for gr in grads)
-    without = DrafterModule(drafter, target, 1e-3, 0.0, 10, 8,
-                            Objective(stage="opd", opd=OPDConfig(**opts, rejected_weight=0.0)))
-    assert float(opd_loss(without, db)[0].detach()) == pytest.approx(stats["response_loss"], rel=1e-6)
+
+
+def test_rows_ending_at_once_and_batches_without_rounds(models):
+    target, drafter = models
+    first = generate(target, PROMPTS, GenerationConfig(max_new_tokens=1))[1].tokens[0]
+    rollouts, _ = rollout(target, drafter, PROMPTS, OPDConfig(max_new_tokens=8), (first,))
+    stopped = rollouts[1]  # its first token is the stop token: no round to replay, nothing to crash on
+    assert stopped.anchors == [] and stopped.tokens == PROMPTS[1]
+    short, _ = rollout(target, drafter, PROMPTS, OPDConfig(max_new_tokens=1))  # one token each: no rounds at all
+    assert all(not r.anchors for r in short)
+    batch = collate_rollouts(short)
+    db, _, _ = opd_step(DrafterModule(drafter, target, 1e-3, 0.0, 10, 8, Objective(stage="opd")), batch, "train",
+                        None)
+    loss, stats = opd_loss(DrafterModule(drafter, target, 1e-3, 0.0, 10, 8, Objective(stage="opd")), db)
+    assert float(loss.detach()) == 0.0 and stats["rejected_drafts"] == 0
 
 
 def test_rollout_stream_refreshes_on_schedule_and_offline_rolls_out_once():
@@ -176,14 +192,16 @@ def test_rollout_stream_refreshes_on_schedule_and_offline_rolls_out_once():
         return [next(it) for _ in range(n)]
 
     on = RolloutStream(prompts, OPDConfig(refresh_every=2), 3, 6, 0, fake_rollout, lambda: 0, refresh_batches=2)
-    take(on, 6)
-    assert [c for c, _ in calls] == [0, 1, 2] and all(len(ps) == 6 for _, ps in calls)
+    batches = list(on)  # the run's 6 batches, and no rollout past them (the loader looks one batch ahead)
+    assert len(batches) == 6 and [c for c, _ in calls] == [0, 1, 2] and all(len(ps) == 6 for _, ps in calls)
+    assert batches[0]["input_ids"][:, 0].tolist() == calls[0][1][:3]  # batch 0 replays the cycle's first rollouts
+    assert batches[1]["input_ids"][:, 0].tolist() == calls[0][1][3:6]
     seen = [p for _, ps in calls for p in ps]
     assert sorted(seen[:10]) == list(range(10))  # the shuffled pool is used up before any prompt repeats
     on_prompts = seen
     calls.clear()
     off = RolloutStream(prompts, OPDConfig(refresh_every=0), 3, 6, 0, fake_rollout, lambda: 0, refresh_batches=0)
-    take(off, 6)
+    assert len(list(off)) == 6
     assert len(calls) == 1 and calls[0][1] == on_prompts  # the same prompts, rolled out once
     calls.clear()
     resumed = RolloutStream(prompts, OPDConfig(refresh_every=2), 3, 6, 0, fake_rollout, lambda: 3, refresh_batches=2)

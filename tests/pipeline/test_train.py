@@ -162,6 +162,7 @@ def test_stages_chain_sft_eal_wtv_grpo_with_warm_starts(tiny_world, tmp_path):
     for key in ("train/opd_rollout_tau", "train/opd_rollout_share", "train/opd_response_loss",
                 "train/opd_rejected_loss", "eval/opd_tau"):
         assert key in ot.metrics, key
+    assert max(ot.metrics["train/opd_rollout_cycle"].values()) >= 1  # the buffer was refreshed inside Lightning
     assert not torch.equal(load_drafter(out, target).fc.weight, sft.fc.weight)
 
     # ReTrace warm-starts from the sft DFlash drafter; its fusion starts at zero, so it begins exactly as sft

@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from specdraft.runtime.decode import GenerationConfig, generate
-from specdraft.runtime.models.dflash import DFlashDrafter
 from specdraft.runtime.static_decode import StaticDecoder, StaticEngine
-from tests.helpers import make_drafter, make_target, retrace_from
+from tests.helpers import bigram_oracle, make_drafter, make_target, retrace_from
 from tests.lossless import SAMPLING_SETTINGS, sampling_pvalues
 
 ALPHA = 1e-3
@@ -51,45 +50,9 @@ def test_greedy_output_is_the_targets_across_buckets_padding_and_stops():
     assert [r.tokens for r in ar] == [r.tokens for r in want]
 
 
-class BigramOracle(DFlashDrafter):
-    """A real DFlash drafter (its caches, ingest and draft pass all run) whose logits are replaced by a pinned guess
-    of the target's next tokens. Against a target whose attention output projections are zero, the next token is a
-    fixed function of the current one (a bigram map), so the guess is exact: slot ``k`` proposes the map's ``k``-th
-    iterate of the anchor while ``k <= right`` and a wrong token after, pinning ``right`` accepted drafts per round."""
-
-    def pin(self, bigram: torch.Tensor, right: int):
-        self.bigram, self.right = bigram, right
-        return self
-
-    def block_embeds(self, block_tokens, state=None):
-        self._anchor = block_tokens[:, 0]
-        return super().block_embeds(block_tokens, state)
-
-    def logits(self, hidden):
-        super().logits(hidden)  # the real LM head runs too
-        K, V = hidden.shape[1], self.bigram.shape[0]
-        tok, out = self._anchor, []
-        for k in range(K):
-            tok = self.bigram[tok]
-            out.append(tok if k < self.right else (tok + 1) % V)
-        return torch.nn.functional.one_hot(torch.stack(out, 1), V).float() * 20  # [b, K, V]
-
-
-def _bigram_target(V=6):
-    target = make_target(seed=7, vocab=V, std=1.0)
-    with torch.no_grad():
-        for layer in target.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-        bigram = target(torch.arange(V)[:, None]).logits[:, 0].argmax(-1)  # [V] next token of each token
-    return target, bigram
-
-
 @pytest.mark.parametrize("right", [3, 0, 2], ids=["accept-all", "accept-none", "partial"])
 def test_pinned_acceptance(right):
-    target, bigram = _bigram_target()
-    oracle = make_drafter(target, seed=2, block_size=4)
-    oracle.__class__ = BigramOracle
-    oracle.pin(bigram, right)
+    target, oracle = bigram_oracle(right)
     gen = GenerationConfig(max_new_tokens=CAPS)
     got = static_engine()(target, PROMPTS, gen, drafter=oracle)
     assert [r.tokens for r in got] == [r.tokens for r in generate(target, PROMPTS, gen)]
@@ -103,10 +66,7 @@ def test_sampled_output_fits_the_target_distribution(params):
                              engine=static_engine((1, 6000)))
     assert check.min_p > ALPHA, check
     assert check.profile["partial"] + check.profile["full"] > 0  # drafts were accepted
-    target, bigram = _bigram_target()
-    oracle = make_drafter(target, seed=2, block_size=4)
-    oracle.__class__ = BigramOracle
-    oracle.pin(bigram, 2)
+    target, oracle = bigram_oracle(2)
     check = sampling_pvalues(target, lambda p: oracle, params, n=6000, engine=static_engine((1, 6000)))
     assert check.min_p > ALPHA, check
     assert check.profile["partial"] > check.profile["rounds"] // 4  # the oracle's drafts are accepted often

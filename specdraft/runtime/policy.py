@@ -1,0 +1,212 @@
+"""How much to speculate: a speculation policy that knows what a round costs on this machine.
+
+Speculation pays when the tokens a round commits per second beat plain decoding's. A round with ``b`` rows that
+verifies ``k`` drafts costs a drafter round ``D(b)`` plus a target pass over ``k + 1`` new tokens per row
+``T(b, k + 1)`` and commits ``sum_rows E_r(k)`` tokens, ``E_r(k) = 1 + sum_{j<=k} prod_{i<=j} a_{r,i}`` with ``a_{r,i}``
+the chance that slot ``i`` is accepted given the slots before it. Plain decoding commits ``b`` tokens per ``T(b, 1)``.
+
+:class:`CostModel` holds ``T`` and ``D`` measured on the machine (:func:`measure_costs`, cached per machine and
+models); :class:`Calibration` maps the drafter's per-slot confidence (its probability of its own draft, the quantity
+D²SD branches on) to an acceptance probability, fitted on held-in rounds; :class:`AdaptivePolicy` picks, each round,
+the number of drafts to verify (the same for every row: the verify pass pads rows to one width, so a narrower row
+would save nothing) and skips drafting altogether while the recent acceptance says a round cannot beat plain
+decoding, retrying every ``retry_every`` rounds. Only how much is drafted and verified changes: verifying the first
+``k`` drafts of a block is speculative decoding with a block of ``k`` drafts, so the output stays lossless.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+
+def _interp(xs: list[int], ys: list[float], x: float) -> float:
+    """Piecewise-linear through ``(xs, ys)``, extended linearly past both ends (never below 0)."""
+    if len(xs) == 1:
+        return ys[0] * x / xs[0]
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+@dataclass
+class CostModel:
+    """Seconds per target pass on a ``rows`` x ``tokens`` grid and per drafter round by ``rows``."""
+
+    rows: list[int]
+    tokens: list[int]
+    target_s: list[list[float]]
+    """``[len(rows)][len(tokens)]`` seconds of one target pass with that many rows and new tokens per row."""
+    drafter_s: list[float]
+    """``[len(rows)]`` seconds of one drafter round (block embeds, draft pass, logits) and its context ingest."""
+    key: dict = field(default_factory=dict)
+    """What the costs were measured for (device, dtype, models, versions)."""
+
+    def target(self, b: int, t: int) -> float:
+        per_rows = [_interp(self.tokens, row, t) for row in self.target_s]
+        return _interp(self.rows, per_rows, b)
+
+    def drafter(self, b: int) -> float:
+        return _interp(self.rows, self.drafter_s, b)
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def load(cls, path: Path) -> "CostModel":
+        return cls(**json.loads(path.read_text()))
+
+
+@torch.inference_mode()
+def measure_costs(target, drafter, rows=(1, 8, 32, 64), tokens=(1, 2, 4, 8, 16), context: int = 256,
+                  repeats: int = 3) -> CostModel:
+    """Time target passes and drafter rounds against a ``context``-token cache (median of ``repeats``)."""
+    dev = target.lm_head.weight.device
+    V = target.args.vocab_size
+    K = drafter.block_size - 1
+    tokens = sorted({t for t in tokens if t <= K + 1} | {1, K + 1})
+
+    def timed(fn) -> float:
+        out = []
+        for _ in range(repeats + 1):  # the first call warms up
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            out.append(time.perf_counter() - t0)
+        return sorted(out[1:])[len(out[1:]) // 2]
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    target_s, drafter_s = [], []
+    for b in rows:
+        ctx = torch.randint(0, V, (b, context), generator=g).to(dev)
+        cache = target.new_cache(b, context + K + 2)
+        out = target(ctx, cache=cache, feature_layers=drafter.target_layer_ids)
+        cache.crop(torch.full((b,), context, device=dev))
+        lens = torch.full((b,), context, device=dev)
+        dcache = drafter.new_cache(b, context + 2 * (K + 2))
+        drafter.ingest(dcache, out.features, lens)
+        row = []
+        for t in tokens:
+            new = torch.randint(0, V, (b, t), generator=g).to(dev)
+
+            def verify(new=new):
+                target(new, cache=cache, feature_layers=drafter.target_layer_ids)
+                cache.crop(torch.full((b,), context, device=dev))
+
+            row.append(timed(verify))
+        target_s.append(row)
+        feats = target(ctx[:, :K + 1], cache=None, feature_layers=drafter.target_layer_ids).features
+
+        def draft_round():
+            blk = torch.full((b, K + 1), drafter.config.mask_token_id, dtype=torch.long, device=dev)
+            blk[:, 0] = ctx[:, -1]
+            hidden = drafter.draft_hidden(dcache, drafter.block_embeds(blk, None))
+            drafter.logits(hidden[:, 1:]).argmax(-1)
+            drafter.ingest(dcache, feats, torch.ones(b, dtype=torch.long, device=dev))  # room: repeats + 1 tokens
+
+        drafter_s.append(timed(draft_round))
+    key = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+           "threads": torch.get_num_threads(), "dtype": str(target.lm_head.weight.dtype), "torch": torch.__version__,
+           "context": context}
+    return CostModel(list(rows), tokens, target_s, drafter_s, key)
+
+
+@dataclass
+class Calibration:
+    """Per-slot map from the drafter's confidence in its draft to the chance the target accepts it (given the
+    slots before it were accepted): a table over ``bins`` equal confidence bins per slot, fitted on held-in rounds;
+    empty = the confidence itself."""
+
+    bins: int = 10
+    table: list[list[float]] = field(default_factory=list)
+    """``[K][bins]`` acceptance rate per slot and confidence bin."""
+
+    def __call__(self, confidence: torch.Tensor) -> torch.Tensor:
+        """Acceptance probabilities ``[b, K]`` of confidences ``[b, K]``."""
+        if not self.table:
+            return confidence
+        table = torch.tensor(self.table, device=confidence.device, dtype=confidence.dtype)  # [K, bins]
+        k = confidence.shape[1]
+        idx = (confidence * self.bins).long().clamp(0, self.bins - 1)  # [b, K]
+        return table[:k].T.gather(0, idx) if k <= table.shape[0] else confidence
+
+    @classmethod
+    def fit(cls, confidences: torch.Tensor, accepted: torch.Tensor, bins: int = 10,
+            prior: float = 2.0) -> "Calibration":
+        """From rounds' confidences ``[R, K]`` and accepted drafts ``[R]``: slot ``i`` counts in the rounds that
+        reached it (``accepted >= i - 1``), as accepted when ``accepted >= i``. Each bin's rate is shrunk toward its
+        centre with ``prior`` pseudo-rounds."""
+        R, K = confidences.shape
+        slot = torch.arange(1, K + 1)
+        reached = accepted[:, None] >= slot - 1  # [R, K]
+        hit = accepted[:, None] >= slot
+        idx = (confidences * bins).long().clamp(0, bins - 1)
+        table = []
+        for i in range(K):
+            row = []
+            for j in range(bins):
+                sel = reached[:, i] & (idx[:, i] == j)
+                centre = (j + 0.5) / bins
+                row.append(float((hit[sel, i].sum() + prior * centre) / (sel.sum() + prior)))
+            table.append(row)
+        return cls(bins, table)
+
+
+def expected_committed(accept: torch.Tensor) -> torch.Tensor:
+    """``[b, K + 1]``: expected tokens a round commits per row when it verifies ``k = 0..K`` drafts, from per-slot
+    acceptance probabilities ``accept`` ``[b, K]`` (the bonus / correction token included)."""
+    run = torch.cumprod(accept.float(), dim=1)  # [b, K] chance the first j drafts are all accepted
+    return torch.cat([torch.ones_like(run[:, :1]), 1 + run.cumsum(1)], dim=1)
+
+
+@dataclass
+class AdaptivePolicy:
+    """Per round: whether to draft, and how many drafts to verify (see the module docstring)."""
+
+    costs: CostModel
+    calibration: Calibration = field(default_factory=Calibration)
+    retry_every: int = 8
+    """Rounds of plain decoding before drafting is tried again."""
+    smoothing: float = 0.3
+    """Weight of the latest round in the running estimate of a drafted round's tokens per row."""
+    estimate: float | None = None
+    """Running mean of the tokens per row that drafted rounds committed (None: none drafted yet)."""
+    width: int = 0
+    skipped: int = 0
+
+    def draft_this_round(self, b: int) -> bool:
+        """False while the running estimate says a drafted round commits fewer tokens per second than plain
+        decoding (plain rounds then run; drafting is retried every ``retry_every`` of them)."""
+        if self.estimate is None:
+            return True
+        spec = self.estimate * b / (self.costs.drafter(b) + self.costs.target(b, self.width + 1))
+        if spec >= b / self.costs.target(b, 1) or self.skipped >= self.retry_every:
+            self.skipped = 0
+            return True
+        self.skipped += 1
+        return False
+
+    def verify_len(self, confidence: torch.Tensor) -> int:
+        """Drafts to verify (0..K) given the drafted block's per-slot confidences ``[b, K]``: the width that
+        maximises expected committed tokens per second (the drafter's round is paid by now; plain decoding, k = 0,
+        still costs it this round)."""
+        b = confidence.shape[0]
+        tokens = expected_committed(self.calibration(confidence)).sum(0)  # [K + 1]
+        seconds = torch.tensor([self.costs.drafter(b) + self.costs.target(b, k + 1) for k in range(len(tokens))])
+        self.width = int((tokens.cpu() / seconds).argmax())
+        return self.width
+
+    def observe(self, committed_per_row: float) -> None:
+        """Update the running estimate with what a drafted round actually committed per row (realised outcomes
+        only: an over-confident drafter must not talk the policy into drafting)."""
+        s = self.smoothing
+        self.estimate = committed_per_row if self.estimate is None else (1 - s) * self.estimate + s * committed_per_row

@@ -1,0 +1,99 @@
+"""The adaptive speculation policy: its choice on synthetic cost models (nothing when verification cannot pay, the
+whole block when acceptance is near certain), its calibration, and the engine under it: greedy output is the
+target's and sampled output fits the target's distribution, through a real DFlash drafter with pinned acceptance."""
+
+import pytest
+import torch
+
+from specdraft.runtime.decode import GenerationConfig, generate
+from specdraft.runtime.policy import AdaptivePolicy, Calibration, CostModel, expected_committed, measure_costs
+from tests.helpers import bigram_oracle, make_drafter, make_target
+from tests.lossless import SAMPLING_SETTINGS, sampling_pvalues
+
+ALPHA = 1e-3
+PROMPTS = [[1, 2, 3], [5, 4, 3, 2, 1, 0], [4], [2, 2], [3, 1, 4, 1, 5], [0], [1, 1, 1, 3], [1, 0], [5, 5, 1]]
+CAPS = [10, 25, 17, 30, 8, 21, 14, 19, 12]
+
+
+def costs(per_token: float, drafter: float = 0.1, base: float = 1.0, K: int = 3) -> CostModel:
+    """A synthetic machine: a target pass costs ``base + per_token * (new tokens - 1)`` per row count."""
+    tokens = list(range(1, K + 2))
+    return CostModel([1, 64], tokens, [[base + per_token * (t - 1) for t in tokens]] * 2, [drafter, drafter])
+
+
+def test_no_drafts_when_verification_cannot_pay_and_the_whole_block_when_acceptance_is_near_certain():
+    conf_low = torch.full((4, 3), 0.3)
+    assert AdaptivePolicy(costs(per_token=2.0)).verify_len(conf_low) == 0
+    assert AdaptivePolicy(costs(per_token=0.0, drafter=0.01)).verify_len(torch.full((4, 3), 0.99)) == 3
+    # in between: the first slot pays, later ones (less likely, as costly) do not
+    assert AdaptivePolicy(costs(per_token=0.4)).verify_len(torch.tensor([[0.9, 0.3, 0.3]] * 4)) == 1
+    assert expected_committed(torch.tensor([[0.5, 0.5, 1.0]])).tolist() == [[1.0, 1.5, 1.75, 2.0]]
+
+
+def test_a_drafter_that_does_not_pay_reverts_to_plain_rounds_and_is_retried():
+    policy = AdaptivePolicy(costs(per_token=0.5, drafter=0.5), retry_every=3)
+    assert policy.draft_this_round(8)  # no estimate yet: draft
+    assert policy.verify_len(torch.full((8, 3), 0.05)) == 0
+    policy.observe(1.0)  # the drafted round committed one token per row: no better than plain decoding
+    plan = [policy.draft_this_round(8) for _ in range(8)]
+    assert plan == [False, False, False, True, False, False, False, True]  # plain, retried every 3 plain rounds
+    good = AdaptivePolicy(costs(per_token=0.1, drafter=0.1))
+    good.verify_len(torch.full((8, 3), 0.95))
+    good.observe(3.5)
+    assert all(good.draft_this_round(8) for _ in range(5))
+
+
+def test_calibration_maps_confidence_to_the_observed_acceptance():
+    g = torch.Generator().manual_seed(0)
+    conf = torch.rand(4000, 3, generator=g)
+    truth = conf ** 2  # the drafter is over-confident
+    hit = torch.rand(4000, 3, generator=g) < truth
+    accepted = hit.long().cumprod(1).sum(1)
+    cal = Calibration.fit(conf, accepted)
+    probe = torch.tensor([[0.15, 0.55, 0.95]])
+    torch.testing.assert_close(cal(probe), probe ** 2, atol=0.08, rtol=0.0)
+    assert torch.equal(Calibration()(probe), probe)  # uncalibrated: the confidence itself
+
+
+@pytest.mark.parametrize("per_token,right", [(0.0, 2), (0.3, 2), (5.0, 2), (0.0, 0)],
+                         ids=["free-verify", "costly-verify", "never-pays", "never-accepted"])
+def test_greedy_output_is_the_targets_under_the_policy(per_token, right):
+    target, oracle = bigram_oracle(right)
+    for stop in ((3,), ()):  # with a stop token the rows end early; without one they run to their caps
+        gen = GenerationConfig(max_new_tokens=CAPS, stop_token_ids=stop)
+        want = generate(target, PROMPTS, gen)
+        got = generate(target, PROMPTS, gen, drafter=oracle, policy=AdaptivePolicy(costs(per_token), retry_every=2))
+        assert [r.tokens for r in got] == [r.tokens for r in want]
+    verified = [v for r in got for v in r.verified]
+    assert all(a <= v for r in got for a, v in zip(r.accepted, r.verified))
+    if per_token == 0.0 and right == 2:
+        assert max(verified) == 3 and max(a for r in got for a in r.accepted) == 2
+    if per_token == 5.0:
+        assert set(verified) == {0}  # verification never pays: plain decoding throughout
+    if right == 0:  # nothing is accepted: mostly plain rounds, with retries
+        assert verified.count(0) > len(verified) // 2 and max(verified) > 0
+    fixed = generate(target, PROMPTS, gen, drafter=oracle)
+    assert {v for r in fixed for v in r.verified} == {3}
+
+
+def test_sampled_output_fits_the_target_distribution_under_the_policy():
+    target, oracle = bigram_oracle(2)
+    half = Calibration(bins=1, table=[[0.5]] * 3)  # every slot accepted half the time: one draft pays, not three
+    widths = []
+
+    def engine(*args, **kwargs):
+        results = generate(*args, **kwargs, policy=AdaptivePolicy(costs(per_token=0.3), half, retry_every=2))
+        widths.extend(v for r in results for v in r.verified)
+        return results
+
+    check = sampling_pvalues(target, lambda p: oracle, SAMPLING_SETTINGS[0], n=6000, engine=engine)
+    assert check.min_p > ALPHA, check
+    assert set(widths) == {1} and check.profile["partial"] > 0  # one draft verified per round, and often accepted
+
+
+def test_measured_costs_grow_with_rows_and_tokens():
+    target = make_target(seed=0, vocab=64)
+    drafter = make_drafter(target, block_size=5)
+    model = measure_costs(target, drafter, rows=(1, 4), tokens=(1, 5), context=32, repeats=1)
+    assert model.tokens == [1, 5] and len(model.target_s) == 2 and all(s > 0 for s in model.drafter_s)
+    assert model.target(2, 3) > 0 and model.drafter(2) > 0
