@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 from specdraft.errors import SpecdraftError
 from specdraft.pipeline.config import RunConfig
 from specdraft.pipeline.exports import backend_models
+from specdraft.pipeline.policy import adaptive_policy, heldin_prompts, policy_summary
 from specdraft.pipeline.tokenizer import stop_token_ids
 from specdraft.pipeline.tracking import Tracker
 from specdraft.pipeline.trees import FIRST_DRAFTERS, tree_drafting
@@ -149,6 +150,7 @@ class _Entry:
     tree: object  # TreeDrafting or None
     target: object
     backend: str  # torch, onnx, trt
+    policy: object = None  # an AdaptivePolicy (copied fresh for each suite, temperature and batch size), or None
 
 
 def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
@@ -172,6 +174,11 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
             loaded.setdefault(f"ar@{backend}", _Entry(None, "ar", "", str(d), None, b_tgt, backend))
             loaded[f"{drafter.arch_name}:{st}@{backend}"] = _Entry(b_drafter, drafter.arch_name, st, str(d), None,
                                                                    b_tgt, backend)
+        if "adaptive" in b.policies and drafter.arch_name in ("dflash", "vp"):
+            heldin = heldin_prompts(world, tok, cfg.data.enable_thinking)
+            policy = adaptive_policy(cfg.work_path, tgt, drafter, d, heldin, stops, tuple(b.batch_sizes), log)
+            loaded[f"{drafter.arch_name}:{st}+adaptive"] = _Entry(drafter, drafter.arch_name, st, str(d), None, tgt,
+                                                                  "torch", policy)
         trees = {}  # the second drafter is loaded once per first drafter
         for k in b.tree_ks if drafter.arch_name in FIRST_DRAFTERS else []:
             trees[k] = replace(trees[min(trees)], num_branches=k) if trees else tree_drafting(cfg, tgt, drafter, k)
@@ -203,6 +210,7 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
         for temp in b.temperatures:
             for bs in b.batch_sizes:
                 acc = defaultdict(lambda: {"tokens": 0, "seconds": 0.0, "results": []})
+                policies = {m: {"policy": replace(e.policy)} for m, e in loaded.items() if e.policy is not None}
                 gen = GenerationConfig(max_new_tokens=b.max_new_tokens, stop_token_ids=stops,
                                        sampling=SamplingParams(temp, d.top_k, d.top_p), draft_sampling=d.draft_sampling)
                 for rep in range(b.repeats):
@@ -215,7 +223,8 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
                             g = torch.Generator(device=e.target.lm_head.weight.device).manual_seed(
                                 b.seed + 1000 * rep + i)
                             t0 = time.perf_counter()
-                            res = generate(e.target, batch, gen, drafter=e.drafter, generator=g, tree=e.tree)
+                            res = generate(e.target, batch, gen, drafter=e.drafter, generator=g, tree=e.tree,
+                                           **policies.get(method, {}))
                             dt = time.perf_counter() - t0
                             a = acc[method]
                             a["seconds"] += dt
@@ -235,7 +244,9 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
                            "tau_ci95": tau_interval(per_prompt, seed=b.seed), "tokens_per_s": tps,
                            "speedup": tps / ar_tps, "target_distinct2": d2, "num_prompts": len(prompts),
                            "tokens": a["tokens"], **settings, "per_prompt": per_prompt,
-                           **(tree_summary(a["results"], tree) if tree is not None else {})}
+                           **(tree_summary(a["results"], tree) if tree is not None else {}),
+                           "policy": "adaptive" if e.policy is not None else "fixed",
+                           **(policy_summary(a["results"]) if e.policy is not None else {})}
                     rows.append(row)
                     if method != "ar":
                         log(f"bench: {suite:9s} T={temp:g} bs={bs}: {method} tau {row['tau']:.2f}, "
@@ -267,6 +278,8 @@ def write_reports(rows: list[dict], out_dir: Path) -> dict:
                   + (" distinct" if r.get("distinct") else "")) if r["method"] == "d2sd" else r["method"]
         if r.get("backend", "torch") != "torch":
             method += f" @{r['backend']}"
+        if r.get("policy") == "adaptive":
+            method += " adaptive"
         lines.append(f"| {method} | {r['stage'] or '-'} | {r['suite']} | {r['temperature']:g} | {r['batch_size']} "
                      f"| {r['num_prompts']} x {r['repeats']} | {r['tau']:.2f} ({lo:.2f}-{hi:.2f}) "
                      f"| {r['acceptance_rate']:.3f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x "
@@ -274,6 +287,8 @@ def write_reports(rows: list[dict], out_dir: Path) -> dict:
     md = "\n".join(lines)
     (out_dir / "bench.md").write_text(md + "\n")
     _plot(rows, out_dir / "bench.png")
+    if len({r["batch_size"] for r in rows}) > 1:
+        _plot_batch_sizes(rows, out_dir / "bench_batch_sizes.png")
     return {"results": rows, "markdown": md, "dir": str(out_dir)}
 
 
@@ -287,7 +302,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     drafted = [r for r in rows if r["method"] != "ar"]
     if not drafted:
         return
-    labels = [f"{r['method']}{r.get('tree_k', '')}:{r['stage']}\n{r['suite']} T={r['temperature']:g}" for r in drafted]
+    labels = [f"{_label(r)}\n{r['suite']} T={r['temperature']:g}" for r in drafted]
     trees = [r for r in drafted if r["method"] == "d2sd"]
     fig, axes = plt.subplots(1, 3 if trees else 2, figsize=(max(6, 1.2 * len(drafted) * (1.5 if trees else 1)), 4))
     axes[0].bar(range(len(drafted)), [r["tau"] for r in drafted], color="tab:blue")
@@ -309,6 +324,43 @@ def _plot(rows: list[dict], path: Path) -> None:
         axes[2].set_xticks(x, [f"K={r['tree_k']} {r['suite']} T={r['temperature']:g}" for r in trees],
                            rotation=45, ha="right", fontsize=7)
         axes[2].legend(fontsize=6, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _label(r: dict) -> str:
+    """A drafted row's method as plots name it (``dflash:sft``, ``d2sd2:sft``, ``dflash:sft+adaptive``)."""
+    backend = f"@{r['backend']}" if r.get("backend", "torch") != "torch" else ""
+    policy = "+adaptive" if r.get("policy") == "adaptive" else ""
+    return f"{r['method']}{r.get('tree_k', '')}:{r['stage']}{backend}{policy}"
+
+
+def _plot_batch_sizes(rows: list[dict], path: Path) -> None:
+    """Speedup over AR against batch size, a line per method, a panel per suite and temperature (the picture to
+    choose a batch size by)."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    drafted = [r for r in rows if r["method"] != "ar"]
+    panels = sorted({(r["suite"], r["temperature"]) for r in drafted})
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3), squeeze=False)
+    for ax, (suite, temp) in zip(axes[0], panels):
+        for label in sorted({_label(r) for r in drafted}):
+            pts = sorted((r["batch_size"], r["speedup"]) for r in drafted
+                         if _label(r) == label and r["suite"] == suite and r["temperature"] == temp)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=label)
+        ax.axhline(1.0, color="gray", lw=1, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{suite} T={temp:g}", fontsize=9)
+        ax.set_xlabel("batch size")
+    axes[0][0].set_ylabel("speedup vs AR")
+    axes[0][-1].legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

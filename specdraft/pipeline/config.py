@@ -214,6 +214,11 @@ class DecodeConfig:
     backend: Literal["torch", "onnx", "trt"] = "torch"
     """What runs the target and the drafter: PyTorch, the ONNX export in ONNX Runtime, or the TensorRT engines
     (``specdraft export CONFIG --to onnx|trt`` writes them next to the drafter)."""
+    policy: Literal["fixed", "adaptive"] = "fixed"
+    """fixed: verify the whole block every round. adaptive: per round, verify the number of drafts that maximises
+    expected committed tokens per second on this machine (costs measured once and cached under
+    ``<work_dir>/policy/``, drafter confidences calibrated on held-in prompts), and decode plainly while drafting
+    does not pay. Chains with a drafter without cross-round state (dflash, vp)."""
     cuda_graphs: bool = False
     """Decode through the static-shape path: CUDA graphs per batch-size bucket on a GPU (the same static rounds run
     without graphs on a CPU); greedy jobs take tokens from the fused LM-head argmax. Chains only, with ar or a drafter
@@ -225,6 +230,10 @@ class DecodeConfig:
         if self.backend != "torch" and (self.cuda_graphs or self.method == "d2sd"):
             raise OptionError("backend", f"the {self.backend} backend decodes chains (ar, dflash, vp, retrace): no "
                               "D²SD trees, no CUDA graphs")
+        if self.policy == "adaptive" and (self.method in ("ar", "d2sd", "retrace") or self.cuda_graphs):
+            how = f"method {self.method!r}" + (" with cuda_graphs" if self.cuda_graphs else "")
+            raise OptionError("policy", f"adaptive chooses chain rounds of the eager engine with a dflash or vp "
+                              f"drafter, not {how}")
         if self.cuda_graphs and self.method in ("d2sd", "retrace"):
             raise OptionError("cuda_graphs", f"the static path decodes chains with ar, dflash or vp, not "
                               f"{self.method!r}")
@@ -255,6 +264,9 @@ class BenchConfig:
     backends: list[str] = field(default_factory=lambda: ["torch"])
     """Backends each chain drafter (and AR) runs on, side by side: torch, onnx, trt (rows ``<method>@<backend>``;
     the exports must exist: ``specdraft export CONFIG --to onnx|trt``)."""
+    policies: list[Literal["fixed", "adaptive"]] = field(default_factory=lambda: ["fixed"])
+    """Speculation policies each chain drafter runs with on the torch backend (rows ``<arch>:<stage>+adaptive``
+    beside the fixed ones; see ``decode.policy``)."""
     tree_ks: list[int] = field(default_factory=list)
     """D²SD rows: for each DFlash drafter in ``stages`` and each K here, a d2sd row with that first drafter and K
     branches (second drafter and placement from ``decode.second_drafter`` / ``decode.tree_placement``)."""

@@ -15,6 +15,7 @@ from specdraft.pipeline.bench import run_bench
 from specdraft.pipeline.config import RunConfig, dump_yaml, to_flat_dict
 from specdraft.pipeline.data import regenerate
 from specdraft.pipeline.exports import backend_models, run_export
+from specdraft.pipeline.policy import adaptive_policy, heldin_prompts
 from specdraft.pipeline.tokenizer import stop_token_ids
 from specdraft.pipeline.tracking import Tracker, make_tracker
 from specdraft.pipeline.train import train_drafter
@@ -121,10 +122,15 @@ def decode(cfg: RunConfig, input_path: Path, output_path: Path):
                                draft_sampling=d.draft_sampling)
         g = torch.Generator(device=tgt.lm_head.weight.device).manual_seed(d.seed)
         engine = StaticEngine(tgt, drafter, d.batch_size, argmax_heads=d.temperature == 0) if d.cuda_graphs else None
+        policy = None
+        if d.policy == "adaptive":
+            policy = adaptive_policy(cfg.work_path, tgt, drafter, drafter_dir,
+                                     heldin_prompts(world, tok, cfg.data.enable_thinking), stop_token_ids(tok),
+                                     (d.batch_size,), log)
         bar = tqdm(total=len(requests), desc=f"decode ({d.method})", unit="req", file=sys.stderr)
         stats = run_batch_job(requests, output_path, tok, tgt, gen, d.batch_size, drafter=drafter, generator=g,
                               enable_thinking=cfg.data.enable_thinking,
-                              progress=lambda n, s: bar.update(n), tree=tree, engine=engine)
+                              progress=lambda n, s: bar.update(n), tree=tree, engine=engine, policy=policy)
         bar.update(stats["skipped_done"] + stats["rejected"])
         bar.close()
         tps = stats["tokens"] / stats["seconds"] if stats["seconds"] else 0.0

@@ -178,11 +178,13 @@ def encode_requests(requests: list[Request], tokenizer, context: int | None, ena
 
 def run_batch_job(requests: list[Request], output: Path, tokenizer, target, gen: GenerationConfig, batch_size: int,
                   drafter=None, generator=None, enable_thinking: bool = False, progress=None,
-                  warn: Callable[[str], None] = warn_stderr, tree=None, engine: Callable | None = None) -> dict:
+                  warn: Callable[[str], None] = warn_stderr, tree=None, engine: Callable | None = None,
+                  policy=None) -> dict:
     """Decode ``requests`` (skipping ids already in ``output``) and append results. Returns job stats. ``tree`` (a
     :class:`~specdraft.runtime.d2sd.TreeDrafting`) decodes with D²SD trees; ``engine`` (default
     :func:`~specdraft.runtime.decode.generate`, or a :class:`~specdraft.runtime.static_decode.StaticEngine`) decodes
-    each batch.
+    each batch; ``policy`` (an :class:`~specdraft.runtime.policy.AdaptivePolicy`) chooses each round's drafts, and
+    every row then records them (``verified``: drafts verified per round, 0 for a plain round).
 
     A request that cannot be decoded (see :func:`encode_requests`) is reported and skipped; the others are written.
     Generation stops at the target's context (``max_position_embeddings``) for every row."""
@@ -205,13 +207,15 @@ def run_batch_job(requests: list[Request], output: Path, tokenizer, target, gen:
             caps = [cap] * len(chunk) if isinstance(cap, int) else list(cap)
             chunk_gen = dataclasses.replace(gen, max_new_tokens=[min(c, context - len(ids))
                                                                  for c, (_, ids) in zip(caps, chunk)])
+        extra = {"policy": policy} if policy is not None else {}
         results = (engine or generate)(target, [ids for _, ids in chunk], chunk_gen, drafter=drafter,
-                                       generator=generator, tree=tree)
+                                       generator=generator, tree=tree, **extra)
         rows = []
         for (req, _), res in zip(chunk, results):
             rows.append({"id": req.id, "completion": tokenizer.decode(res.tokens, skip_special_tokens=True),
                          "num_tokens": len(res.tokens), "accept_lengths": res.accept_lengths,
-                         "tau": round(res.tau, 4), "time_s": round(res.time_s, 4)})
+                         "tau": round(res.tau, 4), "time_s": round(res.time_s, 4),
+                         **({"verified": res.verified} if policy is not None else {})})
             stats["tokens"] += len(res.tokens)
             stats["rounds"] += len(res.accept_lengths)
             stats["committed"] = stats.get("committed", 0) + sum(res.accept_lengths)

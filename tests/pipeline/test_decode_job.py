@@ -71,14 +71,20 @@ def test_greedy_decode_job_equals_ar_job(tiny_world, drafter_dir, tmp_path):
     _write(inp, [json.dumps({"id": str(i), "prompt": p}) for i, p in
                  enumerate(["Mia has 3 apples.", "Tom has 12 coins. Then Tom finds 4 more coins.", "Ava"])])
     outs = {}
-    for method, graphs in (("ar", "false"), ("dflash", "false"), ("dflash", "true"), ("ar", "true")):
+    for method, graphs in (("ar", "false"), ("dflash", "false"), ("dflash", "true"), ("ar", "true"),
+                           ("dflash", "adaptive")):
         outs[method, graphs] = tmp_path / f"{method}-{graphs}.jsonl"
-        assert main(["decode", *_args(tiny_world, drafter_dir, tmp_path, f"decode.method={method}",
-                                      f"decode.cuda_graphs={graphs}"),
+        mode = "decode.policy=adaptive" if graphs == "adaptive" else f"decode.cuda_graphs={graphs}"
+        assert main(["decode", *_args(tiny_world, drafter_dir, tmp_path, f"decode.method={method}", mode),
                      "--input", str(inp), "--output", str(outs[method, graphs])]) == 0
     comp = {m: {json.loads(line)["id"]: json.loads(line)["completion"]
                 for line in p.read_text().splitlines()} for m, p in outs.items()}
     assert comp["ar", "false"] == comp["dflash", "false"] == comp["dflash", "true"] == comp["ar", "true"]
+    assert comp["dflash", "adaptive"] == comp["ar", "false"]
+    adaptive = [json.loads(line) for line in outs["dflash", "adaptive"].read_text().splitlines()]
+    assert all(len(r["verified"]) == len(r["accept_lengths"]) and all(0 <= v <= 3 for v in r["verified"])
+               for r in adaptive)  # the chosen drafts per round, in each request's stats
+    assert len(list((tmp_path / "work" / "policy").glob("*.json"))) == 1  # costs measured once, cached
     tau = {g: {json.loads(line)["id"]: json.loads(line)["tau"] for line in outs["dflash", g].read_text().splitlines()}
            for g in ("true", "false")}
     assert tau["true"] == tau["false"]  # the static path drafts what the eager engine drafts

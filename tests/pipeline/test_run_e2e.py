@@ -68,6 +68,15 @@ def test_run_end_to_end_and_rerun_is_cached(tmp_path, monkeypatch, capsys):
         assert sum(r["winner_share"]) == pytest.approx(1.0) and len(r["winner_share"]) == r["tree_k"] + 1
     assert "| d2sd K=2 | sft |" in (w / "bench" / "bench.md").read_text()
 
+    # the adaptive policy beside the fixed one: its rows carry the policy and the drafts it chose to verify
+    assert main([*bench[:-4], "bench.policies=[fixed,adaptive]"]) == 0
+    rows = json.loads((w / "bench" / "bench.json").read_text())["results"]
+    adaptive = [r for r in rows if r["policy"] == "adaptive"]
+    assert {r["method"] for r in adaptive} == {"dflash"} and len(adaptive) == len(rows) // 3
+    for r in adaptive:
+        assert 0 <= r["verified_per_round"] <= 3 and 0 <= r["plain_round_share"] <= 1
+    assert (w / "bench" / "bench_batch_sizes.png").stat().st_size > 1000
+
 
 def test_empty_prompt_file_for_data_is_one_clean_line(tmp_path, capsys, tiny_world):
     empty = tmp_path / "p.jsonl"

@@ -1,0 +1,76 @@
+"""``decode.policy=adaptive``: the speculation policy's costs and calibration for this machine and these models,
+measured once and cached under ``<work_dir>/policy/`` (keyed by device, threads, dtype, torch, the target and the
+drafter), then reused by ``decode`` and ``bench``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from specdraft.runtime.batch_job import encode_requests, read_requests
+from specdraft.runtime.decode import GenerationConfig, draft_confidence, generate
+from specdraft.runtime.policy import AdaptivePolicy, Calibration, CostModel, measure_costs
+
+CALIBRATION_PROMPTS = 16
+
+
+def _key(target, drafter, drafter_dir: str | Path | None) -> dict:
+    dev = target.lm_head.weight.device
+    weights = Path(drafter_dir) / "model.safetensors" if drafter_dir else None
+    return {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+            "threads": torch.get_num_threads(), "dtype": str(target.lm_head.weight.dtype), "torch": torch.__version__,
+            "target": json.dumps(vars(target.args), sort_keys=True, default=str),
+            "drafter": hashlib.sha256(weights.read_bytes()).hexdigest()[:16] if weights and weights.is_file() else ""}
+
+
+def calibrate(target, drafter, prompts: list[list[int]], stop_token_ids=(), max_new_tokens: int = 64) -> Calibration:
+    """Fit the confidence -> acceptance map on greedy rounds of ``prompts`` decoded with the whole block."""
+    conf, acc = [], []
+
+    def observe(rec):
+        conf.append(draft_confidence(rec.draft_logits, rec.draft_tokens, None).cpu())
+        acc.append(rec.num_accepted.cpu())
+
+    for i in range(0, len(prompts), 8):
+        generate(target, prompts[i:i + 8], GenerationConfig(max_new_tokens=max_new_tokens,
+                                                            stop_token_ids=tuple(stop_token_ids)),
+                 drafter=drafter, observer=observe)
+    return Calibration.fit(torch.cat(conf), torch.cat(acc)) if conf else Calibration()
+
+
+def adaptive_policy(work_dir: Path, target, drafter, drafter_dir, calibration_prompts: list[list[int]],
+                    stop_token_ids=(), batch_sizes=(1, 8, 32, 64), log=print) -> AdaptivePolicy:
+    """A fresh :class:`AdaptivePolicy` from the cached costs and calibration (measured first when missing)."""
+    key = _key(target, drafter, drafter_dir)
+    path = work_dir / "policy" / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        return AdaptivePolicy(CostModel(**saved["costs"]), Calibration(**saved["calibration"]))
+    rows = sorted({1, *batch_sizes})
+    log(f"policy: measuring target and drafter costs for {rows} rows on this machine (cached in {path})")
+    costs = measure_costs(target, drafter, rows=rows)
+    prompts = calibration_prompts[:CALIBRATION_PROMPTS]
+    calibration = calibrate(target, drafter, prompts, stop_token_ids) if prompts else Calibration()
+    if not prompts:
+        log("policy: no held-in prompts to calibrate on; drafter confidences are used as acceptance probabilities")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"key": key, "costs": costs.__dict__, "calibration": calibration.__dict__}))
+    return AdaptivePolicy(costs, calibration)
+
+
+def heldin_prompts(world, tokenizer, enable_thinking: bool = False, context: int | None = None) -> list[list[int]]:
+    """Token ids of the world's held-in prompts (empty for an external target without them)."""
+    if world.heldin_prompts is None or not Path(world.heldin_prompts).is_file():
+        return []
+    reqs = read_requests(world.heldin_prompts, lambda m: None)[:CALIBRATION_PROMPTS]
+    return [ids for _, ids in encode_requests(reqs, tokenizer, context, enable_thinking, warn=lambda m: None)]
+
+
+def policy_summary(results) -> dict:
+    """Bench/stats fields of an adaptive row: drafts verified per round and the share of plain rounds."""
+    verified = [v for r in results for v in r.verified]
+    rounds = max(len(verified), 1)
+    return {"verified_per_round": sum(verified) / rounds, "plain_round_share": sum(v == 0 for v in verified) / rounds}
