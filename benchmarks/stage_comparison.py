@@ -18,9 +18,9 @@ From one base drafter (the run's ``sft`` export), train each variant for the sam
     grpo-wtv sampling GRPO (reward: speculative sampling's acceptance at T) from wtv-len -> compare with wtv-len at T=1
     retrace-main  ReTrace on the DFlash backbone          -> compare with sft (plus the ablations below)
     opd      Draft-OPD from sft: greedy rollouts refreshed every 10 steps -> compare with sft (continued) at T=0
-    opd-offline / opd-norej / opd-exact / opd-sampled / opd-rawkl  its ablations: no refresh (offline replay), no
-             rejected-draft stream, every rejected slot scored on the drafted prefix, the sampled-token response KL,
-             the response KL to the raw T=1 target under greedy rollouts -> compare with opd
+    opd-offline / opd-rej / opd-rej-exact / opd-sampled / opd-rawkl  its ablations: no refresh (offline replay), the
+             rejected-draft stream on (first rejected slot; every rejected slot scored on the drafted prefix), the
+             sampled-token response KL, the response KL to the raw T=1 target -> compare with opd
     opd-t1   Draft-OPD with T=1 rollouts                   -> compare with sft at T=1
     opd-eal  Draft-OPD from the eal-len export             -> compare with eal-len (its start) and with opd
 
@@ -71,10 +71,12 @@ VARIANTS = {
     "retrace-main": ["train.features=online"],  # hard alignment, correction signals, mask slots only
     "opd": ["train.features=online"],
     "opd-offline": ["train.features=online", "train.opd.refresh_every=0"],
-    "opd-norej": ["train.features=online", "train.opd.rejected_weight=0"],
-    "opd-exact": ["train.features=online", "train.opd.rejected_teacher=exact"],
+    # the rejected-draft stream on, at the published weight: the first rejected slot (cheap) or every one (exact)
+    "opd-rej": ["train.features=online", "train.opd.rejected_weight=1"],
+    "opd-rej-exact": ["train.features=online", "train.opd.rejected_weight=1", "train.opd.rejected_teacher=exact"],
     "opd-sampled": ["train.features=online", "train.opd.response_loss=sampled"],
-    "opd-rawkl": ["train.features=online", "train.opd.response_teacher=raw"],  # KL to the T=1 target at T=0 rollouts
+    # the response stream's KL to the raw T=1 target under greedy rollouts, with the rejected stream on
+    "opd-rawkl": ["train.features=online", "train.opd.response_teacher=raw", "train.opd.rejected_weight=1"],
     "opd-t1": ["train.features=online", "train.opd.rollout_temperature=1.0"],
     "opd-eal": ["train.features=online"],  # starts from the eal-len export (STARTS)
 }
@@ -188,8 +190,9 @@ def main() -> None:
     pairs += [("retrace-main", "sft", 0.0), ("retrace-main", "sft", 1.0)]
     pairs += [(a, "sft", t) for a in ABLATIONS for t in (0.0, 1.0)]
     pairs += [("opd", "sft", 0.0), ("opd", "sft", 1.0), ("opd-t1", "sft", 1.0), ("opd-t1", "opd", 1.0)]
-    pairs += [(a, "opd", 0.0) for a in ("opd-offline", "opd-norej", "opd-exact", "opd-sampled", "opd-eal", "opd-rawkl")]
-    pairs += [("opd-norej", "sft", 0.0), ("opd-norej", "sft", 1.0)]
+    pairs += [(a, "opd", 0.0) for a in ("opd-offline", "opd-rej", "opd-rej-exact", "opd-sampled", "opd-eal",
+                                         "opd-rawkl")]
+    pairs += [("opd-rej-exact", "opd-rej", 0.0), ("opd-rawkl", "opd-rej", 0.0)]
     pairs += [("opd-eal", "eal-len", 0.0)]
     if (out / "train_seconds.json").is_file():
         timings = json.loads((out / "train_seconds.json").read_text())

@@ -72,8 +72,9 @@ class OPDConfig:
     rejected_decay: float = 0.8
     """Weight ``decay^(o - 1)`` of a rejected draft at block slot ``o``."""
     response_weight: float = 1.0
-    rejected_weight: float = 1.0
-    """0 = without the rejected-draft stream (the ablation)."""
+    rejected_weight: float = 0.0
+    """Weight of the rejected-draft stream (the published default is 1; docs/results.md, "Draft-OPD", measures why
+    it is off here)."""
     eval_prompts: int = 16
     """Held-in validation prompts rolled out at each evaluation (``eval/opd_tau``, which picks the export)."""
 

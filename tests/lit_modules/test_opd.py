@@ -147,8 +147,9 @@ def test_losses_equal_brute_force_on_a_tiny_vocabulary():
     assert float(rejected_k3(q_logits, drafts, teacher, weights, T)) == pytest.approx(num / den, rel=1e-5)
 
 
-@pytest.mark.parametrize("opts", [{}, {"rejected_teacher": "exact", "response_loss": "sampled",
-                                      "response_teacher": "raw"}, {"rollout_temperature": 1.0}])
+@pytest.mark.parametrize("opts", [{"rejected_weight": 1.0},
+                                  {"rejected_weight": 1.0, "rejected_teacher": "exact", "response_loss": "sampled",
+                                   "response_teacher": "raw"}, {"rejected_weight": 1.0, "rollout_temperature": 1.0}])
 def test_opd_loss_trains_both_streams_with_finite_gradients(models, opts):
     target, _ = models
     drafter = make_drafter(target, seed=4, block_size=5, layers=1).train().requires_grad_(True)
