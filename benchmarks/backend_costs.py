@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 
@@ -20,6 +19,7 @@ from specdraft.pipeline.exports import backend_models, export_dirs
 from specdraft.pipeline.stages import default_drafter_dir, existing_world
 from specdraft.runtime.drafter_io import load_drafter
 from specdraft.runtime.load import load_target
+from specdraft.runtime.phase_clock import wall_seconds
 
 
 def _fill(target, drafter, B: int, context: int, seed: int, dev):
@@ -53,16 +53,6 @@ def passes(target, drafter, tc, dc, B: int, Bk: int, mask_id: int, dev):
         tc.crop(before)
 
     return {"drafter_ingest": ingest, "drafter_draft": draft, "target_verify": verify}
-
-
-def _seconds(fn, dev) -> float:
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
 
 
 def main(argv=None) -> dict:
@@ -101,7 +91,7 @@ def main(argv=None) -> dict:
                     runs[name][kind]()
                 for i in range(args.repeats):
                     for name in (list(runs) if i % 2 else list(runs)[::-1]):
-                        times[name].append(_seconds(runs[name][kind], dev if name == "torch" else
+                        times[name].append(wall_seconds(runs[name][kind], dev if name == "torch" else
                                                     torch.device("cuda" if args.backend == "trt" else "cpu")))
                 med = {name: statistics.median(t) * 1000 for name, t in times.items()}
                 row = {"batch": B, "pass": kind, "torch_ms": med["torch"], f"{args.backend}_ms": med[args.backend],

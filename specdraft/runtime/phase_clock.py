@@ -1,4 +1,5 @@
-"""Wall time per phase of a decode round, for the cost splits the benchmarks report (off unless asked for)."""
+"""Wall time per phase of a decode round, for the cost splits the benchmarks report (off unless asked for), and of
+one call (:func:`wall_seconds`)."""
 
 from __future__ import annotations
 
@@ -24,3 +25,15 @@ class PhaseClock:
         now = time.perf_counter()
         self.totals[name] = self.totals.get(name, 0.0) + now - self._last
         self._last = now
+
+
+def wall_seconds(fn, device: torch.device | str = "cpu") -> float:
+    """Wall seconds of ``fn()``, with the device synchronised before and after on CUDA."""
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import bisect
 import json
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
+from specdraft.runtime.phase_clock import wall_seconds
 
 
 def _interp(xs: list[int], ys: list[float], x: float) -> float:
@@ -73,16 +74,8 @@ def measure_costs(target, drafter, rows=(1, 8, 32, 64), tokens=(1, 2, 4, 8, 16),
     tokens = sorted({t for t in tokens if t <= K + 1} | {1, K + 1})
 
     def timed(fn) -> float:
-        out = []
-        for _ in range(repeats + 1):  # the first call warms up
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            out.append(time.perf_counter() - t0)
-        return sorted(out[1:])[len(out[1:]) // 2]
+        out = [wall_seconds(fn, dev) for _ in range(repeats + 1)][1:]  # the first call warms up
+        return sorted(out)[len(out) // 2]
 
     g = torch.Generator(device="cpu").manual_seed(0)
     target_s, drafter_s = [], []
