@@ -8,7 +8,14 @@ import torch
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.policy import AdaptivePolicy, Calibration, CostModel, expected_committed, measure_costs
 from tests.helpers import bigram_oracle, make_drafter, make_target
-from tests.lossless import SAMPLING_SETTINGS, sampling_pvalues
+from tests.lossless import (
+    RAGGED_CAPS,
+    RAGGED_PROMPTS,
+    SAMPLING_SETTINGS,
+    ControlledDrafter,
+    check_greedy,
+    sampling_pvalues,
+)
 
 ALPHA = 1e-3
 PROMPTS = [[1, 2, 3], [5, 4, 3, 2, 1, 0], [4], [2, 2], [3, 1, 4, 1, 5], [0], [1, 1, 1, 3], [1, 0], [5, 5, 1]]
@@ -74,6 +81,24 @@ def test_greedy_output_is_the_targets_under_the_policy(per_token, right):
         assert verified.count(0) > len(verified) // 2 and max(verified) > 0
     fixed = generate(target, PROMPTS, gen, drafter=oracle)
     assert {v for r in fixed for v in r.verified} == {3}
+
+
+def test_the_shared_greedy_harness_passes_with_narrower_rounds():
+    target = make_target(seed=3, vocab=48)
+    half = Calibration(bins=1, table=[[0.5]] * 4)  # two of the four drafts pay at these costs
+    widths = []
+
+    def engine(*args, **kwargs):  # a fresh policy per call, as each decode job builds one
+        results = generate(*args, **kwargs, policy=AdaptivePolicy(costs(per_token=0.1, K=4), half))
+        widths.extend(v for r in results for v in r.verified)
+        return results
+
+    def factory(prompts):
+        return ControlledDrafter(target, prompts, 5, mode="oracle", inner=make_drafter(target, seed=2, block_size=5))
+
+    got = check_greedy(target, factory, RAGGED_PROMPTS, RAGGED_CAPS, engine=engine)
+    assert got["mismatches"] == 0, got
+    assert set(widths) == {2} and got["partial"] > 0 and got["none"] > 0, got
 
 
 def test_sampled_output_fits_the_target_distribution_under_the_policy():
