@@ -31,6 +31,7 @@ T -> 0 a rejected draft has target probability 0 and k3 diverges); the response 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
@@ -283,6 +284,14 @@ def opd_loss(module, db: DraftBatch, generator: torch.Generator | None = None) -
                   "rejected_drafts": float((rejected > 0).sum())}
 
 
+def rollout_share(module) -> float | None:
+    """Seconds spent rolling out over seconds since the first rollout began (None before any rollout)."""
+    spent = getattr(module, "opd_rollout_clock", None)
+    if not spent or spent["t0"] is None:
+        return None
+    return spent["rollout_s"] / max(time.perf_counter() - spent["t0"], 1e-6)
+
+
 def opd_step(module, batch, split: str, generator: torch.Generator | None):
     """Training: re-draft the rollout's blocks at their real anchors against the target's scoring of the whole text.
     Validation: the usual random-anchor blocks (the pipeline's rollout evaluation adds ``eval/opd_tau``)."""
@@ -293,6 +302,9 @@ def opd_step(module, batch, split: str, generator: torch.Generator | None):
     logits, _, blk, ctx = module.run_blocks(batch, feats, anchors, valid)
     tokens, slot_logits = module.target_view(anchors, greedy, target_hidden, module.drafter.block_size - 1)
     replay = Replay(batch["accepted"], batch["drafts"], batch["teacher_logp"], batch["complete"] & valid)
-    # the latest rollout's acceptance (the on-policy signal) and the rollouts' share of the training time
-    return DraftBatch(logits, blk, tokens, slot_logits, ctx, replay=replay), 0.0, dict(
-        getattr(module, "opd_rollout_stats", {}))
+    # the latest rollout's acceptance (the on-policy signal) and the rollouts' share of the training time so far
+    stats = dict(getattr(module, "opd_rollout_stats", {}))
+    share = rollout_share(module)
+    if share is not None:
+        stats["rollout_share"] = share
+    return DraftBatch(logits, blk, tokens, slot_logits, ctx, replay=replay), 0.0, stats

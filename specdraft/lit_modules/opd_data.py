@@ -80,9 +80,10 @@ class RolloutStream(IterableDataset):
 
 def make_rollout_fn(module, cfg: OPDConfig, stop_token_ids: tuple[int, ...], seed: int):
     """``(prompts, cycle) -> rollouts`` with the module's current drafter (eval mode, no grad), recording
-    ``module.opd_rollout_stats`` (the latest rollout's ``rollout_tau``; ``rollout_share``: rollout time over training
-    time so far), which the opd step logs as ``train/opd_*``."""
+    ``module.opd_rollout_stats`` (the latest rollout's ``rollout_tau`` and cycle) and the time spent rolling out
+    (:func:`rollout_share`); the opd step logs both as ``train/opd_*``."""
     spent = {"rollout_s": 0.0, "t0": None}
+    module.opd_rollout_clock = spent
 
     def run(prompts: list[list[int]], cycle: int) -> list[Rollout]:
         if spent["t0"] is None:
@@ -98,9 +99,7 @@ def make_rollout_fn(module, cfg: OPDConfig, stop_token_ids: tuple[int, ...], see
         finally:
             drafter.train(was_training)
         spent["rollout_s"] += time.perf_counter() - t0
-        wall = max(time.perf_counter() - spent["t0"], 1e-6)
-        module.opd_rollout_stats = {"rollout_tau": stats["tau"], "rollout_share": spent["rollout_s"] / wall,
-                                    "rollout_cycle": float(cycle)}
+        module.opd_rollout_stats = {"rollout_tau": stats["tau"], "rollout_cycle": float(cycle)}
         return rollouts
 
     return run

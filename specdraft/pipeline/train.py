@@ -18,6 +18,7 @@ from specdraft.export.hf import export_checkpoint
 from specdraft.lit_modules.data import ShareGPTDataModule
 from specdraft.lit_modules.drafter_module import DrafterModule
 from specdraft.lit_modules.features import OfflineFeatures, build_offline_cache
+from specdraft.lit_modules.opd import rollout_share
 from specdraft.lit_modules.opd_data import RolloutDataModule, make_rollout_fn
 from specdraft.lit_modules.stage_table import STAGES, Objective
 from specdraft.pipeline.config import RunConfig
@@ -221,11 +222,11 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
                                      tags={"target": str(world.target_dir), "stage": t.stage,
                                            "sim_tau": round(best_score, 3),
                                            "selected_by": objective.selection_metric})
-    rollouts = getattr(module, "opd_rollout_stats", None)
+    share = rollout_share(module)
     log(f"train: {trainer.global_step} steps in {train_s:.0f}s ({tps:.0f} tokens/s); best "
         f"{objective.selection_metric} {best_score:.2f}; exported {out}"
         + (f"; registered model version {version}" if version else "")
-        + (f"; rollouts took {rollouts['rollout_share']:.0%} of the training time" if rollouts else ""))
+        + (f"; rollouts took {share:.0%} of the training time" if share is not None else ""))
     return out
 
 
