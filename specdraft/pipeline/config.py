@@ -230,8 +230,10 @@ class DecodeConfig:
         if self.backend != "torch" and (self.cuda_graphs or self.method == "d2sd"):
             raise OptionError("backend", f"the {self.backend} backend decodes chains (ar, dflash, vp, retrace): no "
                               "D²SD trees, no CUDA graphs")
-        if self.policy == "adaptive" and (self.method in ("ar", "d2sd", "retrace") or self.cuda_graphs):
-            how = f"method {self.method!r}" + (" with cuda_graphs" if self.cuda_graphs else "")
+        if self.policy == "adaptive" and (self.method in ("ar", "d2sd", "retrace") or self.cuda_graphs
+                                          or self.backend != "torch"):
+            how = (f"method {self.method!r}" + (" with cuda_graphs" if self.cuda_graphs else "")
+                   + (f" on the {self.backend} backend" if self.backend != "torch" else ""))
             raise OptionError("policy", f"adaptive chooses chain rounds of the eager engine with a dflash or vp "
                               f"drafter, not {how}")
         if self.cuda_graphs and self.method in ("d2sd", "retrace"):

@@ -43,6 +43,10 @@ def test_dotted_overrides_are_typed():
     (["train.retrace_chain=1.5"], "train.retrace_chain"),
     (["train.prior_dropout=-0.1"], "train.prior_dropout"),
     (["decode.method=d2sd", "decode.cuda_graphs=true"], "decode.cuda_graphs"),
+    (["decode.method=retrace", "decode.policy=adaptive"], "decode.policy"),
+    (["decode.policy=adaptive", "decode.cuda_graphs=true"], "decode.policy"),
+    (["train.opd.rejected_decay=0"], "train.opd.rejected_decay"),
+    (["train.opd.eval_prompts=0"], "train.opd.eval_prompts"),
 ])
 def test_bad_keys_and_values_name_the_key(override, key):
     with pytest.raises(SpecdraftError, match=f"'{key}'"):
