@@ -144,15 +144,17 @@ def rollout(target, drafter, prompts: list[list[int]], cfg: OPDConfig, stop_toke
 
         def observe(rec: RoundRecord) -> None:
             K = rec.draft_tokens.shape[1]
-            logp = torch.log_softmax(rec.target_logits[:, :K].float() / T, -1)  # [b, K, V]
-            dlogp = logp.gather(-1, rec.draft_tokens[..., None])[..., 0]  # [b, K]
-            for i, (row, n) in enumerate(zip(rec.rows.tolist(), rec.num_accepted.tolist())):
+            z = rec.target_logits[:, :K].float() / T  # [b, K, V]
+            dlogp = z.gather(-1, rec.draft_tokens[..., None])[..., 0] - z.logsumexp(-1)  # [b, K], no [b, K, V] copy
+            rows = zip(rec.rows.tolist(), rec.num_accepted.tolist(), rec.draft_tokens.tolist(),
+                       rec.next_tokens.tolist(), dlogp.tolist())  # one host transfer per tensor, not per row
+            for i, (row, n, drafts, nxt, lp) in enumerate(rows):
                 r = recs[row]
                 r.anchors.append(pos[row])
-                r.drafts.append(rec.draft_tokens[i].tolist())
+                r.drafts.append(drafts)
                 r.accepted.append(n)
-                r.corrections.append(int(rec.next_tokens[i]))
-                r.teacher_logp.append(dlogp[i].tolist())
+                r.corrections.append(nxt)
+                r.teacher_logp.append(lp)
                 if keep_logits:
                     r.draft_logits.append(rec.draft_logits[i].float().clone())
                 pos[row] += n + 1
