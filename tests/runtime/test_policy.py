@@ -101,8 +101,9 @@ def test_the_shared_greedy_harness_passes_with_narrower_rounds():
     assert set(widths) == {2} and got["partial"] > 0 and got["none"] > 0, got
 
 
-def test_sampled_output_fits_the_target_distribution_under_the_policy():
-    target, oracle = bigram_oracle(2)
+@pytest.mark.parametrize("right", [2, 0], ids=["narrow-rounds", "plain-rounds-mixed-in"])
+def test_sampled_output_fits_the_target_distribution_under_the_policy(right):
+    target, oracle = bigram_oracle(right)
     half = Calibration(bins=1, table=[[0.5]] * 3)  # every slot accepted half the time: one draft pays, not three
     widths = []
 
@@ -113,7 +114,10 @@ def test_sampled_output_fits_the_target_distribution_under_the_policy():
 
     check = sampling_pvalues(target, lambda p: oracle, SAMPLING_SETTINGS[0], n=6000, engine=engine)
     assert check.min_p > ALPHA, check
-    assert set(widths) == {1} and check.profile["partial"] > 0  # one draft verified per round, and often accepted
+    if right:  # one draft verified per round, and often accepted
+        assert set(widths) == {1} and check.profile["partial"] > 0
+    else:  # drafts that rarely pay: plain rounds between drafted retries
+        assert set(widths) == {0, 1}
 
 
 def test_measured_costs_grow_with_rows_and_tokens():
