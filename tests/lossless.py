@@ -87,6 +87,11 @@ class _Rows:
         if self.inner is not None:
             self.inner.select_rows(rows)
 
+    def cat_rows(self, other: "_Rows") -> None:
+        self.history = self.history + other.history
+        if self.inner is not None:
+            self.inner.cat_rows(other.inner)
+
 
 class _State:
     """Cross-round state: the inner drafter's (the history is kept in the cache)."""
@@ -96,6 +101,12 @@ class _State:
 
     def select(self, rows: torch.Tensor) -> "_State":
         return _State(self.inner.select(rows) if self.inner is not None else None)
+
+    def blank(self, n: int) -> "_State":
+        return _State(self.inner.blank(n) if self.inner is not None else None)
+
+    def cat(self, other: "_State") -> "_State":
+        return _State(self.inner.cat(other.inner) if self.inner is not None else None)
 
 
 class ControlledDrafter:
@@ -135,9 +146,13 @@ class ControlledDrafter:
         return self.inner.target_layer_ids if self.inner is not None else (0,)
 
     def new_cache(self, batch_size: int, max_len: int) -> _Rows:
-        assert batch_size == len(self.prompts), "ControlledDrafter decodes exactly the prompts it was given"
+        """Rows for the next ``batch_size`` of its prompts: all of them for a static batch, or the requests a
+        continuous-batching engine admits (in the prompts' order) group by group."""
+        start = getattr(self, "_admitted", 0)
+        assert start + batch_size <= len(self.prompts), "ControlledDrafter decodes exactly the prompts it was given"
+        self._admitted = (start + batch_size) % len(self.prompts)
         inner = self.inner.new_cache(batch_size, max_len) if self.inner is not None else None
-        return _Rows([list(p) for p in self.prompts], inner)
+        return _Rows([list(p) for p in self.prompts[start:start + batch_size]], inner)
 
     def ingest(self, cache: _Rows, ctx_features, counts):
         return self.inner.ingest(cache.inner, ctx_features, counts) if self.inner is not None else None

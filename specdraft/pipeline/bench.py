@@ -207,50 +207,64 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
     for suite, prompts in suites.items():
         if not prompts:
             continue
+        caps = length_caps(len(prompts), b.max_new_tokens, b.length_spread, b.seed)
         for temp in b.temperatures:
             for bs in b.batch_sizes:
-                acc = defaultdict(lambda: {"tokens": 0, "seconds": 0.0, "results": []})
-                policies = {m: {"policy": replace(e.policy)} for m, e in loaded.items() if e.policy is not None}
-                gen = GenerationConfig(max_new_tokens=b.max_new_tokens, stop_token_ids=stops,
-                                       sampling=SamplingParams(temp, d.top_k, d.top_p), draft_sampling=d.draft_sampling)
-                for rep in range(b.repeats):
-                    for i in range(0, len(prompts), bs):
-                        batch = prompts[i:i + bs]
-                        # interleaved on the same batch, the order alternating so no method always runs first
-                        turn += 1
-                        for method in (methods if turn % 2 else methods[::-1]):
-                            e = loaded[method]
-                            g = torch.Generator(device=e.target.lm_head.weight.device).manual_seed(
-                                b.seed + 1000 * rep + i)
-                            t0 = time.perf_counter()
-                            res = generate(e.target, batch, gen, drafter=e.drafter, generator=g, tree=e.tree,
-                                           **policies.get(method, {}))
-                            dt = time.perf_counter() - t0
-                            a = acc[method]
-                            a["seconds"] += dt
-                            a["tokens"] += sum(len(r.tokens) for r in res)
-                            a["results"].extend(res)
-                ar_tps = acc["ar"]["tokens"] / acc["ar"]["seconds"]
-                d2 = distinct2([r.tokens for r in acc["ar"]["results"]])
-                for method in methods:
-                    a = acc[method]
-                    e = loaded[method]
-                    block = e.drafter.block_size if e.drafter is not None else 1
-                    tps = a["tokens"] / a["seconds"]
-                    m_name, stage, ddir, tree = e.method, e.stage, e.dir, e.tree
-                    per_prompt = per_prompt_counts(a["results"], len(prompts))
-                    row = {"method": m_name, "backend": e.backend, "drafter": ddir, "stage": stage, "suite": suite,
-                           "temperature": temp, "batch_size": bs, **summarize(a["results"], block),
-                           "tau_ci95": tau_interval(per_prompt, seed=b.seed), "tokens_per_s": tps,
-                           "speedup": tps / ar_tps, "target_distinct2": d2, "num_prompts": len(prompts),
-                           "tokens": a["tokens"], **settings, "per_prompt": per_prompt,
-                           **(tree_summary(a["results"], tree) if tree is not None else {}),
-                           "policy": "adaptive" if e.policy is not None else "fixed",
-                           **(policy_summary(a["results"]) if e.policy is not None else {})}
-                    rows.append(row)
-                    if method != "ar":
-                        log(f"bench: {suite:9s} T={temp:g} bs={bs}: {method} tau {row['tau']:.2f}, "
-                            f"speedup {row['speedup']:.2f}x ({tps:.0f} vs AR {ar_tps:.0f} tok/s)")
+                measured: dict[str, dict[str, float]] = {}  # batching -> method -> tokens/s
+                for mode in b.batching:
+                    acc = defaultdict(lambda: {"tokens": 0, "seconds": 0.0, "results": []})
+                    policies = {m: {"policy": replace(e.policy)} for m, e in loaded.items() if e.policy is not None}
+                    # static: one batch of bs prompts at a time; continuous: the whole suite through bs slots
+                    groups = range(0, len(prompts), bs) if mode == "static" else [0]
+                    size = bs if mode == "static" else len(prompts)
+                    batching = {"slots": bs, "prefill_chunk": d.prefill_chunk or None} if mode == "continuous" else {}
+                    for rep in range(b.repeats):
+                        for i in groups:
+                            batch = prompts[i:i + size]
+                            gen = GenerationConfig(max_new_tokens=caps[i:i + size], stop_token_ids=stops,
+                                                   sampling=SamplingParams(temp, d.top_k, d.top_p),
+                                                   draft_sampling=d.draft_sampling)
+                            # interleaved on the same batch, the order alternating so no method always runs first
+                            turn += 1
+                            for method in (methods if turn % 2 else methods[::-1]):
+                                e = loaded[method]
+                                g = torch.Generator(device=e.target.lm_head.weight.device).manual_seed(
+                                    b.seed + 1000 * rep + i)
+                                t0 = time.perf_counter()
+                                res = generate(e.target, batch, gen, drafter=e.drafter, generator=g, tree=e.tree,
+                                               **policies.get(method, {}), **batching)
+                                dt = time.perf_counter() - t0
+                                a = acc[method]
+                                a["seconds"] += dt
+                                a["tokens"] += sum(len(r.tokens) for r in res)
+                                a["results"].extend(res)
+                    measured[mode] = {m: a["tokens"] / a["seconds"] for m, a in acc.items()}
+                    ar_tps = measured[mode]["ar"]
+                    d2 = distinct2([r.tokens for r in acc["ar"]["results"]])
+                    for method in methods:
+                        a = acc[method]
+                        e = loaded[method]
+                        block = e.drafter.block_size if e.drafter is not None else 1
+                        tps = measured[mode][method]
+                        m_name, stage, ddir, tree = e.method, e.stage, e.dir, e.tree
+                        per_prompt = per_prompt_counts(a["results"], len(prompts))
+                        row = {"method": m_name, "backend": e.backend, "drafter": ddir, "stage": stage, "suite": suite,
+                               "temperature": temp, "batch_size": bs, "batching": mode,
+                               **summarize(a["results"], block),
+                               "tau_ci95": tau_interval(per_prompt, seed=b.seed), "tokens_per_s": tps,
+                               "speedup": tps / ar_tps, "target_distinct2": d2, "num_prompts": len(prompts),
+                               "tokens": a["tokens"], **settings, "length_spread": b.length_spread,
+                               "per_prompt": per_prompt,
+                               **(tree_summary(a["results"], tree) if tree is not None else {}),
+                               "policy": "adaptive" if e.policy is not None else "fixed",
+                               **(policy_summary(a["results"]) if e.policy is not None else {})}
+                        if "static" in measured:  # side by side with the static batches of this very run
+                            row["vs_static"] = tps / measured["static"][method]
+                            row["vs_ar_static"] = tps / measured["static"]["ar"]
+                        rows.append(row)
+                        log(f"bench: {suite:9s} T={temp:g} bs={bs} {mode}: {method} tau {row['tau']:.2f}, "
+                            f"speedup {row['speedup']:.2f}x ({tps:.0f} vs AR {ar_tps:.0f} tok/s)"
+                            + (f", {row['vs_static']:.2f}x static" if mode != "static" and "vs_static" in row else ""))
     if not rows:
         raise SpecdraftError("bench produced no rows (no suites with prompts)")
     out_dir = cfg.work_path / "bench"
@@ -258,13 +272,23 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
     for r in rows:
         if r["method"] != "ar":
             backend = f"_{r['backend']}" if r.get("backend", "torch") != "torch" else ""
+            cont = "_continuous" if r["batching"] == "continuous" else ""
             key = (f"bench/{r['method']}{backend}_{r['stage']}_{r['suite']}_T{r['temperature']:g}"
-                   f"_bs{r['batch_size']}")
+                   f"_bs{r['batch_size']}{cont}")
             tracker.log_metrics({f"{key}_tau": r["tau"], f"{key}_speedup": r["speedup"],
                                  f"{key}_acceptance_rate": r["acceptance_rate"]})
     tracker.log_artifact(out_dir, "bench")
     log(report["markdown"])
     return report
+
+
+def length_caps(n: int, max_new_tokens: int, spread: float, seed: int) -> list[int]:
+    """``n`` request caps drawn log-uniformly from ``[max_new_tokens / spread, max_new_tokens]`` (seeded)."""
+    if spread <= 1:
+        return [max_new_tokens] * n
+    g = np.random.default_rng(seed)
+    lo = max(np.log(max_new_tokens / spread), 0.0)
+    return [max(1, round(float(np.exp(x)))) for x in g.uniform(lo, np.log(max_new_tokens), n)]
 
 
 def write_reports(rows: list[dict], out_dir: Path) -> dict:
@@ -280,6 +304,8 @@ def write_reports(rows: list[dict], out_dir: Path) -> dict:
             method += f" @{r['backend']}"
         if r.get("policy") == "adaptive":
             method += " adaptive"
+        if r.get("batching") == "continuous":
+            method += " continuous" + (f" ({r['vs_static']:.2f}x static)" if "vs_static" in r else "")
         lines.append(f"| {method} | {r['stage'] or '-'} | {r['suite']} | {r['temperature']:g} | {r['batch_size']} "
                      f"| {r['num_prompts']} x {r['repeats']} | {r['tau']:.2f} ({lo:.2f}-{hi:.2f}) "
                      f"| {r['acceptance_rate']:.3f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x "
@@ -333,25 +359,30 @@ def _label(r: dict) -> str:
     """A drafted row's method as plots name it (``dflash:sft``, ``d2sd2:sft``, ``dflash:sft+adaptive``)."""
     backend = f"@{r['backend']}" if r.get("backend", "torch") != "torch" else ""
     policy = "+adaptive" if r.get("policy") == "adaptive" else ""
-    return f"{r['method']}{r.get('tree_k', '')}:{r['stage']}{backend}{policy}"
+    batching = " (continuous)" if r.get("batching") == "continuous" else ""
+    name = "ar" if r["method"] == "ar" else f"{r['method']}{r.get('tree_k', '')}:{r['stage']}"
+    return f"{name}{backend}{policy}{batching}"
 
 
 def _plot_batch_sizes(rows: list[dict], path: Path) -> None:
     """Speedup over AR against batch size, a line per method, a panel per suite and temperature (the picture to
-    choose a batch size by)."""
+    choose a batch size by). With static and continuous rows, every line (AR under continuous batching too) is over
+    AR in static batches, so the two batchings share one axis."""
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    drafted = [r for r in rows if r["method"] != "ar"]
+    both = any("vs_ar_static" in r for r in rows)
+    key = "vs_ar_static" if both else "speedup"
+    drafted = [r for r in rows if (r["method"] != "ar" or both and r["batching"] != "static") and key in r]
     panels = sorted({(r["suite"], r["temperature"]) for r in drafted})
     if not panels:
         return
     fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3), squeeze=False)
     for ax, (suite, temp) in zip(axes[0], panels):
         for label in sorted({_label(r) for r in drafted}):
-            pts = sorted((r["batch_size"], r["speedup"]) for r in drafted
+            pts = sorted((r["batch_size"], r[key]) for r in drafted
                          if _label(r) == label and r["suite"] == suite and r["temperature"] == temp)
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=label)
@@ -359,7 +390,7 @@ def _plot_batch_sizes(rows: list[dict], path: Path) -> None:
         ax.set_xscale("log", base=2)
         ax.set_title(f"{suite} T={temp:g}", fontsize=9)
         ax.set_xlabel("batch size")
-    axes[0][0].set_ylabel("speedup vs AR")
+    axes[0][0].set_ylabel("speedup vs AR (static batches)" if both else "speedup vs AR")
     axes[0][-1].legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -209,7 +209,16 @@ class DecodeConfig:
     draft_sampling: Literal["sample", "greedy"] = "sample"
     """Under T>0: sample drafts from the drafter (sample) or draft its argmax (greedy)."""
     max_new_tokens: int = 256
+    """Tokens per request, unless the request carries its own ``max_new_tokens``."""
     batch_size: int = 8
+    """Requests decoding at once (continuous) or per batch (static)."""
+    batching: Literal["continuous", "static"] = "continuous"
+    """continuous: when a request ends, the next one is prefilled into its slot while the others keep decoding, and
+    each request is written when it ends. static: batches sorted by prompt length, each decoding until its longest
+    request ends (what the CUDA-graph path decodes)."""
+    prefill_chunk: int = 0
+    """continuous: prompt tokens prefilled per round for a request joining running ones, so a long prompt does not
+    stall them (0: the whole prompt in one pass)."""
     seed: int = 0
     backend: Literal["torch", "onnx", "trt"] = "torch"
     """What runs the target and the drafter: PyTorch, the ONNX export in ONNX Runtime, or the TensorRT engines
@@ -236,6 +245,12 @@ class DecodeConfig:
                    + (f" on the {self.backend} backend" if self.backend != "torch" else ""))
             raise OptionError("policy", f"adaptive chooses chain rounds of the eager engine with a dflash or vp "
                               f"drafter, not {how}")
+        if self.batching not in ("continuous", "static"):
+            raise OptionError("batching", f"{self.batching!r} is not one of continuous, static")
+        if self.cuda_graphs and self.batching == "continuous":
+            raise OptionError("batching", "the CUDA-graph path decodes static batches: set decode.batching=static "
+                              "with decode.cuda_graphs=true")
+        check_range("prefill_chunk", self.prefill_chunk, 0)
         if self.cuda_graphs and self.method in ("d2sd", "retrace"):
             raise OptionError("cuda_graphs", f"the static path decodes chains with ar, dflash or vp, not "
                               f"{self.method!r}")
@@ -269,6 +284,13 @@ class BenchConfig:
     policies: list[Literal["fixed", "adaptive"]] = field(default_factory=lambda: ["fixed"])
     """Speculation policies each chain drafter runs with on the torch backend (rows ``<arch>:<stage>+adaptive``
     beside the fixed ones; see ``decode.policy``)."""
+    batching: list[Literal["static", "continuous"]] = field(default_factory=lambda: ["static"])
+    """How each method decodes a suite at each batch size: static batches of that size, or continuous batching with
+    that many slots over the whole suite (``decode.prefill_chunk`` applies); rows carry ``batching``, and
+    continuous rows beside static ones carry ``vs_static`` (tokens/s over the same method's static rows)."""
+    length_spread: float = 1.0
+    """Request lengths vary this many-fold: each prompt's cap is drawn log-uniformly from
+    ``[max_new_tokens / length_spread, max_new_tokens]`` (seeded, the same for every method; 1: all equal)."""
     tree_ks: list[int] = field(default_factory=list)
     """D²SD rows: for each DFlash drafter in ``stages`` and each K here, a d2sd row with that first drafter and K
     branches (second drafter and placement from ``decode.second_drafter`` / ``decode.tree_placement``)."""
@@ -289,6 +311,9 @@ class BenchConfig:
         for backend in self.backends:
             if backend not in ("torch", "onnx", "trt"):
                 raise OptionError("backends", f"{backend!r} is not one of torch, onnx, trt")
+        if not self.batching:
+            raise OptionError("batching", "needs at least one of static, continuous")
+        check_range("length_spread", self.length_spread, 1.0)
 
 
 @dataclass

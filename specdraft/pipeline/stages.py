@@ -130,7 +130,8 @@ def decode(cfg: RunConfig, input_path: Path, output_path: Path):
         bar = tqdm(total=len(requests), desc=f"decode ({d.method})", unit="req", file=sys.stderr)
         stats = run_batch_job(requests, output_path, tok, tgt, gen, d.batch_size, drafter=drafter, generator=g,
                               enable_thinking=cfg.data.enable_thinking,
-                              progress=lambda n, s: bar.update(n), tree=tree, engine=engine, policy=policy)
+                              progress=lambda n, s: bar.update(n), tree=tree, engine=engine, policy=policy,
+                              batching=d.batching, prefill_chunk=d.prefill_chunk or None)
         bar.update(stats["skipped_done"] + stats["rejected"])
         bar.close()
         tps = stats["tokens"] / stats["seconds"] if stats["seconds"] else 0.0

@@ -1,9 +1,10 @@
 """Batch inference jobs over JSONL (the ``specdraft decode`` contract).
 
-Input: one object per line with ``id`` and either ``prompt`` (text) or ``messages`` (chat list). Output: one object
-per request with ``id, completion, num_tokens, accept_lengths, tau, time_s``. Malformed lines are reported with
-their line numbers and skipped; valid ones are always processed. Results are appended batch by batch as whole lines,
-so an interrupted job resumes where it stopped (ids already in the output are skipped; no duplicates, no losses).
+Input: one object per line with ``id``, either ``prompt`` (text) or ``messages`` (chat list), and optionally
+``max_new_tokens``. Output: one object per request with ``id, completion, num_tokens, accept_lengths, tau, time_s``.
+Malformed lines are reported with their line numbers and skipped; valid ones are always processed. Results are
+appended as whole lines (per request under continuous batching, per batch under static batching), so an interrupted
+job resumes where it stopped (ids already in the output are skipped; no duplicates, no losses).
 Under ``torchrun`` the input is sharded by rank and each rank writes ``<output>.rank<R>``.
 """
 
@@ -30,6 +31,8 @@ class Request:
     line: int
     prompt: str | None = None
     """The plain text of a ``prompt`` request (None for ``messages``)."""
+    max_new_tokens: int | None = None
+    """The request's own token cap (None: the job's ``decode.max_new_tokens``)."""
 
 
 def parse_request(obj: dict, line: int) -> Request:
@@ -48,7 +51,10 @@ def parse_request(obj: dict, line: int) -> Request:
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in messages):
             raise ValueError("'messages' must be a non-empty list of {role, content} objects")
-    return Request(str(obj["id"]), messages, line, obj.get("prompt"))
+    cap = obj.get("max_new_tokens")
+    if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+        raise ValueError("'max_new_tokens' must be a positive integer")
+    return Request(str(obj["id"]), messages, line, obj.get("prompt"), cap)
 
 
 def read_requests(path: str | Path, warn: Callable[[str], None]) -> list[Request]:
@@ -176,56 +182,108 @@ def encode_requests(requests: list[Request], tokenizer, context: int | None, ena
     return out
 
 
+def _caps(encoded: list[tuple[Request, list[int]]], default: int, context: int | None) -> list[int]:
+    """Each request's token cap: its own ``max_new_tokens`` or the job's, and never past the target's context."""
+    caps = [r.max_new_tokens or default for r, _ in encoded]
+    if context is not None:
+        caps = [min(c, context - len(ids)) for c, (_, ids) in zip(caps, encoded)]
+    return caps
+
+
+class _Writer:
+    """Appends result rows as whole lines: flushed per row, fsynced every ``sync_every`` rows and at the end."""
+
+    def __init__(self, output: Path, sync_every: int):
+        self.f = output.open("a", encoding="utf-8")
+        self.sync_every, self.unsynced = max(sync_every, 1), 0
+
+    def write(self, rows: list[dict]) -> None:
+        self.f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        self.f.flush()
+        self.unsynced += len(rows)
+        if self.unsynced >= self.sync_every:
+            self.sync()
+
+    def sync(self) -> None:
+        os.fsync(self.f.fileno())
+        self.unsynced = 0
+
+    def close(self) -> None:
+        self.sync()
+        self.f.close()
+
+
 def run_batch_job(requests: list[Request], output: Path, tokenizer, target, gen: GenerationConfig, batch_size: int,
                   drafter=None, generator=None, enable_thinking: bool = False, progress=None,
                   warn: Callable[[str], None] = warn_stderr, tree=None, engine: Callable | None = None,
-                  policy=None) -> dict:
-    """Decode ``requests`` (skipping ids already in ``output``) and append results. Returns job stats. ``tree`` (a
-    :class:`~specdraft.runtime.d2sd.TreeDrafting`) decodes with D²SD trees; ``engine`` (default
-    :func:`~specdraft.runtime.decode.generate`, or a :class:`~specdraft.runtime.static_decode.StaticEngine`) decodes
-    each batch; ``policy`` (an :class:`~specdraft.runtime.policy.AdaptivePolicy`) chooses each round's drafts, and
-    every row then records them (``verified``: drafts verified per round, 0 for a plain round).
+                  policy=None, batching: str = "static", prefill_chunk: int | None = None) -> dict:
+    """Decode ``requests`` (skipping ids already in ``output``) and append results. Returns job stats.
+
+    ``batching="static"`` decodes batches of ``batch_size`` requests (sorted by prompt length), each until its
+    longest request ends, and writes each batch when it ends; ``"continuous"`` keeps ``batch_size`` requests decoding
+    (:func:`~specdraft.runtime.decode.generate` with ``slots``: a finished request's slot is refilled at once, its
+    prompt prefilled ``prefill_chunk`` tokens per round) in input order, and writes each request when it ends. ``tree``
+    (a :class:`~specdraft.runtime.d2sd.TreeDrafting`) decodes with D²SD trees; ``engine`` (default
+    :func:`~specdraft.runtime.decode.generate`, or a :class:`~specdraft.runtime.static_decode.StaticEngine`, static
+    batches only) decodes each batch; ``policy`` (an :class:`~specdraft.runtime.policy.AdaptivePolicy`) chooses each
+    round's drafts, and every row then records them (``verified``: drafts verified per round, 0 for a plain round).
 
     A request that cannot be decoded (see :func:`encode_requests`) is reported and skipped; the others are written.
-    Generation stops at the target's context (``max_position_embeddings``) for every row."""
+    Generation stops at the request's ``max_new_tokens`` (default ``gen.max_new_tokens``) and at the target's context
+    (``max_position_embeddings``) for every row."""
+    if batching not in ("static", "continuous") or batching == "continuous" and engine is not None:
+        raise ValueError(f"batching {batching!r}: static, or continuous with the eager engine")
+    if not isinstance(gen.max_new_tokens, int):
+        raise ValueError("a job's default max_new_tokens is one int (requests carry their own)")
     output.parent.mkdir(parents=True, exist_ok=True)
     _repair_torn_tail(output)
     finished = done_ids(output)
     todo = [r for r in requests if r.id not in finished]
     context = getattr(getattr(target, "args", None), "max_position_embeddings", None)
     encoded = encode_requests(todo, tokenizer, context, enable_thinking, warn)
-    encoded.sort(key=lambda x: len(x[1]))  # similar lengths per batch
+    if batching == "static":
+        encoded.sort(key=lambda x: len(x[1]))  # similar lengths per batch
+    caps = _caps(encoded, gen.max_new_tokens, context)
     stats = {"requests": len(encoded), "rejected": len(todo) - len(encoded), "skipped_done": len(requests) - len(todo),
-             "tokens": 0, "rounds": 0, "seconds": 0.0}
+             "tokens": 0, "rounds": 0, "committed": 0, "seconds": 0.0}
+    extra = {"policy": policy} if policy is not None else {}
+
+    def row(req: Request, res) -> dict:
+        stats["tokens"] += len(res.tokens)
+        stats["rounds"] += len(res.accept_lengths)
+        stats["committed"] += sum(res.accept_lengths)
+        return {"id": req.id, "completion": tokenizer.decode(res.tokens, skip_special_tokens=True),
+                "num_tokens": len(res.tokens), "accept_lengths": res.accept_lengths, "tau": round(res.tau, 4),
+                "time_s": round(res.time_s, 4), **({"verified": res.verified} if policy is not None else {})}
+
     start = time.perf_counter()
-    for i in range(0, len(encoded), batch_size):
-        chunk = encoded[i:i + batch_size]
-        t0 = time.perf_counter()
-        chunk_gen = gen
-        if context is not None:  # no row generates past the context the target was trained for
-            cap = gen.max_new_tokens
-            caps = [cap] * len(chunk) if isinstance(cap, int) else list(cap)
-            chunk_gen = dataclasses.replace(gen, max_new_tokens=[min(c, context - len(ids))
-                                                                 for c, (_, ids) in zip(caps, chunk)])
-        extra = {"policy": policy} if policy is not None else {}
-        results = (engine or generate)(target, [ids for _, ids in chunk], chunk_gen, drafter=drafter,
-                                       generator=generator, tree=tree, **extra)
-        rows = []
-        for (req, _), res in zip(chunk, results):
-            rows.append({"id": req.id, "completion": tokenizer.decode(res.tokens, skip_special_tokens=True),
-                         "num_tokens": len(res.tokens), "accept_lengths": res.accept_lengths,
-                         "tau": round(res.tau, 4), "time_s": round(res.time_s, 4),
-                         **({"verified": res.verified} if policy is not None else {})})
-            stats["tokens"] += len(res.tokens)
-            stats["rounds"] += len(res.accept_lengths)
-            stats["committed"] = stats.get("committed", 0) + sum(res.accept_lengths)
-        data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
-        with output.open("a", encoding="utf-8") as f:  # whole batch in one write, then fsync
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        if progress is not None:
-            progress(len(chunk), time.perf_counter() - t0)
+    writer = _Writer(output, batch_size)
+    try:
+        if batching == "continuous" and encoded:
+            last = [time.perf_counter()]
+
+            def on_result(i: int, res) -> None:
+                writer.write([row(encoded[i][0], res)])
+                if progress is not None:
+                    now = time.perf_counter()
+                    progress(1, now - last[0])
+                    last[0] = now
+
+            generate(target, [ids for _, ids in encoded], dataclasses.replace(gen, max_new_tokens=caps),
+                     drafter=drafter, generator=generator, tree=tree, slots=batch_size, prefill_chunk=prefill_chunk,
+                     on_result=on_result, **extra)
+        for i in range(0, len(encoded) if batching == "static" else 0, batch_size):
+            chunk = encoded[i:i + batch_size]
+            t0 = time.perf_counter()
+            results = (engine or generate)(target, [ids for _, ids in chunk],
+                                           dataclasses.replace(gen, max_new_tokens=caps[i:i + batch_size]),
+                                           drafter=drafter, generator=generator, tree=tree, **extra)
+            writer.write([row(req, res) for (req, _), res in zip(chunk, results)])
+            writer.sync()  # a whole batch, then fsync
+            if progress is not None:
+                progress(len(chunk), time.perf_counter() - t0)
+    finally:
+        writer.close()
     stats["seconds"] = time.perf_counter() - start
-    stats["tau"] = stats.pop("committed", 0) / max(stats["rounds"], 1)
+    stats["tau"] = stats.pop("committed") / max(stats["rounds"], 1)
     return stats

@@ -13,6 +13,7 @@ prefix tree instead of one block (:mod:`specdraft.runtime.d2sd`); everything aro
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -74,6 +75,52 @@ class _State:
         if self.draft_state is not None:
             self.draft_state = self.draft_state.select(keep)
 
+    def extend(self, new: "_State") -> None:
+        """Append newly admitted rows (their drafter state is fresh: ``None``, or the state's ``blank`` rows)."""
+        old_n, new_n = self.rows.numel(), new.rows.numel()
+        a, b = self.draft_state, new.draft_state
+        if a is not None or b is not None:
+            a = a if a is not None else b.blank(old_n)
+            b = b if b is not None else a.blank(new_n)
+            self.draft_state = a.cat(b)
+        self.rows, self.anchor = torch.cat([self.rows, new.rows]), torch.cat([self.anchor, new.anchor])
+
+
+class _Backlog:
+    """Target features of plain rounds not yet fed to the drafter: under an adaptive policy a plain round defers the
+    drafter's ingest, and the whole backlog goes in one batched pass when drafting resumes (a row admitted after the
+    backlog began holds entries from ``start[row]`` on)."""
+
+    def __init__(self):
+        self.chunks: list[torch.Tensor] = []  # [b, 1, F] per plain round
+        self.start: torch.Tensor | None = None  # [b] first chunk each row holds
+
+    def add(self, features: torch.Tensor) -> None:
+        if not self.chunks:
+            self.start = torch.zeros(features.shape[0], dtype=torch.long, device=features.device)
+        self.chunks.append(features)
+
+    def select(self, keep: torch.Tensor) -> None:
+        if self.chunks:
+            self.chunks = [c[keep] for c in self.chunks]
+            self.start = self.start[keep]
+
+    def extend(self, n: int) -> None:
+        if self.chunks:
+            self.chunks = [torch.cat([c, c.new_zeros(n, *c.shape[1:])]) for c in self.chunks]
+            self.start = torch.cat([self.start, self.start.new_full((n,), len(self.chunks))])
+
+    def flush(self, drafter, cache) -> None:
+        """Feed every row its deferred features (``[b, n, F]``, each row's entries moved to the front)."""
+        if not self.chunks:
+            return
+        first = int(self.start.min())  # chunks before it belong to rows that have finished
+        feats = torch.cat(self.chunks[first:], 1)  # [b, n, F]
+        n, start = feats.shape[1], self.start - first
+        idx = (torch.arange(n, device=feats.device)[None, :] + start[:, None]).clamp(max=n - 1)  # [b, n]
+        drafter.ingest(cache, feats.gather(1, idx[..., None].expand(-1, -1, feats.shape[-1])), n - start)
+        self.chunks, self.start = [], None
+
 
 def _pad(prompts: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
     lens = torch.tensor([len(p) for p in prompts], device=device)
@@ -83,27 +130,70 @@ def _pad(prompts: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.
     return out, lens
 
 
+class _Prefill:
+    """Requests being prefilled into their own cache rows, ``chunk`` prompt tokens per :meth:`step`, before they
+    join the running batch (chunked prefill: a long prompt does not stall the running rows for its whole length)."""
+
+    def __init__(self, rows: list[int], prompts: Sequence[Sequence[int]], target: TargetLM, drafter, second,
+                 feature_layers, max_len: int, drafter_len: int, dev):
+        self.rows = rows
+        self.tokens, self.lens = _pad([prompts[r] for r in rows], dev)  # [n, P], [n]
+        self.target, self.drafter, self.second, self.feature_layers = target, drafter, second, feature_layers
+        n = len(rows)
+        self.tcache = target.new_cache(n, max_len)
+        self.dcache = drafter.new_cache(n, drafter_len) if drafter is not None else None
+        self.scache = second.new_cache(n, drafter_len) if second is not None else None
+        self.done = 0  # prompt tokens prefilled (per row: min(done, lens[b]))
+        self.last_logits: torch.Tensor | None = None  # [n, V] each row's logits after its last prompt token
+
+    def step(self, chunk: int) -> bool:
+        """Prefill the next ``chunk`` prompt tokens of every row; True when every prompt is in the caches."""
+        lo, hi = self.done, min(self.done + chunk, self.tokens.shape[1])
+        counts = (self.lens - lo).clamp(0, hi - lo)  # [n] real tokens of each row in this chunk
+        before = self.tcache.lengths
+        out = self.target(self.tokens[:, lo:hi], cache=self.tcache, feature_layers=self.feature_layers,
+                          logits_at=(counts - 1).clamp(min=0)[:, None])  # logits [n, 1, V]
+        self.tcache.crop(before + counts)  # padding past a prompt's end was written to scratch only
+        for d, cache in ((self.drafter, self.dcache), (self.second, self.scache)):
+            if d is not None:
+                d.ingest(cache, out.features, counts)  # the prompt's target features -> the drafter's context
+        ends_here = (counts > 0) & (self.lens <= hi)  # [n]
+        if self.last_logits is None:
+            self.last_logits = out.logits.new_zeros(len(self.rows), out.logits.shape[-1])
+        self.last_logits[ends_here] = out.logits[ends_here, 0]
+        self.done = hi
+        return hi >= self.tokens.shape[1]
+
+
 @torch.inference_mode()
 def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: GenerationConfig,
              drafter: Drafter | None = None, generator: torch.Generator | None = None,
              observer: Callable[[RoundRecord], None] | None = None, tree: TreeDrafting | None = None,
-             timings: dict[str, float] | None = None, policy: AdaptivePolicy | None = None) -> list[RowResult]:
-    """Decode a batch of prompts with the target alone (``drafter=None``) or speculatively.
+             timings: dict[str, float] | None = None, policy: AdaptivePolicy | None = None,
+             slots: int | None = None, prefill_chunk: int | None = None,
+             on_result: Callable[[int, RowResult], None] | None = None) -> list[RowResult]:
+    """Decode prompts with the target alone (``drafter=None``) or speculatively.
 
     Args:
         target: the verifying target LM.
-        prompts: token id lists (ragged).
+        prompts: token id lists (ragged), in arrival order.
         config: lengths, sampling, stop tokens.
         drafter: a block drafter bound to ``target`` (a :class:`Drafter`), or ``None`` for AR.
         generator: RNG for sampling (on the target's device).
         observer: called once per verify round with its :class:`RoundRecord` (analysis, on-policy rollouts).
         tree: D²SD tree drafting (needs ``drafter``, a first drafter without cross-round state).
-        timings: when given, wall seconds per round phase are added to it (draft, second_draft, tree, verify,
-            compaction, commit), synchronising the device at each phase boundary.
+        timings: when given, wall seconds per round phase are added to it (prefill, draft, second_draft, tree,
+            verify, compaction, commit), synchronising the device at each phase boundary.
         policy: chain rounds only: an :class:`AdaptivePolicy` choosing whether to draft and how many drafts to
             verify each round (None: the whole block every round).
+        slots: continuous batching: at most ``slots`` requests decode at once, and when one finishes the next in
+            ``prompts`` is prefilled into its own cache rows and joins the running batch (Orca, OSDI'22). ``None``
+            decodes every prompt as one static batch.
+        prefill_chunk: with ``slots``, requests admitted while others are decoding are prefilled ``prefill_chunk``
+            prompt tokens per round (Sarathi, arXiv:2308.16369); ``None`` prefills a prompt in one pass.
+        on_result: called with ``(index, result)`` as each request finishes (a batch job writes it right away).
     Returns:
-        one :class:`RowResult` per prompt, in order.
+        one :class:`RowResult` per prompt, in order. ``time_s`` runs from the request's admission to its end.
     """
     if any(len(p) == 0 for p in prompts):
         raise ValueError("empty prompt: every request needs at least one token")
@@ -113,31 +203,23 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
         tree.check(drafter)
     if policy is not None and (drafter is None or tree is not None):
         raise ValueError("an adaptive policy chooses chain rounds: it needs a drafter and no tree")
+    if slots is not None and slots < 1 or prefill_chunk is not None and prefill_chunk < 1:
+        raise ValueError("slots and prefill_chunk must be positive")
     dev = target.lm_head.weight.device
     B = len(prompts)
+    S = B if slots is None else min(slots, B)
     block = drafter.block_size if drafter is not None else 1
     verify_len = tree.max_nodes(block) if tree is not None else block
     max_new = [config.max_new_tokens] * B if isinstance(config.max_new_tokens, int) else list(config.max_new_tokens)
     stop = set(config.stop_token_ids)
     params = config.sampling
     feature_layers = drafter.target_layer_ids if drafter is not None else ()
-    start = time.perf_counter()
-
-    tokens, lens = _pad(prompts, dev)
-    max_len = int(lens.max()) + max(max_new) + verify_len + 1
-    tcache = target.new_cache(B, max_len)
-    out = target(tokens, cache=tcache, feature_layers=feature_layers, logits_at=(lens - 1)[:, None])
-    tcache.crop(lens)
-    first = sample(out.logits[:, 0], params, generator)  # [B]
-    dcache = drafter.new_cache(B, max_len) if drafter is not None else None
-    if drafter is not None:
-        drafter.ingest(dcache, out.features, lens)  # the prompt's target features -> the drafter's context cache
+    longest = max(len(p) for p in prompts)
+    chunk = prefill_chunk or longest
+    max_len = max(max(len(p) + m for p, m in zip(prompts, max_new)) + verify_len + 1, longest + min(chunk, longest))
+    # a backlog flush writes max(counts) slots on every row, past a short row's end (scratch): room for that
+    drafter_len = max_len + (max(max_new) if policy is not None else 0)
     second = tree.second if tree is not None and tree.second is not drafter else None
-    scache = dcache if tree is not None and second is None else None
-    if second is not None:
-        scache = second.new_cache(B, max_len)
-        second.ingest(scache, out.features, lens)
-    state = _State(rows=torch.arange(B, device=dev), anchor=first)
     clock = PhaseClock(timings, dev)
 
     generated: list[list[int]] = [[] for _ in range(B)]
@@ -147,39 +229,91 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
     winners: list[list[int]] = [[] for _ in range(B)]
     verified: list[list[int]] = [[] for _ in range(B)]
     results: list[RowResult | None] = [None] * B
+    admitted = [0.0] * B
 
-    def emit(row: int, new_tokens: list[int]) -> int:
+    def finish(row: int, reason: str) -> None:
+        results[row] = RowResult(generated[row], accept_lengths[row], reason, time.perf_counter() - admitted[row],
+                                 accepted[row], nodes[row], winners[row], verified[row])
+        if on_result is not None:
+            on_result(row, results[row])
+
+    def emit(row: int, new_tokens: list[int]) -> tuple[int, str | None]:
         """Append committed tokens to a row until a stop token or its cap; returns how many it emitted (a stop token
-        counts: it was generated) and records the row's result when it is finished."""
+        counts: it was generated) and why the row finished (None while it runs)."""
         for i, t in enumerate(new_tokens):
             if t in stop:
-                results[row] = RowResult(generated[row], accept_lengths[row], "stop", time.perf_counter() - start,
-                                         accepted[row], nodes[row], winners[row], verified[row])
-                return i + 1
+                return i + 1, "stop"
             generated[row].append(t)
             if len(generated[row]) >= max_new[row]:
-                results[row] = RowResult(generated[row], accept_lengths[row], "length", time.perf_counter() - start,
-                                         accepted[row], nodes[row], winners[row], verified[row])
-                return i + 1
-        return len(new_tokens)
+                return i + 1, "length"
+        return len(new_tokens), None
 
-    for r, t in enumerate(first.tolist()):
-        emit(r, [t])
-    done = [res is not None for res in results]
-    keep = [i for i, d in enumerate(done) if not d]
-    _compact(state, tcache, dcache, keep, B, scache if second is not None else None)
+    queue = deque(range(B))
+    state = _State(rows=torch.zeros(0, dtype=torch.long, device=dev), anchor=torch.zeros(0, dtype=torch.long,
+                                                                                         device=dev))
+    caches: dict[str, object] = {}  # "t": target, "d": drafter, "s": second drafter (D²SD), rows as in ``state``
+    pending: _Prefill | None = None
+    backlog = _Backlog()
 
+    def admit() -> None:
+        """Fill free slots from the queue: start a prefill, advance it one chunk (all of it when no row is running,
+        as nothing would stall), and move its unfinished rows into the running batch when it completes."""
+        nonlocal pending
+        while True:
+            running = state.rows.numel()
+            if pending is None:
+                free = S - running
+                if free <= 0 or not queue:
+                    return
+                take = [queue.popleft() for _ in range(min(free, len(queue)))]
+                now = time.perf_counter()
+                for r in take:
+                    admitted[r] = now
+                pending = _Prefill(take, prompts, target, drafter, second, feature_layers, max_len, drafter_len,
+                                   dev)
+            complete = pending.step(chunk if running else pending.tokens.shape[1])
+            clock.lap("prefill")
+            if not complete:
+                return
+            group, pending = pending, None
+            first = sample(group.last_logits, params, generator)  # [n]
+            keep = []
+            for i, (r, t) in enumerate(zip(group.rows, first.tolist())):
+                reason = emit(r, [t])[1]
+                if reason is None:
+                    keep.append(i)
+                else:
+                    finish(r, reason)
+            new = _State(rows=torch.tensor(group.rows, dtype=torch.long, device=dev), anchor=first)
+            new_caches = {"t": group.tcache, "d": group.dcache, "s": group.scache}
+            _compact(new, new_caches, keep, len(group.rows))
+            if not keep:
+                continue
+            if not caches:
+                state.rows, state.anchor, state.draft_state = new.rows, new.anchor, new.draft_state
+                caches.update(new_caches)
+            else:
+                state.extend(new)
+                backlog.extend(len(keep))
+                for key, cache in new_caches.items():
+                    if cache is not None:
+                        caches[key].cat_rows(cache)
+            clock.lap("compaction")
+
+    admit()
     while state.rows.numel() > 0:
+        tcache, dcache, scache = caches["t"], caches["d"], caches["s"]
         b = state.rows.numel()
         clock.lap("commit")
         tree_nodes = tree_winner = None
         if tree is not None:
-            rnd = tree_round(target, drafter, tree, dcache, scache, tcache, state.anchor, params, feature_layers,
-                             generator, clock, config.draft_sampling)
+            rnd = tree_round(target, drafter, tree, dcache, scache if second is not None else dcache, tcache,
+                             state.anchor, params, feature_layers, generator, clock, config.draft_sampling)
             draft_tokens, draft_logits, hidden = rnd.draft_tokens, rnd.draft_logits, rnd.hidden
             n_acc, nxt, target_logits = rnd.acceptance.num_accepted, rnd.acceptance.next_token, rnd.path_logits
             features, tree_nodes, tree_winner = rnd.path_features, rnd.tree.num_nodes, rnd.acceptance.winner
         elif drafter is not None and (policy is None or policy.draft_this_round(b)):
+            backlog.flush(drafter, dcache)  # plain rounds' features, deferred until drafting resumed
             blk = torch.full((b, block), drafter.config.mask_token_id, dtype=torch.long, device=dev)
             blk[:, 0] = state.anchor
             hidden = drafter.draft_hidden(dcache, drafter.block_embeds(blk, state.draft_state))  # [b, Bk, D]
@@ -195,7 +329,7 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
             n_acc, nxt = verify_round(draft_tokens, draft_probs, out.logits, params, generator)  # [b], [b]
             features, target_logits = out.features, out.logits
             clock.lap("verify")
-        else:  # the target alone, or a plain round of an adaptive policy (features still feed the drafter)
+        else:  # the target alone, or a plain round of an adaptive policy (its features wait in the backlog)
             draft_tokens = state.anchor.new_zeros(b, 0)
             draft_logits = hidden = None
             out = target(state.anchor[:, None], cache=tcache, feature_layers=feature_layers)  # [b, 1]
@@ -206,7 +340,9 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
             observer(RoundRecord(state.rows, draft_tokens, draft_logits, hidden, n_acc, nxt, target_logits,
                                  tree_nodes, tree_winner))
         tcache.crop(tcache.lengths + n_acc + 1)  # anchor + accepted drafts are now committed
-        if drafter is not None:  # the committed tokens' target features join the drafter's context
+        if drafter is not None and tree is None and draft_tokens.shape[1] == 0:
+            backlog.add(features)  # a plain round: the drafter catches up when drafting resumes
+        elif drafter is not None:  # the committed tokens' target features join the drafter's context
             fused = drafter.ingest(dcache, features, n_acc + 1)  # [b, T, D]
             state.draft_state = drafter.next_round_state(state.draft_state, hidden, draft_tokens, n_acc,
                                                          target_logits, fused)
@@ -228,10 +364,14 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
             if tree is not None:
                 nodes[row].append(tree_nodes[i])
                 winners[row].append(tree_winner[i])
-            accept_lengths[row].append(emit(row, d[:a] + [t]))  # what the round emitted (a + 1 unless cut short)
-            if results[row] is None:
+            emitted, reason = emit(row, d[:a] + [t])
+            accept_lengths[row].append(emitted)  # what the round emitted (a + 1 unless cut short)
+            if reason is None:
                 keep.append(i)
-        _compact(state, tcache, dcache, keep, b, scache if second is not None else None)
+            else:
+                finish(row, reason)
+        _compact(state, caches, keep, b, backlog)
+        admit()
     clock.lap("commit")
     return results  # type: ignore[return-value]
 
@@ -265,11 +405,15 @@ def verify_round(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, t
     return accept_speculative_sampling(draft_tokens, draft_probs, logits_to_probs(target_logits, params), generator)
 
 
-def _compact(state: _State, tcache, dcache, keep: list[int], current: int, scache=None) -> None:
+def _compact(state: _State, caches: dict[str, object], keep: list[int], current: int,
+             backlog: _Backlog | None = None) -> None:
+    """Drop finished rows from the state and every cache, so they stop costing compute."""
     if len(keep) == current:
         return
     idx = torch.tensor(keep, dtype=torch.long, device=state.rows.device)
     state.select(idx)
-    for cache in (tcache, dcache, scache):
+    if backlog is not None:
+        backlog.select(idx)
+    for cache in caches.values():
         if cache is not None:
             cache.select_rows(idx)

@@ -20,7 +20,8 @@ class Drafter(Protocol):
     """A block drafter the decode engine can run.
 
     ``config.mask_token_id`` is the token of the block's draft slots. The cross-round state is ``None`` or an object
-    with ``select(rows) -> state`` (rows kept when finished rows are compacted away).
+    with ``select(rows) -> state`` (rows kept when finished rows are compacted away), ``blank(n) -> state`` (``n`` rows
+    that carry nothing) and ``cat(state) -> state`` (rows admitted by continuous batching).
     """
 
     config: Any
@@ -36,7 +37,8 @@ class Drafter(Protocol):
         ...
 
     def new_cache(self, batch_size: int, max_len: int) -> Any:
-        """A context cache for ``batch_size`` rows of up to ``max_len`` tokens (``select_rows(rows)`` compacts it)."""
+        """A context cache for ``batch_size`` rows of up to ``max_len`` tokens (``select_rows(rows)`` compacts it,
+        ``cat_rows(cache)`` appends another's rows)."""
         ...
 
     def ingest(self, cache: Any, ctx_features: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:

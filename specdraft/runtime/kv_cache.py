@@ -77,6 +77,12 @@ class KVCache:
         self.v = [v.index_select(0, rows) for v in self.v]
         self.lengths = self.lengths.index_select(0, rows)
 
+    def cat_rows(self, other: "KVCache") -> None:
+        """Append ``other``'s rows (same layers, heads and ``max_len``): requests admitted by continuous batching."""
+        self.k = [torch.cat([a, b]) for a, b in zip(self.k, other.k)]
+        self.v = [torch.cat([a, b]) for a, b in zip(self.v, other.v)]
+        self.lengths = torch.cat([self.lengths, other.lengths])
+
 
 def cached_attention_mask(lengths: torch.Tensor, used: int, new_mask: torch.Tensor,
                           visible_prefix: torch.Tensor | None = None) -> torch.Tensor:

@@ -10,7 +10,8 @@ models); :class:`Calibration` maps the drafter's per-slot confidence (its probab
 D²SD branches on) to an acceptance probability, fitted on held-in rounds; :class:`AdaptivePolicy` picks, each round,
 the number of drafts to verify (the same for every row: the verify pass pads rows to one width, so a narrower row
 would save nothing) and skips drafting altogether while the recent acceptance says a round cannot beat plain
-decoding, retrying every ``retry_every`` rounds. Only how much is drafted and verified changes: verifying the first
+decoding, retrying after ``retry_every`` rounds and backing off while retries fail. A plain round feeds the drafter
+nothing: its target features wait, and the drafter ingests them in one pass when drafting resumes. Only how much is drafted and verified changes: verifying the first
 ``k`` drafts of a block is speculative decoding with a block of ``k`` drafts, so the output stays lossless.
 """
 
@@ -168,22 +169,31 @@ class AdaptivePolicy:
     costs: CostModel
     calibration: Calibration = field(default_factory=Calibration)
     retry_every: int = 8
-    """Rounds of plain decoding before drafting is tried again."""
+    """Rounds of plain decoding before drafting is tried again; each retry that still finds drafting not paying
+    doubles the wait, up to ``max_retry_every`` (a drafter that pays again resets it)."""
+    max_retry_every: int = 64
     smoothing: float = 0.3
     """Weight of the latest round in the running estimate of a drafted round's tokens per row."""
     estimate: float | None = None
     """Running mean of the tokens per row that drafted rounds committed (None: none drafted yet)."""
     width: int = 0
     skipped: int = 0
+    wait: int = 0
+    """Plain rounds before the next retry (0: ``retry_every``)."""
 
     def draft_this_round(self, b: int) -> bool:
         """False while the running estimate says a drafted round commits fewer tokens per second than plain
-        decoding (plain rounds then run; drafting is retried every ``retry_every`` of them)."""
+        decoding (plain rounds then run; drafting is retried after ``retry_every`` of them, then after twice as
+        many while retries keep failing)."""
         if self.estimate is None:
             return True
         spec = self.estimate * b / (self.costs.drafter(b) + self.costs.target(b, self.width + 1))
-        if spec >= b / self.costs.target(b, 1) or self.skipped >= self.retry_every:
-            self.skipped = 0
+        wait = self.wait or self.retry_every
+        if spec >= b / self.costs.target(b, 1):
+            self.skipped, self.wait = 0, 0
+            return True
+        if self.skipped >= wait:
+            self.skipped, self.wait = 0, min(2 * wait, max(self.max_retry_every, self.retry_every))
             return True
         self.skipped += 1
         return False

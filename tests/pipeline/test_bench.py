@@ -7,6 +7,7 @@ import pytest
 from specdraft.errors import SpecdraftError
 from specdraft.pipeline.bench import (
     distinct2,
+    length_caps,
     per_prompt_counts,
     ratio_interval,
     summarize,
@@ -86,3 +87,10 @@ def test_data_copies_held_out_suites_given_for_an_external_target(tiny_world, tm
     assert (tmp_path / "bench_prompts" / "math.jsonl").read_text() == (tiny_world.bench_dir / "math.jsonl").read_text()
     with pytest.raises(SpecdraftError, match="data.bench_dir"):
         copy_bench_suites(tmp_path / "nothing", tmp_path / "x")
+
+
+def test_length_caps_vary_by_the_spread_log_uniformly_and_the_same_for_every_method():
+    caps = length_caps(400, 80, 10.0, seed=0)
+    assert min(caps) >= 8 and max(caps) <= 80 and max(caps) / min(caps) >= 8
+    assert 20 <= sorted(caps)[200] <= 32  # the median of a log-uniform draw on [8, 80] is about 25
+    assert caps == length_caps(400, 80, 10.0, seed=0) and length_caps(3, 80, 1.0, 0) == [80, 80, 80]

@@ -71,16 +71,17 @@ def test_greedy_decode_job_equals_ar_job(tiny_world, drafter_dir, tmp_path):
     _write(inp, [json.dumps({"id": str(i), "prompt": p}) for i, p in
                  enumerate(["Mia has 3 apples.", "Tom has 12 coins. Then Tom finds 4 more coins.", "Ava"])])
     outs = {}
+    modes = {"false": [], "true": ["decode.cuda_graphs=true", "decode.batching=static"],
+             "static": ["decode.batching=static"], "adaptive": ["decode.policy=adaptive"]}
     for method, graphs in (("ar", "false"), ("dflash", "false"), ("dflash", "true"), ("ar", "true"),
-                           ("dflash", "adaptive")):
+                           ("dflash", "static"), ("dflash", "adaptive")):
         outs[method, graphs] = tmp_path / f"{method}-{graphs}.jsonl"
-        mode = "decode.policy=adaptive" if graphs == "adaptive" else f"decode.cuda_graphs={graphs}"
-        assert main(["decode", *_args(tiny_world, drafter_dir, tmp_path, f"decode.method={method}", mode),
+        assert main(["decode", *_args(tiny_world, drafter_dir, tmp_path, f"decode.method={method}", *modes[graphs]),
                      "--input", str(inp), "--output", str(outs[method, graphs])]) == 0
     comp = {m: {json.loads(line)["id"]: json.loads(line)["completion"]
                 for line in p.read_text().splitlines()} for m, p in outs.items()}
     assert comp["ar", "false"] == comp["dflash", "false"] == comp["dflash", "true"] == comp["ar", "true"]
-    assert comp["dflash", "adaptive"] == comp["ar", "false"]
+    assert comp["dflash", "adaptive"] == comp["ar", "false"] == comp["dflash", "static"]
     adaptive = [json.loads(line) for line in outs["dflash", "adaptive"].read_text().splitlines()]
     assert all(len(r["verified"]) == len(r["accept_lengths"]) and all(0 <= v <= 3 for v in r["verified"])
                for r in adaptive)  # the chosen drafts per round, in each request's stats
@@ -88,6 +89,48 @@ def test_greedy_decode_job_equals_ar_job(tiny_world, drafter_dir, tmp_path):
     tau = {g: {json.loads(line)["id"]: json.loads(line)["tau"] for line in outs["dflash", g].read_text().splitlines()}
            for g in ("true", "false")}
     assert tau["true"] == tau["false"]  # the static path drafts what the eager engine drafts
+
+
+def test_a_continuous_job_killed_mid_way_resumes_with_every_request_once_and_its_own_cap(tiny_world, drafter_dir,
+                                                                                           tmp_path, monkeypatch,
+                                                                                           capsys):
+    """Continuous batching (2 slots, prompts prefilled 3 tokens per round) writes each request as it ends; a job
+    killed after three rows resumes, and the output equals an uninterrupted static job's, request caps honoured."""
+    inp = tmp_path / "in.jsonl"
+    prompts = ["Mia has 3 apples.", "Tom has 12 coins. Then Tom finds 4 more coins.", "Ava", "Ben has 7 pens.",
+               "Zoe reads 9 pages.", "Kim has 2 cats. Then Kim finds 5 more cats.", "Leo", "Sam has 4 hats."]
+    caps = [2, 12, 4, 12, 1, 12, 3, 12]
+    _write(inp, [json.dumps({"id": f"r{i}", "prompt": p, "max_new_tokens": c})
+                 for i, (p, c) in enumerate(zip(prompts, caps))]
+           + ['{"id": "bad", "prompt": "x", "max_new_tokens": 0}'])
+    static, cont = tmp_path / "static.jsonl", tmp_path / "continuous.jsonl"
+    assert main(["decode", *_args(tiny_world, drafter_dir, tmp_path, "decode.batching=static"), "--input", str(inp),
+                 "--output", str(static)]) == 0
+    assert "in.jsonl:9" in capsys.readouterr().err  # the bad cap is reported by line; the others are decoded
+    real = batch_job.generate
+
+    def killed(*args, on_result=None, **kw):  # dies as the fourth request ends (rows already written stay)
+        def hook(i, res):
+            if hook.n == 3:
+                raise KeyboardInterrupt
+            hook.n += 1
+            on_result(i, res)
+        hook.n = 0
+        return real(*args, on_result=hook, **kw)
+
+    monkeypatch.setattr(batch_job, "generate", killed)
+    args = _args(tiny_world, drafter_dir, tmp_path, "decode.prefill_chunk=3")
+    assert main(["decode", *args, "--input", str(inp), "--output", str(cont)]) == 130
+    assert "rerun the same command to resume" in capsys.readouterr().err
+    assert len(cont.read_text().splitlines()) == 3
+    monkeypatch.setattr(batch_job, "generate", real)
+    assert main(["decode", *args, "--input", str(inp), "--output", str(cont)]) == 0
+    rows = [json.loads(line) for line in cont.read_text().splitlines()]
+    assert sorted(r["id"] for r in rows) == sorted(f"r{i}" for i in range(8))  # each once: none lost, none twice
+    want = {json.loads(line)["id"]: json.loads(line) for line in static.read_text().splitlines()}
+    for r in rows:
+        assert r["completion"] == want[r["id"]]["completion"] and r["num_tokens"] <= caps[int(r["id"][1:])]
+    assert any(r["num_tokens"] == 12 for r in rows) and any(r["num_tokens"] <= 2 for r in rows)
 
 
 def test_empty_input_is_a_clean_error(tiny_world, drafter_dir, tmp_path, capsys):

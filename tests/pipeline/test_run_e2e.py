@@ -68,13 +68,17 @@ def test_run_end_to_end_and_rerun_is_cached(tmp_path, monkeypatch, capsys):
         assert sum(r["winner_share"]) == pytest.approx(1.0) and len(r["winner_share"]) == r["tree_k"] + 1
     assert "| d2sd K=2 | sft |" in (w / "bench" / "bench.md").read_text()
 
-    # the adaptive policy beside the fixed one: its rows carry the policy and the drafts it chose to verify
-    assert main([*bench[:-4], "bench.policies=[fixed,adaptive]"]) == 0
+    # the adaptive policy beside the fixed one, each in static batches and continuous batching (requests of
+    # lengths varying fourfold): rows carry the policy, the drafts chosen, the batching and the ratio to static
+    assert main([*bench[:-4], "bench.policies=[fixed,adaptive]", "bench.batching=[static,continuous]",
+                 "bench.length_spread=4"]) == 0
     rows = json.loads((w / "bench" / "bench.json").read_text())["results"]
     adaptive = [r for r in rows if r["policy"] == "adaptive"]
     assert {r["method"] for r in adaptive} == {"dflash"} and len(adaptive) == len(rows) // 3
     for r in adaptive:
         assert 0 <= r["verified_per_round"] <= 3 and 0 <= r["plain_round_share"] <= 1
+    assert sum(r["batching"] == "continuous" for r in rows) == len(rows) // 2
+    assert all(r["vs_static"] > 0 and r["vs_ar_static"] > 0 for r in rows)
     assert (w / "bench" / "bench_batch_sizes.png").stat().st_size > 1000
 
 

@@ -1,10 +1,13 @@
 """Every decoding path through the losslessness harness (tests/lossless.py), and the harness's power: it fails on
 each deliberately wrong verification rule."""
 
+import functools
+
 import pytest
 import torch
 
 from specdraft.runtime.d2sd import TreeDrafting
+from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.drafter_io import convert_drafter
 from tests.helpers import make_drafter, make_target
 from tests.lossless import (
@@ -15,6 +18,7 @@ from tests.lossless import (
     WRONG_RULES,
     ControlledDrafter,
     check_greedy,
+    run,
     sampling_pvalues,
 )
 
@@ -88,6 +92,29 @@ def test_greedy_output_is_the_targets_with_drafts_accepted(path):
     assert got["mismatches"] == 0, got
     assert got["tau"] > 2.5 and got["full"] and got["partial"] and got["none"], got
     assert got["stopped_rows"] > 0
+
+
+@pytest.mark.parametrize("path", ["dflash", "retrace", "d2sd"])
+def test_continuous_batching_decodes_each_request_as_alone_in_any_arrival_order(path):
+    """Three slots for nine ragged requests, the admitted ones prefilled two prompt tokens per round: the harness
+    (target alone, one-row decoding, a stop inside an accepted run) passes, and a reversed arrival order gives every
+    request the same tokens and rounds."""
+    target = make_target(seed=3, vocab=48)
+    f = (tree_factory("dflash", target, "oracle", 6, 2) if path == "d2sd"
+         else factory(path, target, "oracle", block_size=5))
+    widths: list[int] = []
+    engine = functools.partial(generate, slots=3, prefill_chunk=2,
+                               observer=lambda rec: widths.append(rec.rows.numel()))
+    got = check_greedy(target, f, RAGGED_PROMPTS, RAGGED_CAPS, engine=engine)
+    assert got["mismatches"] == 0, got
+    assert got["tau"] > 2.5 and got["full"] and got["partial"] and got["none"] and got["stopped_rows"] > 0, got
+    assert max(widths) == 3 and len(RAGGED_PROMPTS) > 3, "the slots bound the running rows"
+    order = list(reversed(range(len(RAGGED_PROMPTS))))
+    static = run(target, RAGGED_PROMPTS, GenerationConfig(max_new_tokens=RAGGED_CAPS), f)
+    rev = run(target, [RAGGED_PROMPTS[i] for i in order], GenerationConfig(max_new_tokens=[RAGGED_CAPS[i] for i in
+                                                                                          order]), f, engine=engine)
+    for j, i in enumerate(order):
+        assert (rev[j].tokens, rev[j].accept_lengths) == (static[i].tokens, static[i].accept_lengths), i
 
 
 @pytest.mark.parametrize("params", SAMPLING_SETTINGS, ids=lambda p: f"T{p.temperature:g}")

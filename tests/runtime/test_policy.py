@@ -5,7 +5,7 @@ target's and sampled output fits the target's distribution, through a real DFlas
 import pytest
 import torch
 
-from specdraft.runtime.decode import GenerationConfig, generate
+from specdraft.runtime.decode import GenerationConfig, _Backlog, generate
 from specdraft.runtime.policy import AdaptivePolicy, Calibration, CostModel, expected_committed, measure_costs
 from tests.helpers import bigram_oracle, make_drafter, make_target
 from tests.lossless import (
@@ -42,8 +42,12 @@ def test_a_drafter_that_does_not_pay_reverts_to_plain_rounds_and_is_retried():
     assert policy.draft_this_round(8)  # no estimate yet: draft
     assert policy.verify_len(torch.full((8, 3), 0.05)) == 0
     policy.observe(1.0)  # the drafted round committed one token per row: no better than plain decoding
-    plan = [policy.draft_this_round(8) for _ in range(8)]
-    assert plan == [False, False, False, True, False, False, False, True]  # plain, retried every 3 plain rounds
+    plan = [policy.draft_this_round(8) for _ in range(19)]
+    # plain rounds, retried after 3 of them, then (retries failing: no better estimate came in) after 6, then 12
+    assert [i for i, d in enumerate(plan) if d] == [3, 10] and policy.wait == 12
+    for _ in range(6):  # drafting pays again: drafted rounds, and the next failure waits 3 rounds again
+        policy.observe(3.0)
+    assert policy.draft_this_round(8) and policy.wait == 0
     good = AdaptivePolicy(costs(per_token=0.1, drafter=0.1))
     good.verify_len(torch.full((8, 3), 0.95))
     good.observe(3.5)
@@ -101,14 +105,18 @@ def test_the_shared_greedy_harness_passes_with_narrower_rounds():
     assert set(widths) == {2} and got["partial"] > 0 and got["none"] > 0, got
 
 
-@pytest.mark.parametrize("right", [2, 0], ids=["narrow-rounds", "plain-rounds-mixed-in"])
+@pytest.mark.parametrize("right", [2, 0], ids=["narrow-rounds", "plain-rounds-mixed-in-continuous"])
 def test_sampled_output_fits_the_target_distribution_under_the_policy(right):
+    """Narrow rounds on one static batch; plain rounds mixed in under continuous batching (1024 slots for 6000 rows,
+    admitted rows prefilled a token per round)."""
     target, oracle = bigram_oracle(right)
     half = Calibration(bins=1, table=[[0.5]] * 3)  # every slot accepted half the time: one draft pays, not three
     widths = []
+    batching = {} if right else {"slots": 1024, "prefill_chunk": 1}
 
     def engine(*args, **kwargs):
-        results = generate(*args, **kwargs, policy=AdaptivePolicy(costs(per_token=0.3), half, retry_every=2))
+        results = generate(*args, **kwargs, **batching,
+                           policy=AdaptivePolicy(costs(per_token=0.3), half, retry_every=2))
         widths.extend(v for r in results for v in r.verified)
         return results
 
@@ -126,3 +134,40 @@ def test_measured_costs_grow_with_rows_and_tokens():
     model = measure_costs(target, drafter, rows=(1, 4), tokens=(1, 5), context=32, repeats=1)
     assert model.tokens == [1, 5] and len(model.target_s) == 2 and all(s > 0 for s in model.drafter_s)
     assert model.target(2, 3) > 0 and model.drafter(2) > 0
+
+
+@torch.inference_mode()
+def test_deferred_ingest_fills_the_drafter_context_as_ingesting_every_round():
+    """Plain rounds' features wait in the backlog through an admission and a compaction; one flush leaves the
+    drafter's context cache as ingesting them round by round would."""
+    target = make_target(seed=0, vocab=64)
+    drafter = make_drafter(target, block_size=4)
+    feats = target(torch.randint(0, 64, (3, 8)), feature_layers=drafter.target_layer_ids).features  # [3, 8, F]
+    caches = [drafter.new_cache(2, 24) for _ in range(2)]  # round by round / deferred
+    for c in caches:
+        drafter.ingest(c, feats[:2, :3], torch.tensor([3, 2]))  # two prompts
+    backlog = _Backlog()
+    one = torch.ones(2, dtype=torch.long)
+    for t in (3, 4):  # two plain rounds
+        drafter.ingest(caches[0], feats[:2, t:t + 1], one)
+        backlog.add(feats[:2, t:t + 1])
+    for c in caches:  # a third request joins with its prompt
+        new = drafter.new_cache(1, 24)
+        drafter.ingest(new, feats[2:, :4], torch.tensor([4]))
+        c.cat_rows(new)
+    backlog.extend(1)
+    for t in (5, 6):
+        drafter.ingest(caches[0], feats[:, t:t + 1], torch.ones(3, dtype=torch.long))
+        backlog.add(feats[:, t:t + 1])
+    keep = torch.tensor([1, 2])  # the first request ends
+    for c in caches:
+        c.select_rows(keep)
+    backlog.select(keep)
+    drafter.ingest(caches[0], feats[1:, 7:8], one)
+    backlog.add(feats[1:, 7:8])
+    backlog.flush(drafter, caches[1])
+    ref, got = caches
+    assert ref.lengths.tolist() == got.lengths.tolist() == [2 + 5, 4 + 3] and not backlog.chunks
+    for row, n in enumerate(ref.lengths.tolist()):
+        for a, b in zip(ref.k + ref.v, got.k + got.v):
+            torch.testing.assert_close(a[row, :, :n], b[row, :, :n], rtol=1e-5, atol=1e-5)

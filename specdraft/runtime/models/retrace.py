@@ -112,6 +112,16 @@ class Prior(NamedTuple):
     def select(self, rows: torch.Tensor) -> "Prior":
         return Prior(*(t.index_select(0, rows) for t in self))
 
+    def blank(self, n: int) -> "Prior":
+        """``n`` rows that carry nothing (what a fully accepted round leaves): rows joining a running batch."""
+        Bk = self.valid.shape[1]
+        return Prior(self.hidden.new_zeros(n, *self.hidden.shape[1:]),
+                     self.signals.new_zeros(n, *self.signals.shape[1:]), self.valid.new_zeros(n, Bk),
+                     self.shift.new_full((n,), Bk))
+
+    def cat(self, other: "Prior") -> "Prior":
+        return Prior(*(torch.cat([a, b]) for a, b in zip(self, other)))
+
 
 class VerifyStats(NamedTuple):
     """What the target's verify logits say about each draft slot 1..K (reductions over the vocabulary only)."""
