@@ -42,20 +42,29 @@ def full_windows(blk) -> torch.Tensor:
 
 
 def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, num_anchors: int,
-                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   generator: torch.Generator | None = None,
+                   row_seeds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Uniform anchors without replacement among supervised positions that have at least one label after them.
 
     Args:
         loss_mask: ``[B, S]`` 1 on assistant tokens.
         lengths: ``[B]`` real lengths.
+        row_seeds: ``[B]`` one seed per sequence: its anchors then depend on the sequence and its seed alone, not
+            on the batch it came in (data-parallel ranks then draw what one process draws); else ``generator``.
     Returns:
         ``(anchors [B, N], valid [B, N])``, anchors sorted ascending, N = min(num_anchors, max #candidates).
     """
     B, S = loss_mask.shape
     pos = torch.arange(S, device=loss_mask.device)
     candidate = loss_mask.bool() & (pos[None, :] < (lengths[:, None] - 1))  # [B, S]
-    gen_device = generator.device if generator is not None else loss_mask.device
-    scores = torch.rand(B, S, generator=generator, device=gen_device).to(loss_mask.device)
+    if row_seeds is not None:
+        scores = torch.full((B, S), -1.0)
+        for b, (seed, n) in enumerate(zip(row_seeds.tolist(), lengths.tolist())):
+            scores[b, :n] = torch.rand(n, generator=torch.Generator().manual_seed(seed))
+        scores = scores.to(loss_mask.device)
+    else:
+        gen_device = generator.device if generator is not None else loss_mask.device
+        scores = torch.rand(B, S, generator=generator, device=gen_device).to(loss_mask.device)
     scores = scores.masked_fill(~candidate, -1.0)
     n = max(1, min(num_anchors, int(candidate.sum(1).max())))
     top = scores.topk(n, dim=1)

@@ -113,12 +113,20 @@ class DrafterModule(L.LightningModule):
 
     def draft(self, batch, split: str, generator: torch.Generator | None = None) -> DraftBatch:
         feats, target_hidden, greedy = self.features(batch, split)
-        anchors, valid = sample_anchors(batch["loss_mask"], batch["lengths"], self.hparams.num_anchors, generator)
+        anchors, valid = self.sample_anchors(batch, split, generator)
         if split == "train" and self.objective.anchors == "verified":
             anchors, valid = self.verified_anchors(batch, feats, greedy, anchors, valid)
         logits, _, blk, ctx = self.run_blocks(batch, feats, anchors, valid)
         tokens, slot_logits = self.target_view(anchors, greedy, target_hidden, self.drafter.block_size - 1)
         return DraftBatch(logits, blk, tokens, slot_logits, ctx)
+
+    def sample_anchors(self, batch, split: str, generator: torch.Generator | None = None):
+        """Uniform anchors ``([B, N], valid [B, N])``; in training one stream per conversation (seeded by the step's
+        generator and the conversation's index), so data-parallel ranks draw exactly what one process draws."""
+        row_seeds = None
+        if split == "train" and generator is not None and "index" in batch:
+            row_seeds = generator.initial_seed() * 1_000_003 + batch["index"].cpu()
+        return sample_anchors(batch["loss_mask"], batch["lengths"], self.hparams.num_anchors, generator, row_seeds)
 
     @torch.no_grad()
     def verified_anchors(self, batch, feats, greedy, anchors, valid) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,13 +186,29 @@ class DrafterModule(L.LightningModule):
         loss = self.objective_loss(db, g) + extra
         self._tokens_seen += int(batch["lengths"].sum())
         acc = self.slot_accuracy(db.logits.detach(), db.blocks)
-        self.log("train/loss", loss, prog_bar=True)
+        loss, shown = self.global_mean(loss, db)
+        self.log("train/loss", shown, prog_bar=True)
         self.log_dict({f"train/acc_{k + 1}": a for k, a in enumerate(acc.tolist())})
         self.log("train/tokens_per_s", self._tokens_seen / max(time.perf_counter() - self._t0, 1e-6))
         stats = {**step_stats, **self._loss_stats}
         if stats:
             self.log_dict({f"train/{self.stage.name}_{k}": v for k, v in stats.items()})
         return loss
+
+    def global_mean(self, loss: torch.Tensor, db: DraftBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Under data parallelism, ``(loss to backpropagate, loss to log)`` such that the averaged gradients and the
+        logged loss are those of ONE mean over the global batch's supervised slots: each rank's mean is weighted by
+        its share of the slot weight (all-reduced), as one process at the same global batch weights it. Exact for
+        the slot-mean losses (sft, kl, tv, vp); the block-mean ones (eal, wtv) are weighted by slots too."""
+        world = self.trainer.world_size if self._trainer is not None else 1
+        if world <= 1:
+            return loss, loss.detach()
+        w = db.slot_weights if db.slot_weights is not None else self.slot_weights
+        local = (w * db.blocks.label_mask).sum().detach().float()
+        total = self.trainer.strategy.reduce(local.clone(), reduce_op="sum")  # (all-reduces its input in place)
+        share = local * world / total.clamp_min(1e-8)
+        shown = self.trainer.strategy.reduce(loss.detach() * share, reduce_op="mean")
+        return loss * share, shown
 
     def validation_step(self, batch, batch_idx):
         g = torch.Generator(device="cpu").manual_seed(self.hparams.seed + batch_idx)

@@ -9,6 +9,8 @@ for another target or layer set is refused.
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import torch
@@ -41,13 +43,25 @@ def online_features(target: TargetLM, input_ids: torch.Tensor, layer_ids: tuple[
 
 
 def build_offline_cache(target: TargetLM, target_dir: str | Path, items: dict[str, list[dict]],
-                        layer_ids: tuple[int, ...], out_dir: str | Path, batch_size: int = 8) -> Path:
-    """Precompute features for every split's items (``{"train": [...], "val": [...]}``) into ``out_dir``."""
+                        layer_ids: tuple[int, ...], out_dir: str | Path, batch_size: int = 8,
+                        wait_s: float = 6 * 3600) -> Path:
+    """Precompute features for every split's items (``{"train": [...], "val": [...]}``) into ``out_dir``.
+
+    One cache for all data-parallel processes: only global rank 0 (``RANK``, as torchrun and Lightning set it)
+    builds it; the other ranks wait up to ``wait_s`` for its manifest (written last) and then read the same files
+    (``out_dir`` must be on a file system every node sees)."""
     out = Path(out_dir)
     manifest_file = out / "manifest.json"
     manifest = {"target": target_fingerprint(target_dir), "layer_ids": list(layer_ids),
                 "splits": {k: len(v) for k, v in items.items()}, "shard_size": SHARD_SIZE, "dtype": "bfloat16",
                 "last_layer": LAST_LAYER_CONVENTION if target.args.num_hidden_layers - 1 in layer_ids else None}
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) != 0:
+        deadline = time.monotonic() + wait_s
+        while not manifest_file.is_file():
+            if time.monotonic() > deadline:
+                raise SpecdraftError(f"rank {os.environ['RANK']}: no offline feature cache in {out} after "
+                                     f"{wait_s:.0f}s (rank 0 builds it; is {out} on a shared file system?)")
+            time.sleep(1.0)
     if manifest_file.is_file():
         check_manifest(json.loads(manifest_file.read_text()), manifest, out)
         return out

@@ -110,6 +110,9 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
         why = f" (kl_weight={t.kl_weight})" if objective.needs_target_logits else ""
         raise SpecdraftError(f"config key 'train.features': stage {t.stage!r}{why} {objective.online_reason}; use "
                              "train.features=online")
+    if t.strategy.startswith("fsdp") and not torch.cuda.is_available():
+        raise SpecdraftError(f"config key 'train.strategy': {t.strategy!r} needs CUDA GPUs (Lightning's FSDP runs on "
+                             "GPUs only); on CPUs use train.strategy=ddp")
     data_temperature = regenerated_temperature(data_file)
     note = data_temperature_note(objective, data_temperature)
     if note:

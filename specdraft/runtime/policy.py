@@ -11,8 +11,9 @@ D²SD branches on) to an acceptance probability, fitted on held-in rounds; :clas
 the number of drafts to verify (the same for every row: the verify pass pads rows to one width, so a narrower row
 would save nothing) and skips drafting altogether while the recent acceptance says a round cannot beat plain
 decoding, retrying after ``retry_every`` rounds and backing off while retries fail. A plain round feeds the drafter
-nothing: its target features wait, and the drafter ingests them in one pass when drafting resumes. Only how much is drafted and verified changes: verifying the first
-``k`` drafts of a block is speculative decoding with a block of ``k`` drafts, so the output stays lossless.
+nothing: its target features wait, and the drafter ingests them in one pass when drafting resumes. Only how much is
+drafted and verified changes: verifying the first ``k`` drafts of a block is speculative decoding with a block of
+``k`` drafts, so the output stays lossless.
 """
 
 from __future__ import annotations

@@ -2,10 +2,12 @@
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from transformers import AutoTokenizer
 
 from specdraft.errors import SpecdraftError
-from specdraft.lit_modules.blocks import build_blocks, sample_anchors
+from specdraft.lit_modules import features
+from specdraft.lit_modules.blocks import build_blocks
 from specdraft.lit_modules.data import ShareGPTDataModule, collate
 from specdraft.lit_modules.drafter_module import DrafterModule
 from specdraft.lit_modules.features import OfflineFeatures, build_offline_cache
@@ -160,6 +162,25 @@ def test_offline_cache_refuses_other_layer_set(tiny_world, tmp_path):
         build_offline_cache(m.target, tiny_world.target_dir, {"train": dm.train_items[:2]}, (1, 2), tmp_path / "f")
 
 
+def test_one_offline_cache_for_all_ranks_rank_0_builds_the_others_wait_and_read_it(tiny_world, tmp_path,
+                                                                                      monkeypatch):
+    dm, _ = _batch(tiny_world)
+    m = _module(tiny_world)
+    items, layers, out = {"train": dm.train_items[:2]}, m.drafter.target_layer_ids, tmp_path / "f"
+    writes = []
+    monkeypatch.setattr(features, "save_file", lambda t, path: (writes.append(path), save_file(t, path)))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SpecdraftError, match="rank 1: no offline feature cache"):
+        build_offline_cache(m.target, tiny_world.target_dir, items, layers, out, wait_s=0.2)
+    assert not writes  # rank 1 never builds
+    monkeypatch.setenv("RANK", "0")
+    build_offline_cache(m.target, tiny_world.target_dir, items, layers, out)
+    monkeypatch.setenv("RANK", "1")
+    assert build_offline_cache(m.target, tiny_world.target_dir, items, layers, out, wait_s=0.2) == out
+    assert len(writes) == 1  # built once, by rank 0; rank 1 read it
+
+
 def test_verified_anchors_sit_where_greedy_serving_anchors_the_next_block(tiny_world):
     """a' = a + n + 1 with n = the leading drafts equal to the target's greedy tokens. Drafts are planted to first
     differ at slot ``i % K + 1`` of block i (n = i % K), and n is cross-checked with the runtime's ``accept_greedy``;
@@ -168,7 +189,7 @@ def test_verified_anchors_sit_where_greedy_serving_anchors_the_next_block(tiny_w
     m.objective.anchors = "verified"
     _, batch = _batch(tiny_world)
     feats, _, greedy = m.features(batch, "train")
-    anchors, valid = sample_anchors(batch["loss_mask"], batch["lengths"], 8, torch.Generator().manual_seed(3))
+    anchors, valid = m.sample_anchors(batch, "train", torch.Generator().manual_seed(3))
     B, N = anchors.shape
     K, V = m.drafter.block_size - 1, m.drafter.config.vocab_size
     S = greedy.shape[1]
