@@ -115,6 +115,9 @@ class _Backlog:
         if not self.chunks:
             return
         first = int(self.start.min())  # chunks before it belong to rows that have finished
+        if first >= len(self.chunks):  # every row holding a chunk has finished; the rows left joined after them
+            self.chunks, self.start = [], None
+            return
         feats = torch.cat(self.chunks[first:], 1)  # [b, n, F]
         n, start = feats.shape[1], self.start - first
         idx = (torch.arange(n, device=feats.device)[None, :] + start[:, None]).clamp(max=n - 1)  # [b, n]

@@ -173,6 +173,9 @@ class AdaptivePolicy:
     """Rounds of plain decoding before drafting is tried again; each retry that still finds drafting not paying
     doubles the wait, up to ``max_retry_every`` (a drafter that pays again resets it)."""
     max_retry_every: int = 64
+    margin: float = 0.05
+    """Leave the full block (or drafting) only for a predicted gain above this fraction: the costs and the calibration
+    are estimates, and where they are nearly tied the fixed block is the safer choice."""
     smoothing: float = 0.3
     """Weight of the latest round in the running estimate of a drafted round's tokens per row."""
     estimate: float | None = None
@@ -190,7 +193,7 @@ class AdaptivePolicy:
             return True
         spec = self.estimate * b / (self.costs.drafter(b) + self.costs.target(b, self.width + 1))
         wait = self.wait or self.retry_every
-        if spec >= b / self.costs.target(b, 1):
+        if spec * (1 + self.margin) >= b / self.costs.target(b, 1):
             self.skipped, self.wait = 0, 0
             return True
         if self.skipped >= wait:
@@ -206,7 +209,9 @@ class AdaptivePolicy:
         b = confidence.shape[0]
         tokens = expected_committed(self.calibration(confidence)).sum(0)  # [K + 1]
         seconds = torch.tensor([self.costs.drafter(b) + self.costs.target(b, k + 1) for k in range(len(tokens))])
-        self.width = int((tokens.cpu() / seconds).argmax())
+        rate = tokens.cpu() / seconds  # [K + 1] expected committed tokens per second
+        best = int(rate.argmax())
+        self.width = best if rate[best] > (1 + self.margin) * rate[-1] else len(rate) - 1
         return self.width
 
     def observe(self, committed_per_row: float) -> None:

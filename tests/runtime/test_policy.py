@@ -35,6 +35,11 @@ def test_no_drafts_when_verification_cannot_pay_and_the_whole_block_when_accepta
     # in between: the first slot pays, later ones (less likely, as costly) do not
     assert AdaptivePolicy(costs(per_token=0.4)).verify_len(torch.tensor([[0.9, 0.3, 0.3]] * 4)) == 1
     assert expected_committed(torch.tensor([[0.5, 0.5, 1.0]])).tolist() == [[1.0, 1.5, 1.75, 2.0]]
+    # a near tie (two drafts predicted 4.8 % better than the whole block) keeps the block: estimates are not exact
+    half = Calibration(bins=1, table=[[0.5]] * 3)
+    tied = torch.full((4, 3), 0.5)
+    assert AdaptivePolicy(costs(per_token=0.18), half).verify_len(tied) == 3
+    assert AdaptivePolicy(costs(per_token=0.18), half, margin=0.0).verify_len(tied) == 2
 
 
 def test_a_drafter_that_does_not_pay_reverts_to_plain_rounds_and_is_retried():
@@ -93,7 +98,7 @@ def test_the_shared_greedy_harness_passes_with_narrower_rounds():
     widths = []
 
     def engine(*args, **kwargs):  # a fresh policy per call, as each decode job builds one
-        results = generate(*args, **kwargs, policy=AdaptivePolicy(costs(per_token=0.1, K=4), half))
+        results = generate(*args, **kwargs, policy=AdaptivePolicy(costs(per_token=0.2, K=4), half))
         widths.extend(v for r in results for v in r.verified)
         return results
 
@@ -171,3 +176,8 @@ def test_deferred_ingest_fills_the_drafter_context_as_ingesting_every_round():
     for row, n in enumerate(ref.lengths.tolist()):
         for a, b in zip(ref.k + ref.v, got.k + got.v):
             torch.testing.assert_close(a[row, :, :n], b[row, :, :n], rtol=1e-5, atol=1e-5)
+    backlog.add(feats[1:, 7:8])  # rows holding chunks all end, and a request joins after them: nothing to feed
+    backlog.select(torch.tensor([], dtype=torch.long))
+    backlog.extend(1)
+    backlog.flush(drafter, None)
+    assert not backlog.chunks
