@@ -15,15 +15,17 @@ from specdraft.pipeline.bench import mean_ratio_interval, ratio_interval
 
 
 def table(rows: list[dict]) -> str:
-    base = {(r["stage"], r["suite"], r["temperature"], r["batch_size"]): r for r in rows if r["method"] != "ar"
-            and r["method"] != "d2sd"}
+    def key(r):  # one baseline per batching and backend: the fixed-policy chain drafter
+        return (r["stage"], r["suite"], r["temperature"], r["batch_size"], r.get("batching", "static"),
+                r.get("backend", "torch"))
+    base = {key(r): r for r in rows if r["method"] not in ("ar", "d2sd") and r.get("policy", "fixed") == "fixed"}
     lines = ["| variant | T | suite | τ DFlash | τ D²SD | ratio (95 % CI) | speedup ratio | nodes/round | saved by "
              "dedup | branch won |", "|---|---|---|---|---|---|---|---|---|---|"]
     groups = defaultdict(list)
     for r in rows:
         if r["method"] != "d2sd":
             continue
-        b = base[(r["stage"], r["suite"], r["temperature"], r["batch_size"])]
+        b = base[key(r)]
         groups[(r["tree_k"], r["placement"], r["temperature"])].append((r, b))
         lo, hi = ratio_interval(r["per_prompt"], b["per_prompt"])
         lines.append(f"| K={r['tree_k']} {r['placement']} | {r['temperature']:g} | {r['suite']} | {b['tau']:.2f} "

@@ -43,13 +43,13 @@ def full_windows(blk) -> torch.Tensor:
 
 def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, num_anchors: int,
                    generator: torch.Generator | None = None,
-                   row_seeds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   row_seeds: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Uniform anchors without replacement among supervised positions that have at least one label after them.
 
     Args:
         loss_mask: ``[B, S]`` 1 on assistant tokens.
         lengths: ``[B]`` real lengths.
-        row_seeds: ``[B]`` one seed per sequence: its anchors then depend on the sequence and its seed alone, not
+        row_seeds: one seed per sequence (``B`` ints): its anchors then depend on the sequence and its seed alone, not
             on the batch it came in (data-parallel ranks then draw what one process draws); else ``generator``.
     Returns:
         ``(anchors [B, N], valid [B, N])``, anchors sorted ascending, N = min(num_anchors, max #candidates).
@@ -59,7 +59,7 @@ def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, num_anchors: 
     candidate = loss_mask.bool() & (pos[None, :] < (lengths[:, None] - 1))  # [B, S]
     if row_seeds is not None:
         scores = torch.full((B, S), -1.0)
-        for b, (seed, n) in enumerate(zip(row_seeds.tolist(), lengths.tolist())):
+        for b, (seed, n) in enumerate(zip(row_seeds, lengths.tolist())):
             scores[b, :n] = torch.rand(n, generator=torch.Generator().manual_seed(seed))
         scores = scores.to(loss_mask.device)
     else:

@@ -125,7 +125,8 @@ class DrafterModule(L.LightningModule):
         generator and the conversation's index), so data-parallel ranks draw exactly what one process draws."""
         row_seeds = None
         if split == "train" and generator is not None and "index" in batch:
-            row_seeds = generator.initial_seed() * 1_000_003 + batch["index"].cpu()
+            base = generator.initial_seed()
+            row_seeds = [(base * 1_000_003 + i) % 2**63 for i in batch["index"].tolist()]  # any train.seed fits
         return sample_anchors(batch["loss_mask"], batch["lengths"], self.hparams.num_anchors, generator, row_seeds)
 
     @torch.no_grad()

@@ -55,12 +55,13 @@ def build_offline_cache(target: TargetLM, target_dir: str | Path, items: dict[st
     manifest = {"target": target_fingerprint(target_dir), "layer_ids": list(layer_ids),
                 "splits": {k: len(v) for k, v in items.items()}, "shard_size": SHARD_SIZE, "dtype": "bfloat16",
                 "last_layer": LAST_LAYER_CONVENTION if target.args.num_hidden_layers - 1 in layer_ids else None}
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) != 0:
+    rank = _global_rank()
+    if rank != 0:
         deadline = time.monotonic() + wait_s
         while not manifest_file.is_file():
             if time.monotonic() > deadline:
-                raise SpecdraftError(f"rank {os.environ['RANK']}: no offline feature cache in {out} after "
-                                     f"{wait_s:.0f}s (rank 0 builds it; is {out} on a shared file system?)")
+                raise SpecdraftError(f"rank {rank}: no offline feature cache in {out} after {wait_s:.0f}s (rank 0 "
+                                     f"builds it; is {out} on a shared file system?)")
             time.sleep(1.0)
     if manifest_file.is_file():
         check_manifest(json.loads(manifest_file.read_text()), manifest, out)
@@ -82,8 +83,18 @@ def build_offline_cache(target: TargetLM, target_dir: str | Path, items: dict[st
                     shard[f"{r['index']}.features"] = feats[i, :n].to(torch.bfloat16).cpu().contiguous()
                     shard[f"{r['index']}.greedy"] = greedy[i, :n].to(torch.int32).cpu().contiguous()
             save_file(shard, str(out / f"{split}-{s0 // SHARD_SIZE:05d}.safetensors"))
-    manifest_file.write_text(json.dumps(manifest, indent=2))
+    tmp = manifest_file.with_name(manifest_file.name + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2))
+    tmp.replace(manifest_file)  # atomic: a waiting rank never reads half a manifest
     return out
+
+
+def _global_rank() -> int:
+    """This process's global rank as torchrun, Lightning or SLURM set it (0 in one process)."""
+    for key in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):
+        if key in os.environ:
+            return int(os.environ[key])
+    return 0
 
 
 LAST_LAYER_CONVENTION = "post_norm"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from specdraft.lit_modules.blocks import DraftBatch, sample_anchors
+from specdraft.lit_modules.blocks import DraftBatch
 
 
 def sample_prefix_lengths(shape: tuple[int, ...], block_size: int, beta: float,
@@ -32,7 +32,7 @@ def vp_step(module, batch, split: str, generator: torch.Generator | None):
     d = module.drafter
     Bk, K = d.block_size, d.block_size - 1
     feats, target_hidden, greedy = module.features(batch, split)
-    anchors, valid = sample_anchors(batch["loss_mask"], batch["lengths"], module.hparams.num_anchors, generator)
+    anchors, valid = module.sample_anchors(batch, split, generator)
     B, N = anchors.shape
     prefix = sample_prefix_lengths((B, N), Bk, d.config.vp.prefix_beta, generator).to(anchors.device)  # [B, N]
     slot = torch.arange(1, Bk, device=anchors.device)  # [K] draft slots 1..K

@@ -211,7 +211,7 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
         for temp in b.temperatures:
             for bs in b.batch_sizes:
                 measured: dict[str, dict[str, float]] = {}  # batching -> method -> tokens/s
-                for mode in b.batching:
+                for mode in sorted(b.batching, key=lambda m: m != "static"):  # static first: the ratios need it
                     acc = defaultdict(lambda: {"tokens": 0, "seconds": 0.0, "results": []})
                     policies = {m: {"policy": replace(e.policy)} for m, e in loaded.items() if e.policy is not None}
                     # static: one batch of bs prompts at a time; continuous: the whole suite through bs slots

@@ -181,6 +181,17 @@ def test_one_offline_cache_for_all_ranks_rank_0_builds_the_others_wait_and_read_
     assert len(writes) == 1  # built once, by rank 0; rank 1 read it
 
 
+def test_training_anchors_are_one_stream_per_conversation_for_any_seed(tiny_world):
+    m = _module(tiny_world)
+    _, batch = _batch(tiny_world)
+    g = torch.Generator().manual_seed(20260101 * 1_000_003 + 7)  # a date-style train.seed at step 7
+    anchors, valid = m.sample_anchors(batch, "train", g)
+    half = {k: v[:2] if torch.is_tensor(v) else v for k, v in batch.items()}
+    half["input_ids"], half["loss_mask"] = (half[k][:, :int(half["lengths"].max())] for k in ("input_ids", "loss_mask"))
+    a2, v2 = m.sample_anchors(half, "train", g)  # the same conversations in a smaller, less padded batch
+    assert torch.equal(a2[v2], anchors[:2][valid[:2]][: int(v2.sum())]) and v2.sum() == valid[:2].sum()
+
+
 def test_verified_anchors_sit_where_greedy_serving_anchors_the_next_block(tiny_world):
     """a' = a + n + 1 with n = the leading drafts equal to the target's greedy tokens. Drafts are planted to first
     differ at slot ``i % K + 1`` of block i (n = i % K), and n is cross-checked with the runtime's ``accept_greedy``;
