@@ -10,9 +10,9 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: demo test lint venv clean mlflow-ui
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,triton]'
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,triton,ray]'
 	@touch $(STAMP)
 
 venv: $(STAMP)

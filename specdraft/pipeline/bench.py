@@ -211,14 +211,17 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
         for temp in b.temperatures:
             for bs in b.batch_sizes:
                 measured: dict[str, dict[str, float]] = {}  # batching -> method -> tokens/s
-                for mode in sorted(b.batching, key=lambda m: m != "static"):  # static first: the ratios need it
-                    acc = defaultdict(lambda: {"tokens": 0, "seconds": 0.0, "results": []})
-                    policies = {m: {"policy": replace(e.policy)} for m, e in loaded.items() if e.policy is not None}
-                    # static: one batch of bs prompts at a time; continuous: the whole suite through bs slots
-                    groups = range(0, len(prompts), bs) if mode == "static" else [0]
-                    size = bs if mode == "static" else len(prompts)
-                    batching = {"slots": bs, "prefill_chunk": d.prefill_chunk or None} if mode == "continuous" else {}
-                    for rep in range(b.repeats):
+                modes = sorted(b.batching, key=lambda m: m != "static")  # static first: the ratios need it
+                accs = {m: defaultdict(lambda: {"tokens": 0, "seconds": 0.0, "results": []}) for m in modes}
+                policies = {mode: {m: {"policy": replace(e.policy)} for m, e in loaded.items() if e.policy is not None}
+                            for mode in modes}
+                for rep in range(b.repeats):
+                    # the batchings take turns, whole suite by whole suite, so drifts in machine speed hit both
+                    for mode in (modes if rep % 2 == 0 else modes[::-1]):
+                        # static: one batch of bs prompts at a time; continuous: the whole suite through bs slots
+                        groups = range(0, len(prompts), bs) if mode == "static" else [0]
+                        size = bs if mode == "static" else len(prompts)
+                        batching = {"slots": bs, "prefill_chunk": d.prefill_chunk or None} if mode != "static" else {}
                         for i in groups:
                             batch = prompts[i:i + size]
                             gen = GenerationConfig(max_new_tokens=caps[i:i + size], stop_token_ids=stops,
@@ -232,12 +235,14 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
                                     b.seed + 1000 * rep + i)
                                 t0 = time.perf_counter()
                                 res = generate(e.target, batch, gen, drafter=e.drafter, generator=g, tree=e.tree,
-                                               **policies.get(method, {}), **batching)
+                                               **policies[mode].get(method, {}), **batching)
                                 dt = time.perf_counter() - t0
-                                a = acc[method]
+                                a = accs[mode][method]
                                 a["seconds"] += dt
                                 a["tokens"] += sum(len(r.tokens) for r in res)
                                 a["results"].extend(res)
+                for mode in modes:
+                    acc = accs[mode]
                     measured[mode] = {m: a["tokens"] / a["seconds"] for m, a in acc.items()}
                     ar_tps = measured[mode]["ar"]
                     d2 = distinct2([r.tokens for r in acc["ar"]["results"]])

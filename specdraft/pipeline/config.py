@@ -219,6 +219,14 @@ class DecodeConfig:
     prefill_chunk: int = 0
     """continuous: prompt tokens prefilled per round for a request joining running ones, so a long prompt does not
     stall them (0: the whole prompt in one pass)."""
+    runner: Literal["local", "ray"] = "local"
+    """local: this process (or each torchrun rank). ray: a pool of Ray Data actors, each holding the target and the
+    drafter and decoding tasks of ``4 x batch_size`` requests with continuous batching (``pip install
+    'specdraft[ray]'``; chains with ar or a drafter, torch backend, fixed policy)."""
+    ray_actors: int = 2
+    """ray: actors (each takes a CPU, or a GPU when ``target.device`` is cuda)."""
+    ray_address: str = ""
+    """ray: a running cluster (``auto`` or ``ray://host:port``); empty starts a local one with a CPU per actor."""
     seed: int = 0
     backend: Literal["torch", "onnx", "trt"] = "torch"
     """What runs the target and the drafter: PyTorch, the ONNX export in ONNX Runtime, or the TensorRT engines
@@ -251,6 +259,11 @@ class DecodeConfig:
             raise OptionError("batching", "the CUDA-graph path decodes static batches: set decode.batching=static "
                               "with decode.cuda_graphs=true")
         check_range("prefill_chunk", self.prefill_chunk, 0)
+        check_range("ray_actors", self.ray_actors, 1)
+        if self.runner == "ray" and (self.method == "d2sd" or self.backend != "torch" or self.policy != "fixed"
+                                     or self.cuda_graphs or self.batching != "continuous"):
+            raise OptionError("runner", "ray actors decode chains (ar or a drafter) on the torch backend with the "
+                              "fixed policy and continuous batching")
         if self.cuda_graphs and self.method in ("d2sd", "retrace"):
             raise OptionError("cuda_graphs", f"the static path decodes chains with ar, dflash or vp, not "
                               f"{self.method!r}")

@@ -108,6 +108,8 @@ def decode(cfg: RunConfig, input_path: Path, output_path: Path):
             raise SpecdraftError(f"config key 'decode.method': {d.method!r} but the drafter in {drafter_dir} is "
                                  f"a {arch!r} drafter")
         check_compatible(dcfg, read_target_args(world.target_dir))
+    if d.runner == "ray":
+        return _decode_on_ray(cfg, world, requests, output_path, drafter_dir)
     with tracked(cfg, "decode") as tr:
         if d.backend == "torch":
             tgt = load_target(world.target_dir, dtype=cfg.target.dtype, device=cfg.target.device)
@@ -139,6 +141,34 @@ def decode(cfg: RunConfig, input_path: Path, output_path: Path):
         log(f"decode: {stats['requests']} requests ({stats['skipped_done']} already done, {stats['rejected']} "
             f"skipped) -> {output_path}; "
             f"tau {stats['tau']:.2f}, {tps:.1f} tok/s")
+        return stats
+
+
+def _decode_on_ray(cfg: RunConfig, world, requests, output_path: Path, drafter_dir: Path | None):
+    """``decode.runner=ray``: the same job on a pool of Ray Data actors (:mod:`specdraft.runtime.ray_job`)."""
+    from specdraft.runtime.ray_job import ActorSpec, run_ray_job  # noqa: PLC0415 (Ray is an optional extra)
+
+    d = cfg.decode
+    with tracked(cfg, "decode") as tr:
+        tok = AutoTokenizer.from_pretrained(str(world.target_dir), trust_remote_code=False)
+        gen = GenerationConfig(max_new_tokens=d.max_new_tokens, stop_token_ids=stop_token_ids(tok),
+                               sampling=SamplingParams(d.temperature, d.top_k, d.top_p),
+                               draft_sampling=d.draft_sampling)
+        device = cfg.target.device
+        if device == "auto":  # resolved here: an actor asks Ray for a GPU only when it will use one
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        spec = ActorSpec(str(world.target_dir), str(drafter_dir) if drafter_dir else None, gen, d.batch_size,
+                         d.prefill_chunk or None, cfg.target.dtype, device, d.seed)
+        bar = tqdm(total=len(requests), desc=f"decode ({d.method}, ray)", unit="req", file=sys.stderr)
+        stats = run_ray_job(requests, output_path, tok, spec, d.ray_actors, 4 * d.batch_size,
+                            read_target_args(world.target_dir).max_position_embeddings, cfg.data.enable_thinking,
+                            d.ray_address, progress=lambda n, s: bar.update(n))
+        bar.update(stats["skipped_done"] + stats["rejected"])
+        bar.close()
+        tps = stats["tokens"] / stats["seconds"] if stats["seconds"] else 0.0
+        tr.log_metrics({"decode/tau": stats["tau"], "decode/tokens_per_s": tps, "decode/requests": stats["requests"]})
+        log(f"decode: {stats['requests']} requests on {d.ray_actors} Ray actors ({stats['skipped_done']} already "
+            f"done, {stats['rejected']} skipped) -> {output_path}; tau {stats['tau']:.2f}, {tps:.1f} tok/s")
         return stats
 
 

@@ -21,7 +21,7 @@ from typing import Callable
 
 from specdraft.errors import SpecdraftError
 from specdraft.runtime.chat import encode_chat, encode_plain, has_chat_template
-from specdraft.runtime.decode import GenerationConfig, generate
+from specdraft.runtime.decode import GenerationConfig, RowResult, generate
 
 
 @dataclass
@@ -182,7 +182,37 @@ def encode_requests(requests: list[Request], tokenizer, context: int | None, ena
     return out
 
 
-def _caps(encoded: list[tuple[Request, list[int]]], default: int, context: int | None) -> list[int]:
+def result_row(req: Request, res: RowResult, tokenizer, stats: dict, with_verified: bool = False) -> dict:
+    """The output row of one request (the JSONL contract), counting it into the job's ``stats``."""
+    stats["tokens"] += len(res.tokens)
+    stats["rounds"] += len(res.accept_lengths)
+    stats["committed"] += sum(res.accept_lengths)
+    return {"id": req.id, "completion": tokenizer.decode(res.tokens, skip_special_tokens=True),
+            "num_tokens": len(res.tokens), "accept_lengths": res.accept_lengths, "tau": round(res.tau, 4),
+            "time_s": round(res.time_s, 4), **({"verified": res.verified} if with_verified else {})}
+
+
+def pending_requests(requests: list[Request], output: Path, tokenizer, target_context: int | None,
+                     enable_thinking: bool, warn: Callable[[str], None]) -> tuple[list, dict]:
+    """What a (re)started job still has to decode: ``[(request, prompt ids)]`` of the requests with no row in
+    ``output`` that can be decoded (the others reported through ``warn``), and the job's starting stats."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    _repair_torn_tail(output)
+    finished = done_ids(output)
+    todo = [r for r in requests if r.id not in finished]
+    encoded = encode_requests(todo, tokenizer, target_context, enable_thinking, warn)
+    stats = {"requests": len(encoded), "rejected": len(todo) - len(encoded), "skipped_done": len(requests) - len(todo),
+             "tokens": 0, "rounds": 0, "committed": 0, "seconds": 0.0}
+    return encoded, stats
+
+
+def finish_stats(stats: dict, seconds: float) -> dict:
+    stats["seconds"] = seconds
+    stats["tau"] = stats.pop("committed") / max(stats["rounds"], 1)
+    return stats
+
+
+def request_caps(encoded: list[tuple[Request, list[int]]], default: int, context: int | None) -> list[int]:
     """Each request's token cap: its own ``max_new_tokens`` or the job's, and never past the target's context."""
     caps = [r.max_new_tokens or default for r, _ in encoded]
     if context is not None:
@@ -190,7 +220,7 @@ def _caps(encoded: list[tuple[Request, list[int]]], default: int, context: int |
     return caps
 
 
-class _Writer:
+class ResultWriter:
     """Appends result rows as whole lines: flushed per row, fsynced every ``sync_every`` rows and at the end."""
 
     def __init__(self, output: Path, sync_every: int):
@@ -235,29 +265,18 @@ def run_batch_job(requests: list[Request], output: Path, tokenizer, target, gen:
         raise ValueError(f"batching {batching!r}: static, or continuous with the eager engine")
     if not isinstance(gen.max_new_tokens, int):
         raise ValueError("a job's default max_new_tokens is one int (requests carry their own)")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    _repair_torn_tail(output)
-    finished = done_ids(output)
-    todo = [r for r in requests if r.id not in finished]
     context = getattr(getattr(target, "args", None), "max_position_embeddings", None)
-    encoded = encode_requests(todo, tokenizer, context, enable_thinking, warn)
+    encoded, stats = pending_requests(requests, output, tokenizer, context, enable_thinking, warn)
     if batching == "static":
         encoded.sort(key=lambda x: len(x[1]))  # similar lengths per batch
-    caps = _caps(encoded, gen.max_new_tokens, context)
-    stats = {"requests": len(encoded), "rejected": len(todo) - len(encoded), "skipped_done": len(requests) - len(todo),
-             "tokens": 0, "rounds": 0, "committed": 0, "seconds": 0.0}
+    caps = request_caps(encoded, gen.max_new_tokens, context)
     extra = {"policy": policy} if policy is not None else {}
 
     def row(req: Request, res) -> dict:
-        stats["tokens"] += len(res.tokens)
-        stats["rounds"] += len(res.accept_lengths)
-        stats["committed"] += sum(res.accept_lengths)
-        return {"id": req.id, "completion": tokenizer.decode(res.tokens, skip_special_tokens=True),
-                "num_tokens": len(res.tokens), "accept_lengths": res.accept_lengths, "tau": round(res.tau, 4),
-                "time_s": round(res.time_s, 4), **({"verified": res.verified} if policy is not None else {})}
+        return result_row(req, res, tokenizer, stats, policy is not None)
 
     start = time.perf_counter()
-    writer = _Writer(output, batch_size)
+    writer = ResultWriter(output, batch_size)
     try:
         if batching == "continuous" and encoded:
             last = [time.perf_counter()]
@@ -284,6 +303,4 @@ def run_batch_job(requests: list[Request], output: Path, tokenizer, target, gen:
                 progress(len(chunk), time.perf_counter() - t0)
     finally:
         writer.close()
-    stats["seconds"] = time.perf_counter() - start
-    stats["tau"] = stats.pop("committed") / max(stats["rounds"], 1)
-    return stats
+    return finish_stats(stats, time.perf_counter() - start)

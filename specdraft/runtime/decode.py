@@ -356,7 +356,7 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
             second.next_round_state(None, None, draft_tokens, n_acc, target_logits, None)
         state.anchor = nxt
         if policy is not None and draft_tokens.shape[1] > 0:
-            policy.observe(float(n_acc.float().mean()) + 1)
+            policy.observe(n_acc)
         keep = []
         tree_nodes = tree_nodes.tolist() if tree_nodes is not None else [0] * b
         tree_winner = tree_winner.tolist() if tree_winner is not None else [0] * b

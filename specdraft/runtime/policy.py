@@ -177,21 +177,25 @@ class AdaptivePolicy:
     """Leave the full block (or drafting) only for a predicted gain above this fraction: the costs and the calibration
     are estimates, and where they are nearly tied the fixed block is the safer choice."""
     smoothing: float = 0.3
-    """Weight of the latest round in the running estimate of a drafted round's tokens per row."""
-    estimate: float | None = None
-    """Running mean of the tokens per row that drafted rounds committed (None: none drafted yet)."""
+    """Weight of the latest round in the running per-slot acceptance."""
+    accept: list[float] = field(default_factory=list)
+    """Running acceptance of slot ``j + 1`` given the slots before it were accepted, from realised rounds (empty:
+    none drafted yet)."""
     width: int = 0
     skipped: int = 0
     wait: int = 0
     """Plain rounds before the next retry (0: ``retry_every``)."""
 
     def draft_this_round(self, b: int) -> bool:
-        """False while the running estimate says a drafted round commits fewer tokens per second than plain
-        decoding (plain rounds then run; drafting is retried after ``retry_every`` of them, then after twice as
+        """False while the realised acceptance says no width of drafted round commits more tokens per second than
+        plain decoding (plain rounds then run; drafting is retried after ``retry_every`` of them, then after twice as
         many while retries keep failing)."""
-        if self.estimate is None:
+        if not self.accept:
             return True
-        spec = self.estimate * b / (self.costs.drafter(b) + self.costs.target(b, self.width + 1))
+        K = max(self.costs.tokens) - 1
+        a = torch.tensor(self.accept + [self.accept[-1]] * (K - len(self.accept)))[None, :K]  # [1, K]
+        committed = expected_committed(a)[0] * b  # [K + 1]
+        spec = max(float(committed[k]) / (self.costs.drafter(b) + self.costs.target(b, k + 1)) for k in range(1, K + 1))
         wait = self.wait or self.retry_every
         if spec * (1 + self.margin) >= b / self.costs.target(b, 1):
             self.skipped, self.wait = 0, 0
@@ -207,15 +211,29 @@ class AdaptivePolicy:
         maximises expected committed tokens per second (the drafter's round is paid by now; plain decoding, k = 0,
         still costs it this round)."""
         b = confidence.shape[0]
-        tokens = expected_committed(self.calibration(confidence)).sum(0)  # [K + 1]
+        accept = self.calibration(confidence)  # [b, K]
+        tokens = expected_committed(accept).sum(0)  # [K + 1]
         seconds = torch.tensor([self.costs.drafter(b) + self.costs.target(b, k + 1) for k in range(len(tokens))])
         rate = tokens.cpu() / seconds  # [K + 1] expected committed tokens per second
         best = int(rate.argmax())
         self.width = best if rate[best] > (1 + self.margin) * rate[-1] else len(rate) - 1
+        if self.width == 0:  # nothing verified, nothing realised: the predicted acceptance stands in for it
+            self.accept = accept.float().mean(0).tolist()
         return self.width
 
-    def observe(self, committed_per_row: float) -> None:
-        """Update the running estimate with what a drafted round actually committed per row (realised outcomes
-        only: an over-confident drafter must not talk the policy into drafting)."""
-        s = self.smoothing
-        self.estimate = committed_per_row if self.estimate is None else (1 - s) * self.estimate + s * committed_per_row
+    def observe(self, num_accepted: torch.Tensor) -> None:
+        """Update the running per-slot acceptance with a drafted round's accepted drafts ``[b]`` (the round verified
+        ``self.width`` drafts; realised outcomes only: an over-confident drafter must not talk the policy into
+        drafting)."""
+        n = num_accepted.cpu()
+        accept = list(self.accept)  # a new list: copies of a policy (dataclasses.replace) must not share it
+        for j in range(1, self.width + 1):
+            reached = int((n >= j - 1).sum())
+            if reached == 0:
+                break
+            rate = float((n >= j).sum()) / reached
+            if j > len(accept):
+                accept.append(rate)
+            else:
+                accept[j - 1] += self.smoothing * (rate - accept[j - 1])
+        self.accept = accept

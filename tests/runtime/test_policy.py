@@ -44,19 +44,21 @@ def test_no_drafts_when_verification_cannot_pay_and_the_whole_block_when_accepta
 
 def test_a_drafter_that_does_not_pay_reverts_to_plain_rounds_and_is_retried():
     policy = AdaptivePolicy(costs(per_token=0.5, drafter=0.5), retry_every=3)
-    assert policy.draft_this_round(8)  # no estimate yet: draft
-    assert policy.verify_len(torch.full((8, 3), 0.05)) == 0
-    policy.observe(1.0)  # the drafted round committed one token per row: no better than plain decoding
+    assert policy.draft_this_round(8)  # nothing known yet: draft
+    assert policy.verify_len(torch.full((8, 3), 0.05)) == 0  # no draft worth verifying
     plan = [policy.draft_this_round(8) for _ in range(19)]
-    # plain rounds, retried after 3 of them, then (retries failing: no better estimate came in) after 6, then 12
+    # plain rounds, retried after 3 of them, then (retries failing: nothing better came in) after 6, then 12
     assert [i for i, d in enumerate(plan) if d] == [3, 10] and policy.wait == 12
-    for _ in range(6):  # drafting pays again: drafted rounds, and the next failure waits 3 rounds again
-        policy.observe(3.0)
-    assert policy.draft_this_round(8) and policy.wait == 0
+    policy.width = 3
+    for _ in range(6):  # drafting pays again (two of three drafts accepted): drafted rounds, and the wait resets
+        policy.observe(torch.full((8,), 2))
+    assert policy.draft_this_round(8) and policy.wait == 0 and policy.accept[0] > 0.85 > policy.accept[2]
+    policy.observe(torch.zeros(8, dtype=torch.long))  # a round that accepted nothing: realised, per slot
+    assert policy.accept[0] < 0.65 and policy.draft_this_round(8) is False
     good = AdaptivePolicy(costs(per_token=0.1, drafter=0.1))
-    good.verify_len(torch.full((8, 3), 0.95))
-    good.observe(3.5)
-    assert all(good.draft_this_round(8) for _ in range(5))
+    assert good.verify_len(torch.full((8, 3), 0.95)) == 3
+    good.observe(torch.full((8,), 3))
+    assert good.accept == [1.0, 1.0, 1.0] and all(good.draft_this_round(8) for _ in range(5))
 
 
 def test_calibration_maps_confidence_to_the_observed_acceptance():

@@ -1,0 +1,117 @@
+"""``specdraft decode`` on a Ray cluster with Ray Data (the optional extra: ``pip install 'specdraft[ray]'``).
+
+The driver does what a local job does before and after decoding: it reads the input (bad lines reported by line),
+skips ids already in the output (resume), refuses requests that cannot be decoded (reported by id), and appends
+each result row to the output as it streams back (the same JSONL contract). Decoding runs in a pool of
+:class:`DecodeActor` s (``Dataset.map_batches`` with a callable class): each actor loads the target and the drafter
+once and decodes the request batches it is handed with continuous batching. A killed job resumes from the rows
+written so far; nothing is written twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from specdraft.errors import SpecdraftError
+from specdraft.runtime.batch_job import (
+    Request,
+    ResultWriter,
+    finish_stats,
+    pending_requests,
+    request_caps,
+    result_row,
+    warn_stderr,
+)
+from specdraft.runtime.decode import GenerationConfig, RowResult
+
+
+@dataclass
+class ActorSpec:
+    """What every actor needs to build its engine (plain data: it travels to the workers)."""
+
+    target_dir: str
+    drafter_dir: str | None
+    """None: the target alone."""
+    gen: GenerationConfig
+    slots: int
+    """Requests decoding at once inside an actor (continuous batching)."""
+    prefill_chunk: int | None = None
+    dtype: str = "float32"
+    device: str = "auto"
+    seed: int = 0
+
+
+class DecodeActor:
+    """One per Ray worker: a target and a drafter, loaded once, decoding each request batch it is handed."""
+
+    def __init__(self, spec: ActorSpec):
+        import torch  # noqa: PLC0415 (imported in the worker process)
+
+        from specdraft.runtime.drafter_io import load_drafter  # noqa: PLC0415
+        from specdraft.runtime.load import load_target  # noqa: PLC0415
+
+        self.spec = spec
+        self.target = load_target(spec.target_dir, dtype=spec.dtype, device=spec.device)
+        self.drafter = load_drafter(spec.drafter_dir, self.target) if spec.drafter_dir else None
+        self.generator = torch.Generator(device=self.target.lm_head.weight.device).manual_seed(spec.seed)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from specdraft.runtime.decode import generate  # noqa: PLC0415
+
+        prompts = [list(map(int, ids)) for ids in batch["prompt_ids"]]
+        gen = dataclasses.replace(self.spec.gen, max_new_tokens=[int(c) for c in batch["max_new_tokens"]])
+        results = generate(self.target, prompts, gen, drafter=self.drafter, generator=self.generator,
+                           slots=self.spec.slots, prefill_chunk=self.spec.prefill_chunk)
+        return {"index": batch["index"],
+                "tokens": np.array([r.tokens for r in results] + [None], dtype=object)[:-1],
+                "accept_lengths": np.array([r.accept_lengths for r in results] + [None], dtype=object)[:-1],
+                "finish_reason": np.array([r.finish_reason for r in results]),
+                "time_s": np.array([r.time_s for r in results])}
+
+
+def run_ray_job(requests: list[Request], output: Path, tokenizer, spec: ActorSpec, actors: int,
+                requests_per_task: int, context: int | None = None, enable_thinking: bool = False,
+                address: str = "", progress=None, warn: Callable[[str], None] = warn_stderr) -> dict:
+    """Decode ``requests`` on ``actors`` Ray actors (``address``: a running cluster, ``""`` starts a local one with
+    a CPU per actor) in tasks of ``requests_per_task`` requests, appending each result row to ``output``."""
+    try:
+        import ray  # noqa: PLC0415
+    except ImportError:
+        raise SpecdraftError("decode.runner=ray needs Ray Data: pip install 'specdraft[ray]'") from None
+    encoded, stats = pending_requests(requests, output, tokenizer, context, enable_thinking, warn)
+    if not encoded:
+        return finish_stats(stats, 0.0)
+    caps = request_caps(encoded, spec.gen.max_new_tokens, context)
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=address or None, num_cpus=None if address else actors, include_dashboard=False,
+                 log_to_driver=False, configure_logging=False)
+    start = time.perf_counter()
+    writer = ResultWriter(output, requests_per_task)
+    try:
+        items = [{"index": i, "prompt_ids": ids, "max_new_tokens": cap} for i, ((_, ids), cap) in
+                 enumerate(zip(encoded, caps))]
+        gpu = spec.device.startswith("cuda")
+        ds = ray.data.from_items(items).map_batches(
+            DecodeActor, fn_constructor_kwargs={"spec": spec}, batch_size=requests_per_task, concurrency=actors,
+            num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0, batch_format="numpy")
+        for out in ds.iter_batches(batch_size=None, batch_format="numpy"):
+            rows = []
+            for i, toks, acc, reason, secs in zip(out["index"], out["tokens"], out["accept_lengths"],
+                                                  out["finish_reason"], out["time_s"]):
+                res = RowResult(list(map(int, toks)), list(map(int, acc)), str(reason), float(secs))
+                rows.append(result_row(encoded[int(i)][0], res, tokenizer, stats))
+            writer.write(rows)
+            if progress is not None:
+                progress(len(rows), 0.0)
+    finally:
+        writer.close()
+        if started:
+            ray.shutdown()
+    return finish_stats(stats, time.perf_counter() - start)

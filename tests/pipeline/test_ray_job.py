@@ -1,0 +1,35 @@
+"""`specdraft decode ... decode.runner=ray` on a local Ray cluster with two CPU workers (the optional `ray` extra;
+skipped without it): the JSONL contract, bad lines reported by line, resume without duplicates, and the completions
+of the local job."""
+
+import json
+
+import pytest
+
+from specdraft.pipeline.cli import main
+from tests.pipeline.test_decode_job import _args, _write, drafter_dir  # noqa: F401 (a fixture)
+
+pytest.importorskip("ray", reason="the optional Ray extra is not installed: pip install -e '.[ray]'")
+
+
+def test_a_ray_job_writes_the_local_jobs_rows_once_each_and_resumes(tiny_world, drafter_dir, tmp_path,  # noqa: F811
+                                                                     capsys):
+    inp = tmp_path / "in.jsonl"
+    prompts = ["Mia has 3 apples.", "Tom has 12 coins. Then Tom finds 4 more coins.", "Ava", "Ben has 7 pens.",
+               "Zoe reads 9 pages.", "Kim has 2 cats. Then Kim finds 5 more cats.", "Leo", "Sam has 4 hats."]
+    _write(inp, [json.dumps({"id": f"r{i}", "prompt": p, "max_new_tokens": 4 + i}) for i, p in enumerate(prompts)]
+           + ["{broken", json.dumps({"id": "r0", "prompt": "a duplicate id"})])
+    local, on_ray = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
+    assert main(["decode", *_args(tiny_world, drafter_dir, tmp_path), "--input", str(inp), "--output", str(local)]) == 0
+    want = {json.loads(line)["id"]: json.loads(line) for line in local.read_text().splitlines()}
+    on_ray.write_text(json.dumps(want["r2"]) + "\n" + '{"id": "r5", "compl')  # a killed job: one row and a torn one
+    capsys.readouterr()
+    ray_args = [*_args(tiny_world, drafter_dir, tmp_path), "decode.runner=ray", "decode.ray_actors=2"]
+    assert main(["decode", *ray_args, "--input", str(inp), "--output", str(on_ray)]) == 0
+    err = capsys.readouterr().err
+    assert "in.jsonl:9" in err and "in.jsonl:10" in err  # bad lines reported by line, the others decoded
+    rows = [json.loads(line) for line in on_ray.read_text().splitlines()]
+    assert sorted(r["id"] for r in rows) == sorted(want)  # every id once: r2 kept, nothing duplicated or lost
+    for r in rows:
+        assert set(r) == set(want[r["id"]]) and r["completion"] == want[r["id"]]["completion"]
+        assert r["num_tokens"] <= 4 + int(r["id"][1:])
