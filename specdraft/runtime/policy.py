@@ -10,7 +10,8 @@ models); :class:`Calibration` maps the drafter's per-slot confidence (its probab
 D²SD branches on) to an acceptance probability, fitted on held-in rounds; :class:`AdaptivePolicy` picks, each round,
 the number of drafts to verify (the same for every row: the verify pass pads rows to one width, so a narrower row
 would save nothing) and skips drafting altogether while the recent acceptance says a round cannot beat plain
-decoding, retrying after ``retry_every`` rounds and backing off while retries fail. A plain round feeds the drafter
+decoding, retrying after ``retry_every`` rounds and backing off while retries fail (never more often than a
+failing retry can be afforded). A plain round feeds the drafter
 nothing: its target features wait, and the drafter ingests them in one pass when drafting resumes. Only how much is
 drafted and verified changes: verifying the first ``k`` drafts of a block is speculative decoding with a block of
 ``k`` drafts, so the output stays lossless.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -50,12 +52,18 @@ class CostModel:
     key: dict = field(default_factory=dict)
     """What the costs were measured for (device, dtype, models, versions)."""
 
+    def __post_init__(self):
+        self._memo: dict[tuple[int, int], float] = {}  # (rows, tokens) -> seconds; (rows, 0): the drafter's round
+
     def target(self, b: int, t: int) -> float:
-        per_rows = [_interp(self.tokens, row, t) for row in self.target_s]
-        return _interp(self.rows, per_rows, b)
+        if (b, t) not in self._memo:
+            self._memo[b, t] = _interp(self.rows, [_interp(self.tokens, row, t) for row in self.target_s], b)
+        return self._memo[b, t]
 
     def drafter(self, b: int) -> float:
-        return _interp(self.rows, self.drafter_s, b)
+        if (b, 0) not in self._memo:
+            self._memo[b, 0] = _interp(self.rows, self.drafter_s, b)
+        return self._memo[b, 0]
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -173,6 +181,10 @@ class AdaptivePolicy:
     """Rounds of plain decoding before drafting is tried again; each retry that still finds drafting not paying
     doubles the wait, up to ``max_retry_every`` (a drafter that pays again resets it)."""
     max_retry_every: int = 64
+    retry_share: float = 0.02
+    """A failing retry's extra seconds over a plain round stay below this share of the plain rounds' seconds around
+    it: the wait is never shorter than ``extra / (retry_share * plain round)`` rounds (where a drafted round costs
+    several plain ones, as with many rows on a CPU, retries are rarer)."""
     margin: float = 0.05
     """Leave the full block (or drafting) only for a predicted gain above this fraction: the costs and the calibration
     are estimates, and where they are nearly tied the fixed block is the safer choice."""
@@ -186,25 +198,35 @@ class AdaptivePolicy:
     wait: int = 0
     """Plain rounds before the next retry (0: ``retry_every``)."""
 
+    def __post_init__(self):
+        self._rate_memo: dict = {}
+
     def draft_this_round(self, b: int) -> bool:
-        """False while the realised acceptance says no width of drafted round commits more tokens per second than
+        """False while the running acceptance says no width of drafted round commits more tokens per second than
         plain decoding (plain rounds then run; drafting is retried after ``retry_every`` of them, then after twice as
-        many while retries keep failing)."""
+        many while retries keep failing). Drafting keeps the benefit of ``margin`` only while its last round verified
+        drafts: after a round that verified none, drafting must pay outright."""
         if not self.accept:
             return True
-        K = max(self.costs.tokens) - 1
-        a = torch.tensor(self.accept + [self.accept[-1]] * (K - len(self.accept)))[None, :K]  # [1, K]
-        committed = expected_committed(a)[0] * b  # [K + 1]
-        spec = max(float(committed[k]) / (self.costs.drafter(b) + self.costs.target(b, k + 1)) for k in range(1, K + 1))
-        wait = self.wait or self.retry_every
-        if spec * (1 + self.margin) >= b / self.costs.target(b, 1):
+        spec = self._drafted_rate(b)
+        margin = self.margin if self.width > 0 else 0.0
+        wait = self.wait or max(self.retry_every, self._affordable_wait(b))
+        if spec * (1 + margin) >= b / self.costs.target(b, 1):
             self.skipped, self.wait = 0, 0
             return True
         if self.skipped >= wait:
-            self.skipped, self.wait = 0, min(2 * wait, max(self.max_retry_every, self.retry_every))
+            self.skipped, self.wait = 0, max(min(2 * wait, max(self.max_retry_every, self.retry_every)),
+                                             self._affordable_wait(b))
             return True
         self.skipped += 1
         return False
+
+    def _affordable_wait(self, b: int) -> int:
+        """Plain rounds a retry must be spread over to cost at most ``retry_share`` of them (the retry assumed to
+        verify the last drafted width)."""
+        plain = self.costs.target(b, 1)
+        extra = self.costs.drafter(b) + self.costs.target(b, max(self.width, 1) + 1) - plain
+        return math.ceil(max(extra, 0.0) / (self.retry_share * plain) - 1e-9)
 
     def verify_len(self, confidence: torch.Tensor) -> int:
         """Drafts to verify (0..K) given the drafted block's per-slot confidences ``[b, K]``: the width that
@@ -217,9 +239,30 @@ class AdaptivePolicy:
         rate = tokens.cpu() / seconds  # [K + 1] expected committed tokens per second
         best = int(rate.argmax())
         self.width = best if rate[best] > (1 + self.margin) * rate[-1] else len(rate) - 1
-        if self.width == 0:  # nothing verified, nothing realised: the predicted acceptance stands in for it
-            self.accept = accept.float().mean(0).tolist()
+        if self.width == 0:  # nothing verified, nothing realised: the predicted acceptance is this round's evidence
+            predicted = accept.float().mean(0).cpu()  # [K]
+            if not self.accept:
+                self.accept = predicted.tolist()
+            else:
+                s = self.smoothing
+                self.accept = (self._accept(len(predicted)) * (1 - s) + s * predicted).tolist()
         return self.width
+
+    def _drafted_rate(self, b: int) -> float:
+        """Expected committed tokens per second of a drafted round of ``b`` rows at its best width, from the running
+        acceptance (kept until the acceptance changes: plain rounds ask it every round)."""
+        key = (b, tuple(self.accept))
+        if self._rate_memo.get("key") != key:
+            K = max(self.costs.tokens) - 1
+            committed = expected_committed(self._accept(K)[None])[0] * b  # [K + 1]
+            rate = max(float(committed[k]) / (self.costs.drafter(b) + self.costs.target(b, k + 1))
+                       for k in range(1, K + 1))
+            self._rate_memo = {"key": key, "rate": rate}
+        return self._rate_memo["rate"]
+
+    def _accept(self, K: int) -> torch.Tensor:
+        """``[K]``: the running acceptance, slots never verified taking the last verified slot's."""
+        return torch.tensor(self.accept[:K] + [self.accept[-1]] * (K - len(self.accept)))
 
     def observe(self, num_accepted: torch.Tensor) -> None:
         """Update the running per-slot acceptance with a drafted round's accepted drafts ``[b]`` (the round verified

@@ -43,7 +43,7 @@ def test_no_drafts_when_verification_cannot_pay_and_the_whole_block_when_accepta
 
 
 def test_a_drafter_that_does_not_pay_reverts_to_plain_rounds_and_is_retried():
-    policy = AdaptivePolicy(costs(per_token=0.5, drafter=0.5), retry_every=3)
+    policy = AdaptivePolicy(costs(per_token=0.5, drafter=0.5), retry_every=3, retry_share=1.0)
     assert policy.draft_this_round(8)  # nothing known yet: draft
     assert policy.verify_len(torch.full((8, 3), 0.05)) == 0  # no draft worth verifying
     plan = [policy.draft_this_round(8) for _ in range(19)]
@@ -59,6 +59,36 @@ def test_a_drafter_that_does_not_pay_reverts_to_plain_rounds_and_is_retried():
     assert good.verify_len(torch.full((8, 3), 0.95)) == 3
     good.observe(torch.full((8,), 3))
     assert good.accept == [1.0, 1.0, 1.0] and all(good.draft_this_round(8) for _ in range(5))
+
+
+def test_rounds_that_verify_nothing_back_off_to_plain_rounds():
+    """A cheap drafter whose drafts are predicted just short of paying: each drafted round verifies none. Drafting
+    must not go on paying the drafter for nothing; it backs off like any failing retry."""
+    policy = AdaptivePolicy(costs(per_token=0.5, drafter=0.01), retry_every=8)
+    unsure = torch.full((8, 3), 0.46)  # one draft would commit 1.46 tokens for 1.51 s: 3 % short of plain decoding
+    drafted = 0
+    for _ in range(120):
+        if policy.draft_this_round(8):
+            drafted += 1
+            assert policy.verify_len(unsure) == 0
+    # the first round, then retries after 26 plain rounds (a retry's 0.51 s extra is 2 % of 26 plain rounds), 52
+    assert drafted == 3 and policy.wait == 64
+    # one unsure round blends in, it does not erase what verified rounds realised
+    sure = AdaptivePolicy(costs(per_token=0.1, drafter=0.1), accept=[0.9, 0.9, 0.9], width=3)
+    assert sure.verify_len(torch.full((8, 3), 0.05)) == 0
+    assert sure.accept == pytest.approx([0.9 * 0.7 + 0.05 * 0.3] * 3) and sure.draft_this_round(8)
+
+
+def test_retries_are_spread_so_their_extra_cost_stays_a_small_share():
+    """Where a drafted round costs several plain ones (many rows on a CPU), a failing retry every 8 rounds would
+    cost more than drafting could win back: the wait grows to keep the retries' extra seconds at ``retry_share``."""
+    policy = AdaptivePolicy(costs(per_token=1.0, drafter=1.0))  # one draft verified: 3 s against a 1 s plain round
+    assert policy.draft_this_round(8) and policy.verify_len(torch.full((8, 3), 0.05)) == 0
+    plan = [policy.draft_this_round(8) for _ in range(250)]
+    assert [i for i, d in enumerate(plan) if d] == [100, 201]  # 2 s extra each, 2 % of 100 plain rounds
+    cheap = AdaptivePolicy(costs(per_token=0.1, drafter=0.1))  # 0.2 s extra: 10 rounds, then the doubling schedule
+    assert cheap.draft_this_round(8) and cheap.verify_len(torch.full((8, 3), 0.05)) == 0
+    assert [i for i, d in enumerate(cheap.draft_this_round(8) for _ in range(40)) if d] == [10, 31]
 
 
 def test_calibration_maps_confidence_to_the_observed_acceptance():
