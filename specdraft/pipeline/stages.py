@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from pathlib import Path
 
@@ -97,9 +98,12 @@ def default_drafter_dir(cfg: RunConfig) -> Path:
 
 def decode(cfg: RunConfig, input_path: Path, output_path: Path):
     world = existing_world(cfg)
+    d = cfg.decode
+    if d.runner == "ray" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise SpecdraftError("config key 'decode.runner': ray runs one driver for the whole cluster; start it "
+                             "once, not under torchrun")
     requests = read_requests(input_path, warn_stderr)
     requests, output_path = shard_for_rank(requests, output_path)
-    d = cfg.decode
     drafter_dir = None
     if d.method != "ar":
         drafter_dir = default_drafter_dir(cfg)
@@ -154,11 +158,8 @@ def _decode_on_ray(cfg: RunConfig, world, requests, output_path: Path, drafter_d
         gen = GenerationConfig(max_new_tokens=d.max_new_tokens, stop_token_ids=stop_token_ids(tok),
                                sampling=SamplingParams(d.temperature, d.top_k, d.top_p),
                                draft_sampling=d.draft_sampling)
-        device = cfg.target.device
-        if device == "auto":  # resolved here: an actor asks Ray for a GPU only when it will use one
-            device = "cuda" if torch.cuda.is_available() else "cpu"
         spec = ActorSpec(str(world.target_dir), str(drafter_dir) if drafter_dir else None, gen, d.batch_size,
-                         d.prefill_chunk or None, cfg.target.dtype, device, d.seed)
+                         d.prefill_chunk or None, cfg.target.dtype, cfg.target.device, d.seed)
         bar = tqdm(total=len(requests), desc=f"decode ({d.method}, ray)", unit="req", file=sys.stderr)
         stats = run_ray_job(requests, output_path, tok, spec, d.ray_actors, 4 * d.batch_size,
                             read_target_args(world.target_dir).max_position_embeddings, cfg.data.enable_thinking,

@@ -87,42 +87,48 @@ class _State:
 
 
 class _Backlog:
-    """Target features of plain rounds not yet fed to the drafter: under an adaptive policy a plain round defers the
-    drafter's ingest, and the whole backlog goes in one batched pass when drafting resumes (a row admitted after the
-    backlog began holds entries from ``start[row]`` on)."""
+    """Target features not yet fed to the drafter: under an adaptive policy, plain rounds and the prefill of admitted
+    prompts defer the drafter's ingest, and the whole backlog goes in one batched pass when drafting resumes (a row
+    that never drafts again never pays for it)."""
 
     def __init__(self):
-        self.chunks: list[torch.Tensor] = []  # [b, 1, F] per plain round
-        self.start: torch.Tensor | None = None  # [b] first chunk each row holds
+        self.chunks: list[torch.Tensor] = []  # [b, t, F] per deferred pass
+        self.valid: list[torch.Tensor] = []  # [b, t] each row's entries of the chunk (its first ones)
 
-    def add(self, features: torch.Tensor) -> None:
-        if not self.chunks:
-            self.start = torch.zeros(features.shape[0], dtype=torch.long, device=features.device)
+    def add(self, features: torch.Tensor, counts: torch.Tensor | None = None) -> None:
+        """Defer ``features`` ``[b, t, F]``, of which row ``i`` holds its first ``counts[i]`` (default all)."""
+        b, t = features.shape[:2]
+        pos = torch.arange(t, device=features.device)[None, :]  # [1, t]
         self.chunks.append(features)
+        self.valid.append((pos < counts[:, None]) if counts is not None else pos.expand(b, t) >= 0)  # [b, t]
 
     def select(self, keep: torch.Tensor) -> None:
-        if self.chunks:
-            self.chunks = [c[keep] for c in self.chunks]
-            self.start = self.start[keep]
+        """Keep only rows ``keep``; chunks no kept row holds entries of are dropped."""
+        pairs = [(c[keep], v[keep]) for c, v in zip(self.chunks, self.valid)]
+        pairs = [(c, v) for c, v in pairs if v.any()]
+        self.chunks, self.valid = [c for c, _ in pairs], [v for _, v in pairs]
 
-    def extend(self, n: int) -> None:
-        if self.chunks:
-            self.chunks = [torch.cat([c, c.new_zeros(n, *c.shape[1:])]) for c in self.chunks]
-            self.start = torch.cat([self.start, self.start.new_full((n,), len(self.chunks))])
+    def cat_rows(self, other: "_Backlog", rows: int, other_rows: int) -> None:
+        """Append ``other``'s ``other_rows`` rows after this backlog's ``rows`` (requests admitted by continuous
+        batching): each side's chunks hold no entries of the other's rows."""
+        def pad(c: torch.Tensor, before: int, after: int) -> torch.Tensor:
+            return torch.cat([c.new_zeros(before, *c.shape[1:]), c, c.new_zeros(after, *c.shape[1:])])
+
+        self.chunks = [pad(c, 0, other_rows) for c in self.chunks] + [pad(c, rows, 0) for c in other.chunks]
+        self.valid = [pad(v, 0, other_rows) for v in self.valid] + [pad(v, rows, 0) for v in other.valid]
 
     def flush(self, drafter, cache) -> None:
-        """Feed every row its deferred features (``[b, n, F]``, each row's entries moved to the front)."""
+        """Feed every row its deferred features in order (``[b, n, F]``, each row's entries moved to the front)."""
         if not self.chunks:
             return
-        first = int(self.start.min())  # chunks before it belong to rows that have finished
-        if first >= len(self.chunks):  # every row holding a chunk has finished; the rows left joined after them
-            self.chunks, self.start = [], None
+        feats, valid = torch.cat(self.chunks, 1), torch.cat(self.valid, 1)  # [b, N, F], [b, N]
+        self.chunks, self.valid = [], []
+        counts = valid.sum(1)  # [b]
+        n = int(counts.max())
+        if n == 0:
             return
-        feats = torch.cat(self.chunks[first:], 1)  # [b, n, F]
-        n, start = feats.shape[1], self.start - first
-        idx = (torch.arange(n, device=feats.device)[None, :] + start[:, None]).clamp(max=n - 1)  # [b, n]
-        drafter.ingest(cache, feats.gather(1, idx[..., None].expand(-1, -1, feats.shape[-1])), n - start)
-        self.chunks, self.start = [], None
+        order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)[:, :n]  # [b, n] each row's entries first
+        drafter.ingest(cache, feats.gather(1, order[..., None].expand(-1, -1, feats.shape[-1])), counts)
 
 
 def _pad(prompts: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,8 +144,10 @@ class _Prefill:
     join the running batch (chunked prefill: a long prompt does not stall the running rows for its whole length)."""
 
     def __init__(self, rows: list[int], prompts: Sequence[Sequence[int]], target: TargetLM, drafter, second,
-                 feature_layers, max_len: int, drafter_len: int, dev):
+                 feature_layers, max_len: int, drafter_len: int, dev, defer: bool = False):
         self.rows = rows
+        self.backlog = _Backlog() if defer else None
+        """Set: the drafter's ingest of the prompts waits here (an adaptive policy may never draft for them)."""
         self.tokens, self.lens = _pad([prompts[r] for r in rows], dev)  # [n, P], [n]
         self.target, self.drafter, self.second, self.feature_layers = target, drafter, second, feature_layers
         n = len(rows)
@@ -157,9 +165,12 @@ class _Prefill:
         out = self.target(self.tokens[:, lo:hi], cache=self.tcache, feature_layers=self.feature_layers,
                           logits_at=(counts - 1).clamp(min=0)[:, None])  # logits [n, 1, V]
         self.tcache.crop(before + counts)  # padding past a prompt's end was written to scratch only
-        for d, cache in ((self.drafter, self.dcache), (self.second, self.scache)):
-            if d is not None:
-                d.ingest(cache, out.features, counts)  # the prompt's target features -> the drafter's context
+        if self.backlog is not None:
+            self.backlog.add(out.features, counts)
+        else:
+            for d, cache in ((self.drafter, self.dcache), (self.second, self.scache)):
+                if d is not None:
+                    d.ingest(cache, out.features, counts)  # the prompt's target features -> the drafter's context
         ends_here = (counts > 0) & (self.lens <= hi)  # [n]
         if self.last_logits is None:
             self.last_logits = out.logits.new_zeros(len(self.rows), out.logits.shape[-1])
@@ -220,8 +231,9 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
     longest = max(len(p) for p in prompts)
     chunk = prefill_chunk or longest
     max_len = max(max(len(p) + m for p, m in zip(prompts, max_new)) + verify_len + 1, longest + min(chunk, longest))
-    # a backlog flush writes max(counts) slots on every row, past a short row's end (scratch): room for that
-    drafter_len = max_len + (max(max_new) if policy is not None else 0)
+    # a backlog flush writes max(counts) slots on every row (a prompt and the plain rounds), past a short row's end
+    # (scratch): room for that
+    drafter_len = max_len + (longest + max(max_new) if policy is not None else 0)
     second = tree.second if tree is not None and tree.second is not drafter else None
     clock = PhaseClock(timings, dev)
 
@@ -273,7 +285,7 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
                 for r in take:
                     admitted[r] = now
                 pending = _Prefill(take, prompts, target, drafter, second, feature_layers, max_len, drafter_len,
-                                   dev)
+                                   dev, defer=policy is not None)
             complete = pending.step(chunk if running else pending.tokens.shape[1])
             clock.lap("prefill")
             if not complete:
@@ -289,15 +301,16 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
                     finish(r, reason)
             new = _State(rows=torch.tensor(group.rows, dtype=torch.long, device=dev), anchor=first)
             new_caches = {"t": group.tcache, "d": group.dcache, "s": group.scache}
-            _compact(new, new_caches, keep, len(group.rows))
+            _compact(new, new_caches, keep, len(group.rows), group.backlog)
             if not keep:
                 continue
+            if group.backlog is not None:
+                backlog.cat_rows(group.backlog, running, len(keep))
             if not caches:
                 state.rows, state.anchor, state.draft_state = new.rows, new.anchor, new.draft_state
                 caches.update(new_caches)
             else:
                 state.extend(new)
-                backlog.extend(len(keep))
                 for key, cache in new_caches.items():
                     if cache is not None:
                         caches[key].cat_rows(cache)

@@ -66,22 +66,33 @@ class DecodeActor:
 
         prompts = [list(map(int, ids)) for ids in batch["prompt_ids"]]
         gen = dataclasses.replace(self.spec.gen, max_new_tokens=[int(c) for c in batch["max_new_tokens"]])
+        self.generator.manual_seed(self.spec.seed + int(batch["index"][0]))  # whichever actor gets the batch
         results = generate(self.target, prompts, gen, drafter=self.drafter, generator=self.generator,
                            slots=self.spec.slots, prefill_chunk=self.spec.prefill_chunk)
         return {"index": batch["index"],
-                "tokens": np.array([r.tokens for r in results] + [None], dtype=object)[:-1],
-                "accept_lengths": np.array([r.accept_lengths for r in results] + [None], dtype=object)[:-1],
+                "tokens": _ragged([r.tokens for r in results]),
+                "accept_lengths": _ragged([r.accept_lengths for r in results]),
                 "finish_reason": np.array([r.finish_reason for r in results]),
                 "time_s": np.array([r.time_s for r in results])}
+
+
+def _ragged(lists: list[list[int]]) -> np.ndarray:
+    """A 1-D object array of lists (``np.array`` would make a 2-D array of equal-length lists)."""
+    out = np.empty(len(lists), dtype=object)
+    for i, x in enumerate(lists):
+        out[i] = x
+    return out
 
 
 def run_ray_job(requests: list[Request], output: Path, tokenizer, spec: ActorSpec, actors: int,
                 requests_per_task: int, context: int | None = None, enable_thinking: bool = False,
                 address: str = "", progress=None, warn: Callable[[str], None] = warn_stderr) -> dict:
     """Decode ``requests`` on ``actors`` Ray actors (``address``: a running cluster, ``""`` starts a local one with
-    a CPU per actor) in tasks of ``requests_per_task`` requests, appending each result row to ``output``."""
+    a CPU per actor) in tasks of ``requests_per_task`` requests, appending each result row to ``output``. A
+    ``spec.device`` of ``auto`` means a GPU per actor when the cluster has GPUs."""
     try:
         import ray  # noqa: PLC0415
+        import ray.data  # noqa: F401, PLC0415
     except ImportError:
         raise SpecdraftError("decode.runner=ray needs Ray Data: pip install 'specdraft[ray]'") from None
     encoded, stats = pending_requests(requests, output, tokenizer, context, enable_thinking, warn)
@@ -90,8 +101,13 @@ def run_ray_job(requests: list[Request], output: Path, tokenizer, spec: ActorSpe
     caps = request_caps(encoded, spec.gen.max_new_tokens, context)
     started = not ray.is_initialized()
     if started:
-        ray.init(address=address or None, num_cpus=None if address else actors, include_dashboard=False,
+        # "local": a new cluster on this machine, even where RAY_ADDRESS or `ray start` names another
+        ray.init(address=address or "local", num_cpus=None if address else actors, include_dashboard=False,
                  log_to_driver=False, configure_logging=False)
+    if spec.device == "auto":
+        spec = dataclasses.replace(spec, device="cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu")
+    if spec.device.startswith("cuda"):  # Ray gives each actor its own GPU as device 0
+        spec = dataclasses.replace(spec, device="cuda")
     start = time.perf_counter()
     writer = ResultWriter(output, requests_per_task)
     try:

@@ -142,6 +142,16 @@ def test_empty_input_is_a_clean_error(tiny_world, drafter_dir, tmp_path, capsys)
     assert len(err) == 1 and "no valid requests" in err[0]
 
 
+def test_a_ray_job_under_torchrun_is_refused_in_one_line(tiny_world, drafter_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # every rank would start its own driver over its own shard
+    inp = tmp_path / "in.jsonl"
+    _write(inp, ['{"id": "a", "prompt": "hi"}'])
+    assert main(["decode", *_args(tiny_world, drafter_dir, tmp_path, "decode.runner=ray"), "--input", str(inp),
+                 "--output", str(tmp_path / "o.jsonl")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "decode.runner" in err[0] and "torchrun" in err[0]
+
+
 def test_vocab_mismatch_refused_before_compute(tiny_world, drafter_dir, tmp_path, capsys):
     cfg = json.loads((drafter_dir / "config.json").read_text())
     cfg["vocab_size"] += 1

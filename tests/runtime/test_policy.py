@@ -124,6 +124,24 @@ def test_greedy_output_is_the_targets_under_the_policy(per_token, right):
     assert {v for r in fixed for v in r.verified} == {3}
 
 
+def test_deferred_prompt_ingest_leaves_every_draft_unchanged():
+    """Under a policy the drafter ingests admitted prompts only when drafting resumes. A policy that always drafts
+    the whole block must then see the fixed engine's drafts, row by row and round by round (a prompt fed late,
+    twice or to the wrong row changes a real drafter's logits), static and continuous with chunked prefill."""
+    target = make_target(seed=3, vocab=48)
+    drafter = make_drafter(target, seed=2, block_size=4)
+    gen = GenerationConfig(max_new_tokens=CAPS)
+    for batching in ({}, {"slots": 3, "prefill_chunk": 2}):
+        drafts = []
+        for policy in (None, AdaptivePolicy(costs(per_token=0.0, drafter=0.0))):  # verifying costs nothing
+            seen: dict[int, list] = {}
+            generate(target, PROMPTS, gen, drafter=drafter, policy=policy, **batching,
+                     observer=lambda rec: [seen.setdefault(r, []).append(d) for r, d in
+                                           zip(rec.rows.tolist(), rec.draft_tokens.tolist())])
+            drafts.append(seen)
+        assert drafts[0] == drafts[1] and sum(len(v) for v in drafts[0].values()) > len(PROMPTS)
+
+
 def test_the_shared_greedy_harness_passes_with_narrower_rounds():
     target = make_target(seed=3, vocab=48)
     half = Calibration(bins=1, table=[[0.5]] * 4)  # two of the four drafts pay at these costs
@@ -175,41 +193,42 @@ def test_measured_costs_grow_with_rows_and_tokens():
 
 @torch.inference_mode()
 def test_deferred_ingest_fills_the_drafter_context_as_ingesting_every_round():
-    """Plain rounds' features wait in the backlog through an admission and a compaction; one flush leaves the
-    drafter's context cache as ingesting them round by round would."""
+    """Prompts' and plain rounds' features wait in the backlog through an admission and a compaction; one flush
+    leaves the drafter's context cache as ingesting them pass by pass would."""
     target = make_target(seed=0, vocab=64)
     drafter = make_drafter(target, block_size=4)
     feats = target(torch.randint(0, 64, (3, 8)), feature_layers=drafter.target_layer_ids).features  # [3, 8, F]
-    caches = [drafter.new_cache(2, 24) for _ in range(2)]  # round by round / deferred
-    for c in caches:
-        drafter.ingest(c, feats[:2, :3], torch.tensor([3, 2]))  # two prompts
+    ref, got = drafter.new_cache(2, 40), drafter.new_cache(2, 40)  # ingested pass by pass / deferred
+    drafter.ingest(ref, feats[:2, :3], torch.tensor([3, 2]))  # two prompts (3 and 2 tokens)
     backlog = _Backlog()
+    backlog.add(feats[:2, :3], torch.tensor([3, 2]))
     one = torch.ones(2, dtype=torch.long)
     for t in (3, 4):  # two plain rounds
-        drafter.ingest(caches[0], feats[:2, t:t + 1], one)
+        drafter.ingest(ref, feats[:2, t:t + 1], one)
         backlog.add(feats[:2, t:t + 1])
-    for c in caches:  # a third request joins with its prompt
-        new = drafter.new_cache(1, 24)
-        drafter.ingest(new, feats[2:, :4], torch.tensor([4]))
-        c.cat_rows(new)
-    backlog.extend(1)
+    new_ref, new_got = drafter.new_cache(1, 40), drafter.new_cache(1, 40)  # a third request joins with its prompt
+    drafter.ingest(new_ref, feats[2:, :4], torch.tensor([4]))
+    joining = _Backlog()
+    joining.add(feats[2:, :4], torch.tensor([4]))
+    ref.cat_rows(new_ref)
+    got.cat_rows(new_got)
+    backlog.cat_rows(joining, 2, 1)
     for t in (5, 6):
-        drafter.ingest(caches[0], feats[:, t:t + 1], torch.ones(3, dtype=torch.long))
+        drafter.ingest(ref, feats[:, t:t + 1], torch.ones(3, dtype=torch.long))
         backlog.add(feats[:, t:t + 1])
     keep = torch.tensor([1, 2])  # the first request ends
-    for c in caches:
+    for c in (ref, got):
         c.select_rows(keep)
     backlog.select(keep)
-    drafter.ingest(caches[0], feats[1:, 7:8], one)
+    drafter.ingest(ref, feats[1:, 7:8], one)
     backlog.add(feats[1:, 7:8])
-    backlog.flush(drafter, caches[1])
-    ref, got = caches
+    backlog.flush(drafter, got)
     assert ref.lengths.tolist() == got.lengths.tolist() == [2 + 5, 4 + 3] and not backlog.chunks
     for row, n in enumerate(ref.lengths.tolist()):
         for a, b in zip(ref.k + ref.v, got.k + got.v):
             torch.testing.assert_close(a[row, :, :n], b[row, :, :n], rtol=1e-5, atol=1e-5)
     backlog.add(feats[1:, 7:8])  # rows holding chunks all end, and a request joins after them: nothing to feed
     backlog.select(torch.tensor([], dtype=torch.long))
-    backlog.extend(1)
+    backlog.cat_rows(_Backlog(), 0, 1)
     backlog.flush(drafter, None)
     assert not backlog.chunks
