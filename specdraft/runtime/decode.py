@@ -89,46 +89,42 @@ class _State:
 class _Backlog:
     """Target features not yet fed to the drafter: under an adaptive policy, plain rounds and the prefill of admitted
     prompts defer the drafter's ingest, and the whole backlog goes in one batched pass when drafting resumes (a row
-    that never drafts again never pays for it)."""
+    that never drafts again never pays for it). Kept per row, as views: admissions and compactions move no data."""
 
     def __init__(self):
-        self.chunks: list[torch.Tensor] = []  # [b, t, F] per deferred pass
-        self.valid: list[torch.Tensor] = []  # [b, t] each row's entries of the chunk (its first ones)
+        self.rows: list[list[torch.Tensor]] = []  # per batch row, its deferred features in order: [t, F] pieces
 
     def add(self, features: torch.Tensor, counts: torch.Tensor | None = None) -> None:
         """Defer ``features`` ``[b, t, F]``, of which row ``i`` holds its first ``counts[i]`` (default all)."""
-        b, t = features.shape[:2]
-        pos = torch.arange(t, device=features.device)[None, :]  # [1, t]
-        self.chunks.append(features)
-        self.valid.append((pos < counts[:, None]) if counts is not None else pos.expand(b, t) >= 0)  # [b, t]
+        if not self.rows:
+            self.rows = [[] for _ in range(features.shape[0])]
+        counts = counts.tolist() if counts is not None else [features.shape[1]] * features.shape[0]
+        for row, x, c in zip(self.rows, features, counts):
+            if c:
+                row.append(x[:c])  # [c, F]
 
     def select(self, keep: torch.Tensor) -> None:
-        """Keep only rows ``keep``; chunks no kept row holds entries of are dropped."""
-        pairs = [(c[keep], v[keep]) for c, v in zip(self.chunks, self.valid)]
-        pairs = [(c, v) for c, v in pairs if v.any()]
-        self.chunks, self.valid = [c for c, _ in pairs], [v for _, v in pairs]
+        """Keep only rows ``keep``."""
+        self.rows = [self.rows[i] for i in keep.tolist()] if self.rows else []
 
     def cat_rows(self, other: "_Backlog", rows: int, other_rows: int) -> None:
         """Append ``other``'s ``other_rows`` rows after this backlog's ``rows`` (requests admitted by continuous
-        batching): each side's chunks hold no entries of the other's rows."""
-        def pad(c: torch.Tensor, before: int, after: int) -> torch.Tensor:
-            return torch.cat([c.new_zeros(before, *c.shape[1:]), c, c.new_zeros(after, *c.shape[1:])])
-
-        self.chunks = [pad(c, 0, other_rows) for c in self.chunks] + [pad(c, rows, 0) for c in other.chunks]
-        self.valid = [pad(v, 0, other_rows) for v in self.valid] + [pad(v, rows, 0) for v in other.valid]
+        batching)."""
+        self.rows = (self.rows or [[] for _ in range(rows)]) + (other.rows or [[] for _ in range(other_rows)])
 
     def flush(self, drafter, cache) -> None:
-        """Feed every row its deferred features in order (``[b, n, F]``, each row's entries moved to the front)."""
-        if not self.chunks:
+        """Feed every row its deferred features in order (``[b, n, F]``, each row's entries first)."""
+        counts = [sum(x.shape[0] for x in row) for row in self.rows]
+        if max(counts, default=0) == 0:
+            self.rows = [[] for _ in self.rows]
             return
-        feats, valid = torch.cat(self.chunks, 1), torch.cat(self.valid, 1)  # [b, N, F], [b, N]
-        self.chunks, self.valid = [], []
-        counts = valid.sum(1)  # [b]
-        n = int(counts.max())
-        if n == 0:
-            return
-        order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)[:, :n]  # [b, n] each row's entries first
-        drafter.ingest(cache, feats.gather(1, order[..., None].expand(-1, -1, feats.shape[-1])), counts)
+        piece = next(x for row in self.rows for x in row)
+        feats = piece.new_zeros(len(self.rows), max(counts), piece.shape[-1])  # [b, n, F]
+        for i, row in enumerate(self.rows):
+            if row:
+                feats[i, : counts[i]] = torch.cat(row)
+        self.rows = [[] for _ in self.rows]
+        drafter.ingest(cache, feats, torch.tensor(counts, device=feats.device))
 
 
 def _pad(prompts: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -306,6 +302,8 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
                 continue
             if group.backlog is not None:
                 backlog.cat_rows(group.backlog, running, len(keep))
+            if policy is not None:
+                policy.admitted(len(keep))
             if not caches:
                 state.rows, state.anchor, state.draft_state = new.rows, new.anchor, new.draft_state
                 caches.update(new_caches)

@@ -91,6 +91,20 @@ def test_retries_are_spread_so_their_extra_cost_stays_a_small_share():
     assert [i for i, d in enumerate(cheap.draft_this_round(8) for _ in range(40)) if d] == [10, 31]
 
 
+def test_new_requests_filling_half_the_batch_bring_the_retry_forward():
+    """Requests admitted while drafting does not pay have unknown acceptance: once they are half the batch's rows,
+    drafting is retried after ``retry_every`` plain rounds instead of the (long) backed-off wait, which stays."""
+    policy = AdaptivePolicy(costs(per_token=1.0, drafter=1.0))  # a failing retry waits 100 plain rounds
+    assert policy.draft_this_round(8) and policy.verify_len(torch.full((8, 3), 0.05)) == 0
+    assert not any(policy.draft_this_round(8) for _ in range(20))
+    policy.admitted(3)  # three of eight rows are new: not enough
+    assert not any(policy.draft_this_round(8) for _ in range(20))
+    policy.admitted(1)  # four of eight: the next round retries
+    assert policy.draft_this_round(8) and policy.fresh == 0
+    assert policy.verify_len(torch.full((8, 3), 0.05)) == 0  # the new rows do not pay either: back to waiting
+    assert [i for i, d in enumerate(policy.draft_this_round(8) for _ in range(101)) if d] == [100]
+
+
 def test_calibration_maps_confidence_to_the_observed_acceptance():
     g = torch.Generator().manual_seed(0)
     conf = torch.rand(4000, 3, generator=g)
@@ -223,7 +237,7 @@ def test_deferred_ingest_fills_the_drafter_context_as_ingesting_every_round():
     drafter.ingest(ref, feats[1:, 7:8], one)
     backlog.add(feats[1:, 7:8])
     backlog.flush(drafter, got)
-    assert ref.lengths.tolist() == got.lengths.tolist() == [2 + 5, 4 + 3] and not backlog.chunks
+    assert ref.lengths.tolist() == got.lengths.tolist() == [2 + 5, 4 + 3] and backlog.rows == [[], []]
     for row, n in enumerate(ref.lengths.tolist()):
         for a, b in zip(ref.k + ref.v, got.k + got.v):
             torch.testing.assert_close(a[row, :, :n], b[row, :, :n], rtol=1e-5, atol=1e-5)
@@ -231,4 +245,4 @@ def test_deferred_ingest_fills_the_drafter_context_as_ingesting_every_round():
     backlog.select(torch.tensor([], dtype=torch.long))
     backlog.cat_rows(_Backlog(), 0, 1)
     backlog.flush(drafter, None)
-    assert not backlog.chunks
+    assert backlog.rows == [[]]
