@@ -307,6 +307,10 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
             if not caches:
                 state.rows, state.anchor, state.draft_state = new.rows, new.anchor, new.draft_state
                 caches.update(new_caches)
+                if slots is not None:  # room for every slot once: admissions then copy only their own rows
+                    for cache in caches.values():
+                        if hasattr(cache, "reserve"):
+                            cache.reserve(S)
             else:
                 state.extend(new)
                 for key, cache in new_caches.items():
@@ -421,10 +425,13 @@ def verify_round(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, t
 
 def _compact(state: _State, caches: dict[str, object], keep: list[int], current: int,
              backlog: _Backlog | None = None) -> None:
-    """Drop finished rows from the state and every cache, so they stop costing compute."""
+    """Drop finished rows from the state and every cache, so they stop costing compute (rows keep no order)."""
     if len(keep) == current:
         return
-    idx = torch.tensor(keep, dtype=torch.long, device=state.rows.device)
+    n, kept = len(keep), set(keep)
+    tail = [i for i in keep if i >= n]  # kept rows past the new end fill the holes left by finished ones
+    order = [i if i in kept else tail.pop() for i in range(n)]  # swap-remove: caches copy one row per hole
+    idx = torch.tensor(order, dtype=torch.long, device=state.rows.device)
     state.select(idx)
     if backlog is not None:
         backlog.select(idx)

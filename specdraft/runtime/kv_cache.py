@@ -19,6 +19,9 @@ class KVCache:
         shape = (batch_size, num_kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._kb, self._vb = self.k, self.v
+        """The buffers ``k`` and ``v`` are views of (their first ``batch_size`` rows): rows beyond are spare room, so
+        admitted requests are copied in and finished ones compacted without reallocating."""
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
         self.max_len = max_len
         self.fixed_shape = False
@@ -72,15 +75,37 @@ class KVCache:
             self.lengths = self.lengths + counts
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` (compaction when requests finish, so finished rows stop costing compute)."""
-        self.k = [k.index_select(0, rows) for k in self.k]
-        self.v = [v.index_select(0, rows) for v in self.v]
+        """Keep only ``rows`` (compaction when requests finish, so finished rows stop costing compute), in place:
+        only rows whose position changes are copied (a swap-remove order, kept rows filling the holes from the tail,
+        copies one row per finished request)."""
+        order = rows.tolist()
+        n = len(order)
+        moved = [i for i, r in enumerate(order) if r != i]
+        if moved:
+            dst = torch.tensor(moved, dtype=torch.long, device=rows.device)  # [m]
+            src = rows.to(dst.device)[dst]  # [m]
+            for buf in (*self._kb, *self._vb):
+                buf[dst] = buf[src]  # the right side is gathered first: overlaps are safe
+        self.k, self.v = [b[:n] for b in self._kb], [b[:n] for b in self._vb]
         self.lengths = self.lengths.index_select(0, rows)
 
+    def reserve(self, rows: int) -> None:
+        """Make room for ``rows`` rows in all (continuous batching reserves its slots once)."""
+        n = self.batch_size
+        if rows > self._kb[0].shape[0]:
+            grow = [b.new_zeros(rows - b.shape[0], *b.shape[1:]) for b in (*self._kb, *self._vb)]
+            bufs = [torch.cat([b, g]) for b, g in zip((*self._kb, *self._vb), grow)]
+            self._kb, self._vb = bufs[: len(self._kb)], bufs[len(self._kb):]
+            self.k, self.v = [b[:n] for b in self._kb], [b[:n] for b in self._vb]
+
     def cat_rows(self, other: "KVCache") -> None:
-        """Append ``other``'s rows (same layers, heads and ``max_len``): requests admitted by continuous batching."""
-        self.k = [torch.cat([a, b]) for a, b in zip(self.k, other.k)]
-        self.v = [torch.cat([a, b]) for a, b in zip(self.v, other.v)]
+        """Append ``other``'s rows (same layers, heads and ``max_len``): requests admitted by continuous batching,
+        copied into spare rows (made when there are none)."""
+        n, m = self.batch_size, other.batch_size
+        self.reserve(n + m)
+        for buf, new in zip((*self._kb, *self._vb), (*other.k, *other.v)):
+            buf[n:n + m] = new
+        self.k, self.v = [b[: n + m] for b in self._kb], [b[: n + m] for b in self._vb]
         self.lengths = torch.cat([self.lengths, other.lengths])
 
 

@@ -51,6 +51,7 @@ def _rows(cache: KVCache, n: int) -> KVCache:
     view = KVCache.__new__(KVCache)
     view.k = [k[:n] for k in cache.k]
     view.v = [v[:n] for v in cache.v]
+    view._kb, view._vb = view.k, view.v
     view.lengths = cache.lengths[:n]
     view.max_len = cache.max_len
     view.fixed_shape = True
