@@ -58,6 +58,9 @@ class StackedKVCache(KVCache):
         self.K, self.V = self.K.index_select(1, rows), self.V.index_select(1, rows)
         self.lengths = self.lengths.index_select(0, rows)
 
+    def reserve(self, rows: int) -> None:
+        """Nothing to do: the stacked buffers are reallocated on admission (:meth:`cat_rows`)."""
+
     def cat_rows(self, other: "StackedKVCache") -> None:
         """Append ``other``'s rows (requests admitted by continuous batching)."""
         self.K, self.V = torch.cat([self.K, other.K], 1), torch.cat([self.V, other.V], 1)
