@@ -124,8 +124,10 @@ def test_greedy_output_is_the_targets_under_the_policy(per_token, right):
     for stop in ((3,), ()):  # with a stop token the rows end early; without one they run to their caps
         gen = GenerationConfig(max_new_tokens=CAPS, stop_token_ids=stop)
         want = generate(target, PROMPTS, gen)
-        got = generate(target, PROMPTS, gen, drafter=oracle, policy=AdaptivePolicy(costs(per_token), retry_every=2))
-        assert [r.tokens for r in got] == [r.tokens for r in want]
+        for batching in ({"slots": 3, "prefill_chunk": 2}, {}):  # continuous (requests join mid-way), static
+            got = generate(target, PROMPTS, gen, drafter=oracle, policy=AdaptivePolicy(costs(per_token), retry_every=2),
+                           **batching)
+            assert [r.tokens for r in got] == [r.tokens for r in want]
     verified = [v for r in got for v in r.verified]
     assert all(a <= v for r in got for a, v in zip(r.accepted, r.verified))
     if per_token == 0.0 and right == 2:
