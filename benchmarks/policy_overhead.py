@@ -1,0 +1,76 @@
+"""Where an adaptive-policy job spends time that plain AR decoding does not, phase by phase.
+
+Decodes a held-out suite of the tiny world (or any world with ``bench/<suite>.jsonl``) with continuous batching,
+AR and the adaptive policy side by side (alternating, ``--repeats`` each), with the engine's phase clock
+(``generate(timings=...)``: prefill, draft, verify, compaction, commit). ``--no-probes`` turns off the retry that
+newly admitted requests bring forward, to price it.
+
+    python benchmarks/policy_overhead.py artifacts/tiny/world-f8d6f235a11e artifacts/tiny/drafter/sft \\
+        artifacts/cb-bench/policy/<key>.json --suite dialogue --slots 32 --temperature 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+
+import torch
+from transformers import AutoTokenizer
+
+from specdraft.pipeline.bench import length_caps
+from specdraft.pipeline.tokenizer import stop_token_ids
+from specdraft.runtime.batch_job import encode_requests, read_requests
+from specdraft.runtime.decode import GenerationConfig, generate
+from specdraft.runtime.drafter_io import load_drafter
+from specdraft.runtime.load import load_target
+from specdraft.runtime.policy import AdaptivePolicy, Calibration, CostModel
+from specdraft.runtime.sampling import SamplingParams
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("world", help="a world folder: target/ and bench/<suite>.jsonl")
+    ap.add_argument("drafter")
+    ap.add_argument("policy", help="the policy file a bench or decode run cached (<work_dir>/policy/<key>.json)")
+    ap.add_argument("--suite", default="dialogue")
+    ap.add_argument("--num-prompts", type=int, default=60)
+    ap.add_argument("--slots", type=int, default=32)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--spread", type=float, default=10.0)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--no-probes", action="store_true")
+    args = ap.parse_args(argv)
+    target = load_target(f"{args.world}/target")
+    drafter = load_drafter(args.drafter, target)
+    tok = AutoTokenizer.from_pretrained(f"{args.world}/target")
+    reqs = read_requests(f"{args.world}/bench/{args.suite}.jsonl", print)[: args.num_prompts]
+    prompts = [ids for _, ids in encode_requests(reqs, tok, None, warn=print)]
+    gen = GenerationConfig(max_new_tokens=length_caps(len(prompts), args.max_new_tokens, args.spread, 0),
+                           stop_token_ids=stop_token_ids(tok), sampling=SamplingParams(args.temperature))
+    saved = json.loads(open(args.policy).read())
+    base = AdaptivePolicy(CostModel(**saved["costs"]), Calibration(**saved["calibration"]))
+    rows = []
+    for rep in range(args.repeats):
+        for kind in ("ar", "adaptive") if rep % 2 == 0 else ("adaptive", "ar"):
+            policy = replace(base) if kind == "adaptive" else None
+            if policy is not None and args.no_probes:
+                policy.admitted = lambda n: None
+            timings: dict[str, float] = {}
+            start = time.perf_counter()
+            res = generate(target, prompts, gen, generator=torch.Generator().manual_seed(rep), slots=args.slots,
+                           timings=timings, **({"drafter": drafter, "policy": policy} if policy else {}))
+            seconds = time.perf_counter() - start
+            tokens = sum(len(r.tokens) for r in res)
+            drafted = sum(v > 0 for r in res for v in r.verified) if policy else 0
+            rows.append({"kind": kind, "repeat": rep, "tokens_per_s": tokens / seconds, "seconds": seconds,
+                         "rounds": sum(len(r.accept_lengths) for r in res), "drafted_rounds": drafted,
+                         **{f"{k}_s": v for k, v in sorted(timings.items())}})
+            print(" ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in rows[-1].items()))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
