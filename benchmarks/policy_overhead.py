@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for kind in ("ar", "adaptive") if rep % 2 == 0 else ("adaptive", "ar"):
             policy = replace(base) if kind == "adaptive" else None
             if policy is not None and args.no_probes:
-                policy.admitted = lambda n: None
+                plain = policy.draft_this_round
+                policy.draft_this_round = lambda b, fresh=0, plain=plain: plain(b)
             timings: dict[str, float] = {}
             start = time.perf_counter()
             res = generate(target, prompts, gen, generator=torch.Generator().manual_seed(rep), slots=args.slots,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -57,7 +58,7 @@ def adaptive_policy(work_dir: Path, target, drafter, drafter_dir, calibration_pr
     if not prompts:
         log("policy: no held-in prompts to calibrate on; drafter confidences are used as acceptance probabilities")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"key": key, "costs": costs.__dict__, "calibration": calibration.__dict__}))
+    path.write_text(json.dumps({"key": key, "costs": asdict(costs), "calibration": asdict(calibration)}))
     return AdaptivePolicy(costs, calibration)
 
 

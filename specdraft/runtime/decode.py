@@ -86,6 +86,11 @@ class _State:
         self.rows, self.anchor = torch.cat([self.rows, new.rows]), torch.cat([self.anchor, new.anchor])
 
 
+MAX_DEFERRED_TOKENS = 32_768
+"""Deferred features (prompts and plain rounds, all rows) past which an admission feeds the drafter at once: features
+of several target layers take more memory per token than the drafter's own K/V."""
+
+
 class _Backlog:
     """Target features not yet fed to the drafter: under an adaptive policy, plain rounds and the prefill of admitted
     prompts defer the drafter's ingest, and the whole backlog goes in one batched pass when drafting resumes (a row
@@ -93,28 +98,37 @@ class _Backlog:
 
     def __init__(self):
         self.rows: list[list[torch.Tensor]] = []  # per batch row, its deferred features in order: [t, F] pieces
+        self.tokens = 0  # deferred entries, all rows
 
     def add(self, features: torch.Tensor, counts: torch.Tensor | None = None) -> None:
-        """Defer ``features`` ``[b, t, F]``, of which row ``i`` holds its first ``counts[i]`` (default all)."""
+        """Defer ``features`` ``[b, t, F]``, of which row ``i`` holds its first ``counts[i]`` (default all; given
+        counts mark a padded prefill chunk, whose pieces are copied so the padding is not kept alive)."""
         if not self.rows:
             self.rows = [[] for _ in range(features.shape[0])]
-        counts = counts.tolist() if counts is not None else [features.shape[1]] * features.shape[0]
+        padded = counts is not None
+        counts = counts.tolist() if padded else [features.shape[1]] * features.shape[0]
         for row, x, c in zip(self.rows, features, counts):
             if c:
-                row.append(x[:c])  # [c, F]
+                row.append(x[:c].clone() if padded else x[:c])  # [c, F]
+        self.tokens += sum(counts)
 
     def select(self, keep: torch.Tensor) -> None:
         """Keep only rows ``keep``."""
-        self.rows = [self.rows[i] for i in keep.tolist()] if self.rows else []
+        order = keep.tolist()
+        kept = set(order)
+        self.tokens -= sum(x.shape[0] for i, row in enumerate(self.rows) if i not in kept for x in row)
+        self.rows = [self.rows[i] for i in order] if self.rows else []
 
     def cat_rows(self, other: "_Backlog", rows: int, other_rows: int) -> None:
         """Append ``other``'s ``other_rows`` rows after this backlog's ``rows`` (requests admitted by continuous
         batching)."""
         self.rows = (self.rows or [[] for _ in range(rows)]) + (other.rows or [[] for _ in range(other_rows)])
+        self.tokens += other.tokens
 
     def flush(self, drafter, cache) -> None:
         """Feed every row its deferred features in order (``[b, n, F]``, each row's entries first)."""
         counts = [sum(x.shape[0] for x in row) for row in self.rows]
+        self.tokens = 0
         if max(counts, default=0) == 0:
             self.rows = [[] for _ in self.rows]
             return
@@ -243,6 +257,7 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
     admitted = [0.0] * B
 
     def finish(row: int, reason: str) -> None:
+        fresh.discard(row)
         results[row] = RowResult(generated[row], accept_lengths[row], reason, time.perf_counter() - admitted[row],
                                  accepted[row], nodes[row], winners[row], verified[row])
         if on_result is not None:
@@ -259,6 +274,7 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
                 return i + 1, "length"
         return len(new_tokens), None
 
+    fresh: set[int] = set()  # running requests admitted since the last drafted round (an adaptive policy probes them)
     queue = deque(range(B))
     state = _State(rows=torch.zeros(0, dtype=torch.long, device=dev), anchor=torch.zeros(0, dtype=torch.long,
                                                                                          device=dev))
@@ -303,7 +319,7 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
             if group.backlog is not None:
                 backlog.cat_rows(group.backlog, running, len(keep))
             if policy is not None:
-                policy.admitted(len(keep))
+                fresh.update(group.rows[i] for i in keep)
             if not caches:
                 state.rows, state.anchor, state.draft_state = new.rows, new.anchor, new.draft_state
                 caches.update(new_caches)
@@ -316,6 +332,8 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
                 for key, cache in new_caches.items():
                     if cache is not None:
                         caches[key].cat_rows(cache)
+            if backlog.tokens > MAX_DEFERRED_TOKENS:
+                backlog.flush(drafter, caches["d"])
             clock.lap("compaction")
 
     admit()
@@ -330,7 +348,8 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
             draft_tokens, draft_logits, hidden = rnd.draft_tokens, rnd.draft_logits, rnd.hidden
             n_acc, nxt, target_logits = rnd.acceptance.num_accepted, rnd.acceptance.next_token, rnd.path_logits
             features, tree_nodes, tree_winner = rnd.path_features, rnd.tree.num_nodes, rnd.acceptance.winner
-        elif drafter is not None and (policy is None or policy.draft_this_round(b)):
+        elif drafter is not None and (policy is None or policy.draft_this_round(b, len(fresh))):
+            fresh.clear()
             backlog.flush(drafter, dcache)  # plain rounds' features, deferred until drafting resumed
             blk = torch.full((b, block), drafter.config.mask_token_id, dtype=torch.long, device=dev)
             blk[:, 0] = state.anchor

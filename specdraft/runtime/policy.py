@@ -197,42 +197,35 @@ class AdaptivePolicy:
     skipped: int = 0
     wait: int = 0
     """Plain rounds before the next retry (0: ``retry_every``)."""
-    fresh: int = 0
-    """Rows admitted since the last drafted round (requests whose acceptance nothing has measured yet)."""
 
     def __post_init__(self):
         self._rate_memo: dict = {}
 
-    def draft_this_round(self, b: int) -> bool:
+    def draft_this_round(self, b: int, fresh: int = 0) -> bool:
         """False while the running acceptance says no width of drafted round commits more tokens per second than
         plain decoding (plain rounds then run; drafting is retried after ``retry_every`` of them, then after twice as
-        many while retries keep failing; once the rows admitted since the last drafted round are half the batch, after
-        ``retry_every`` or a quarter of the affordable wait, whichever is longer). Drafting keeps the benefit of
-        ``margin`` only while its last round verified drafts: after a round that verified none, drafting must pay
-        outright."""
+        many while retries keep failing; once ``fresh`` rows, still running and admitted since the last drafted
+        round, are half the batch, after ``retry_every`` or a quarter of the affordable wait, whichever is longer).
+        Drafting keeps the benefit of ``margin`` only while its last round verified drafts: after a round that
+        verified none, drafting must pay outright."""
         if not self.accept:
-            self.fresh = 0
             return True
         spec = self._drafted_rate(b)
         margin = self.margin if self.width > 0 else 0.0
         wait = self.wait or max(self.retry_every, self._affordable_wait(b))
         if spec * (1 + margin) >= b / self.costs.target(b, 1):
-            self.skipped, self.wait, self.fresh = 0, 0, 0
+            self.skipped, self.wait = 0, 0
             return True
         if self.skipped >= wait:
-            self.skipped, self.fresh, self.wait = 0, 0, max(min(2 * wait, max(self.max_retry_every, self.retry_every)),
-                                                            self._affordable_wait(b))
+            self.skipped, self.wait = 0, max(min(2 * wait, max(self.max_retry_every, self.retry_every)),
+                                             self._affordable_wait(b))
             return True
         # new requests: a probe (up to 4 x retry_share of the plain rounds' seconds); the backed-off wait stays
-        if 2 * self.fresh >= b and self.skipped >= max(self.retry_every, self._affordable_wait(b) // 4):
-            self.skipped, self.fresh = 0, 0
+        if 2 * fresh >= b and self.skipped >= max(self.retry_every, self._affordable_wait(b) // 4):
+            self.skipped = 0
             return True
         self.skipped += 1
         return False
-
-    def admitted(self, n: int) -> None:
-        """``n`` requests joined the batch (continuous batching, or a new static batch)."""
-        self.fresh += n
 
     def _affordable_wait(self, b: int) -> int:
         """Plain rounds a retry must be spread over to cost at most ``retry_share`` of them (the retry assumed to

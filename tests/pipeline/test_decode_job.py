@@ -86,6 +86,12 @@ def test_greedy_decode_job_equals_ar_job(tiny_world, drafter_dir, tmp_path):
     assert all(len(r["verified"]) == len(r["accept_lengths"]) and all(0 <= v <= 3 for v in r["verified"])
                for r in adaptive)  # the chosen drafts per round, in each request's stats
     assert len(list((tmp_path / "work" / "policy").glob("*.json"))) == 1  # costs measured once, cached
+    again = tmp_path / "adaptive-again.jsonl"  # a second job reads the cached costs and calibration
+    assert main(["decode", *_args(tiny_world, drafter_dir, tmp_path, *modes["adaptive"]), "--input", str(inp),
+                 "--output", str(again)]) == 0
+    assert {json.loads(line)["id"]: json.loads(line)["completion"] for line in again.read_text().splitlines()} \
+        == comp["dflash", "adaptive"]
+    assert len(list((tmp_path / "work" / "policy").glob("*.json"))) == 1
     tau = {g: {json.loads(line)["id"]: json.loads(line)["tau"] for line in outs["dflash", g].read_text().splitlines()}
            for g in ("true", "false")}
     assert tau["true"] == tau["false"]  # the static path drafts what the eager engine drafts

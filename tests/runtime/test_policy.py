@@ -5,6 +5,7 @@ target's and sampled output fits the target's distribution, through a real DFlas
 import pytest
 import torch
 
+from specdraft.runtime import decode
 from specdraft.runtime.decode import GenerationConfig, _Backlog, generate
 from specdraft.runtime.policy import AdaptivePolicy, Calibration, CostModel, expected_committed, measure_costs
 from tests.helpers import bigram_oracle, make_drafter, make_target
@@ -92,15 +93,13 @@ def test_retries_are_spread_so_their_extra_cost_stays_a_small_share():
 
 
 def test_new_requests_filling_half_the_batch_bring_the_retry_forward():
-    """Requests admitted while drafting does not pay have unknown acceptance: once they are half the batch's rows,
-    drafting is retried after ``retry_every`` plain rounds instead of the (long) backed-off wait, which stays."""
+    """Requests admitted while drafting does not pay have unknown acceptance: once they are half the batch's running
+    rows, drafting is retried after ``retry_every`` plain rounds instead of the (long) backed-off wait, which stays."""
     policy = AdaptivePolicy(costs(per_token=1.0, drafter=1.0))  # a failing retry waits 100 plain rounds
     assert policy.draft_this_round(8) and policy.verify_len(torch.full((8, 3), 0.05)) == 0
     assert not any(policy.draft_this_round(8) for _ in range(20))
-    policy.admitted(3)  # three of eight rows are new: not enough
-    assert not any(policy.draft_this_round(8) for _ in range(20))
-    policy.admitted(1)  # four of eight: the next round retries
-    assert policy.draft_this_round(8) and policy.fresh == 0
+    assert not any(policy.draft_this_round(8, fresh=3) for _ in range(20))  # three of eight rows are new: not enough
+    assert policy.draft_this_round(8, fresh=4)  # four of eight: this round retries
     assert policy.verify_len(torch.full((8, 3), 0.05)) == 0  # the new rows do not pay either: back to waiting
     assert [i for i, d in enumerate(policy.draft_this_round(8) for _ in range(101)) if d] == [100]
 
@@ -140,10 +139,13 @@ def test_greedy_output_is_the_targets_under_the_policy(per_token, right):
     assert {v for r in fixed for v in r.verified} == {3}
 
 
-def test_deferred_prompt_ingest_leaves_every_draft_unchanged():
-    """Under a policy the drafter ingests admitted prompts only when drafting resumes. A policy that always drafts
-    the whole block must then see the fixed engine's drafts, row by row and round by round (a prompt fed late,
-    twice or to the wrong row changes a real drafter's logits), static and continuous with chunked prefill."""
+@pytest.mark.parametrize("budget", [32_768, 0], ids=["deferred", "fed-at-admission"])
+def test_deferred_prompt_ingest_leaves_every_draft_unchanged(budget, monkeypatch):
+    """Under a policy the drafter ingests admitted prompts only when drafting resumes (or at admission, past the
+    deferral budget). A policy that always drafts the whole block must then see the fixed engine's drafts, row by
+    row and round by round (a prompt fed late, twice or to the wrong row changes a real drafter's logits), static
+    and continuous with chunked prefill."""
+    monkeypatch.setattr(decode, "MAX_DEFERRED_TOKENS", budget)
     target = make_target(seed=3, vocab=48)
     drafter = make_drafter(target, seed=2, block_size=4)
     gen = GenerationConfig(max_new_tokens=CAPS)
@@ -238,8 +240,10 @@ def test_deferred_ingest_fills_the_drafter_context_as_ingesting_every_round():
     backlog.select(keep)
     drafter.ingest(ref, feats[1:, 7:8], one)
     backlog.add(feats[1:, 7:8])
+    assert backlog.tokens == 2 + 5 + 4 + 3  # the ended row's entries are no longer counted
     backlog.flush(drafter, got)
     assert ref.lengths.tolist() == got.lengths.tolist() == [2 + 5, 4 + 3] and backlog.rows == [[], []]
+    assert backlog.tokens == 0
     for row, n in enumerate(ref.lengths.tolist()):
         for a, b in zip(ref.k + ref.v, got.k + got.v):
             torch.testing.assert_close(a[row, :, :n], b[row, :, :n], rtol=1e-5, atol=1e-5)
