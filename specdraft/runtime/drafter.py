@@ -37,8 +37,9 @@ class Drafter(Protocol):
         ...
 
     def new_cache(self, batch_size: int, max_len: int) -> Any:
-        """A context cache for ``batch_size`` rows of up to ``max_len`` tokens (``select_rows(rows)`` compacts it,
-        ``cat_rows(cache)`` appends another's rows)."""
+        """A context cache for ``batch_size`` rows of up to ``max_len`` tokens (``select_rows(rows)`` keeps ``rows``,
+        in the given order, which need not be sorted; ``cat_rows(cache)`` appends another's rows; an optional
+        ``reserve(rows)`` makes room once for the rows continuous batching will hold)."""
         ...
 
     def ingest(self, cache: Any, ctx_features: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
