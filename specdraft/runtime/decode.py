@@ -105,11 +105,15 @@ class _Backlog:
         counts mark a padded prefill chunk, whose pieces are copied so the padding is not kept alive)."""
         if not self.rows:
             self.rows = [[] for _ in range(features.shape[0])]
-        padded = counts is not None
-        counts = counts.tolist() if padded else [features.shape[1]] * features.shape[0]
+        if counts is None:  # a plain round: every row's [t, F] as it is (unbind: one call for all rows)
+            for row, x in zip(self.rows, features.unbind(0)):
+                row.append(x)
+            self.tokens += features.shape[0] * features.shape[1]
+            return
+        counts = counts.tolist()
         for row, x, c in zip(self.rows, features, counts):
             if c:
-                row.append(x[:c].clone() if padded else x[:c])  # [c, F]
+                row.append(x[:c].clone())  # [c, F]
         self.tokens += sum(counts)
 
     def select(self, keep: torch.Tensor) -> None:

@@ -43,6 +43,17 @@ class KVCache:
         self.k[layer][rows, :, slots] = k_new.transpose(1, 2)  # [B, T, H_kv, D] into [B, H_kv, S, D]
         self.v[layer][rows, :, slots] = v_new.transpose(1, 2)
 
+    def write_packed(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, rows: torch.Tensor,
+                     slots: torch.Tensor) -> None:
+        """Write ``N`` new entries of one layer, entry ``n`` at row ``rows[n]``, slot ``slots[n]``.
+
+        Args:
+            k_new, v_new: ``[H_kv, N, D]``.
+            rows, slots: ``[N]``.
+        """
+        self.k[layer][rows, :, slots] = k_new.transpose(0, 1)  # [N, H_kv, D] into [B, H_kv, S, D]
+        self.v[layer][rows, :, slots] = v_new.transpose(0, 1)
+
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy entries from slots ``src`` to slots ``dst`` (``[B, T]`` each) in every layer, reading all sources
         before writing: a tree verify pass writes its nodes after the committed context, and the accepted path's

@@ -164,6 +164,14 @@ class Calibration:
         return cls(bins, table)
 
 
+def conditional_acceptance(accept: torch.Tensor) -> torch.Tensor:
+    """``[K]``: the chance slot ``j`` is accepted given the slots before it were, over a round's rows with per-slot
+    acceptance probabilities ``accept`` ``[b, K]`` (rows weighted by their chance of reaching the slot)."""
+    accept = accept.float()
+    reach = torch.cumprod(torch.cat([torch.ones_like(accept[:, :1]), accept[:, :-1]], dim=1), dim=1)  # [b, K]
+    return (reach * accept).sum(0) / reach.sum(0).clamp_min(1e-12)
+
+
 def expected_committed(accept: torch.Tensor) -> torch.Tensor:
     """``[b, K + 1]``: expected tokens a round commits per row when it verifies ``k = 0..K`` drafts, from per-slot
     acceptance probabilities ``accept`` ``[b, K]`` (the bonus / correction token included)."""
@@ -200,6 +208,7 @@ class AdaptivePolicy:
 
     def __post_init__(self):
         self._rate_memo: dict = {}
+        self._predicted: list[float] = []  # the last drafted round's predicted acceptance per slot (conditional)
 
     def draft_this_round(self, b: int, fresh: int = 0) -> bool:
         """False while the running acceptance says no width of drafted round commits more tokens per second than
@@ -237,7 +246,9 @@ class AdaptivePolicy:
     def verify_len(self, confidence: torch.Tensor) -> int:
         """Drafts to verify (0..K) given the drafted block's per-slot confidences ``[b, K]``: the width that
         maximises expected committed tokens per second (the drafter's round is paid by now; plain decoding, k = 0,
-        still costs it this round)."""
+        still costs it this round). Slots past the chosen width will not be verified: their predicted acceptance is
+        this round's evidence for them in the running acceptance (realised outcomes update the verified ones in
+        :meth:`observe`), so a burst's long-gone acceptance of deep slots cannot keep narrow rounds drafting."""
         b = confidence.shape[0]
         accept = self.calibration(confidence)  # [b, K]
         tokens = expected_committed(accept).sum(0)  # [K + 1]
@@ -245,14 +256,21 @@ class AdaptivePolicy:
         rate = tokens.cpu() / seconds  # [K + 1] expected committed tokens per second
         best = int(rate.argmax())
         self.width = best if rate[best] > (1 + self.margin) * rate[-1] else len(rate) - 1
-        if self.width == 0:  # nothing verified, nothing realised: the predicted acceptance is this round's evidence
-            predicted = accept.float().mean(0).cpu()  # [K]
-            if not self.accept:
-                self.accept = predicted.tolist()
-            else:
-                s = self.smoothing
-                self.accept = (self._accept(len(predicted)) * (1 - s) + s * predicted).tolist()
+        self._predicted = conditional_acceptance(accept).tolist()  # [K]
+        if self.width == 0:  # nothing verified: observe() will not be called
+            self._blend_predicted()
         return self.width
+
+    def _blend_predicted(self) -> None:
+        """Move the running acceptance of the slots this round did not verify toward their predicted acceptance
+        (slots never seen before take it as it is)."""
+        accept = list(self.accept)
+        for j in range(self.width, len(self._predicted)):
+            if j < len(accept):
+                accept[j] += self.smoothing * (self._predicted[j] - accept[j])
+            elif j == len(accept):
+                accept.append(self._predicted[j])
+        self.accept = accept
 
     def _drafted_rate(self, b: int) -> float:
         """Expected committed tokens per second of a drafted round of ``b`` rows at its best width, from the running
@@ -271,9 +289,10 @@ class AdaptivePolicy:
         return torch.tensor(self.accept[:K] + [self.accept[-1]] * (K - len(self.accept)))
 
     def observe(self, num_accepted: torch.Tensor) -> None:
-        """Update the running per-slot acceptance with a drafted round's accepted drafts ``[b]`` (the round verified
-        ``self.width`` drafts; realised outcomes only: an over-confident drafter must not talk the policy into
-        drafting)."""
+        """Update the running per-slot acceptance with a drafted round's accepted drafts ``[b]``: the ``self.width``
+        verified slots from realised outcomes (an over-confident drafter must not talk the policy into drafting), the
+        slots past them from the round's calibrated prediction (nothing else is known of them, and the width was
+        chosen because they did not pay)."""
         n = num_accepted.cpu()
         accept = list(self.accept)  # a new list: copies of a policy (dataclasses.replace) must not share it
         for j in range(1, self.width + 1):
@@ -286,3 +305,4 @@ class AdaptivePolicy:
             else:
                 accept[j - 1] += self.smoothing * (rate - accept[j - 1])
         self.accept = accept
+        self._blend_predicted()

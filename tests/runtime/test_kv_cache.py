@@ -1,9 +1,11 @@
 """The KV cache's row bookkeeping for continuous batching: compaction and admission in place give what
-``index_select`` and ``cat`` would, copy only the rows that move, and reserve their room once."""
+``index_select`` and ``cat`` would, copy only the rows that move, and reserve their room once; packed writes of
+uneven ingests land where padded ones would."""
 
 import torch
 
 from specdraft.runtime.kv_cache import KVCache
+from tests.helpers import make_drafter, make_target
 
 
 def _filled(rows: int, seed: int) -> KVCache:
@@ -38,3 +40,38 @@ def test_compaction_and_admission_in_place_equal_select_and_cat():
     assert cache.batch_size == 7 and cache.k[1].shape[0] == 7
     cache.select_rows(torch.tensor([], dtype=torch.long))
     assert cache.batch_size == 0 and cache.k[0].shape[0] == 0
+
+
+def test_uneven_ingest_projects_only_real_tokens_and_equals_ingesting_each_row_alone():
+    """A backlog flush feeds one row a whole prompt and another a token or none: the drafter packs the real tokens
+    (padding would be most of the work), and every row's context K/V, length and next draft are what ingesting that
+    row alone gives."""
+    drafter = make_drafter(make_target())
+    counts = torch.tensor([9, 1, 0, 2])  # 12 real of 36 padded: the packed path
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(4, 9, drafter.fc.in_features, generator=g)  # [B, T, F]
+    lens = torch.tensor([3, 0, 5, 1])
+    start = torch.randn(4, 5, drafter.fc.in_features, generator=g)
+    with torch.no_grad():
+        batch = drafter.new_cache(4, 24)
+        drafter.ingest(batch, start, lens)  # uneven history first: rows start at different slots
+        calls = []
+        packed = drafter._ingest_packed
+        drafter._ingest_packed = lambda *a: calls.append(1) or packed(*a)
+        fused = drafter.ingest(batch, feats, counts)
+        assert calls and fused.shape == (4, 9, drafter.config.hidden_size)
+        blk = torch.full((4, drafter.block_size), drafter.config.mask_token_id)
+        blk[:, 0] = torch.tensor([1, 2, 3, 4])
+        hidden = drafter.draft_hidden(batch, drafter.block_embeds(blk, None))  # [B, Bk, D]
+        for r in range(4):
+            alone = drafter.new_cache(1, 24)
+            drafter.ingest(alone, start[r:r + 1], lens[r:r + 1])
+            drafter.ingest(alone, feats[r:r + 1], counts[r:r + 1])
+            n = int(alone.lengths[0])
+            assert int(batch.lengths[r]) == n == int(lens[r] + counts[r])
+            for kb, ka in zip(batch.k + batch.v, alone.k + alone.v):
+                torch.testing.assert_close(kb[r, :, :n], ka[0, :, :n], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(fused[r, : counts[r]], drafter.fuse_context(feats[r:r + 1, : counts[r]])[0],
+                                       rtol=1e-5, atol=1e-6)
+            one = drafter.draft_hidden(alone, drafter.block_embeds(blk[r:r + 1], None))
+            torch.testing.assert_close(hidden[r], one[0], rtol=1e-4, atol=1e-5)

@@ -80,6 +80,27 @@ def test_rounds_that_verify_nothing_back_off_to_plain_rounds():
     assert sure.accept == pytest.approx([0.9 * 0.7 + 0.05 * 0.3] * 3) and sure.draft_this_round(8)
 
 
+def test_slots_a_narrow_round_leaves_unverified_follow_its_prediction_not_a_past_burst():
+    """After a burst of whole-block acceptance, rounds whose drafts are predicted to fail past the first slot verify
+    one draft: the deep slots' running acceptance must follow that prediction (it is all that is known of them), or
+    the burst's values keep drafting going round after round for one failing draft."""
+    burst = AdaptivePolicy(costs(per_token=0.1, drafter=0.3), retry_share=1.0)
+    assert burst.draft_this_round(8) and burst.verify_len(torch.full((8, 3), 0.99)) == 3
+    burst.observe(torch.full((8,), 3))
+    assert burst.accept == [1.0, 1.0, 1.0]
+    drafted = 0
+    for _ in range(20):
+        if burst.draft_this_round(8):
+            drafted += 1
+            assert burst.verify_len(torch.tensor([[0.3, 0.02, 0.02]] * 8)) == 1
+            burst.observe(torch.tensor([1, 0, 0, 1, 0, 0, 0, 0]))  # the first draft accepted as predicted
+    # one draft at 1 in 4 and nothing past it cannot pay for a drafter round (with the burst's deep slots it would
+    # seem to: 1.75 tokens per row for 1.6 s against 1 per 1 s): drafting stops once the running acceptance has
+    # followed the rounds (smoothing 0.3), where the burst's deep slots would keep it going all 20 rounds
+    assert burst.accept[1] < 0.2 and burst.accept[2] < 0.2
+    assert drafted <= 8 and not burst.draft_this_round(8)
+
+
 def test_retries_are_spread_so_their_extra_cost_stays_a_small_share():
     """Where a drafted round costs several plain ones (many rows on a CPU), a failing retry every 8 rounds would
     cost more than drafting could win back: the wait grows to keep the retries' extra seconds at ``retry_share``."""
