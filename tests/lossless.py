@@ -379,7 +379,7 @@ def sampling_pvalues(target, factory: DrafterFactory, params: SamplingParams, n:
 
 
 def _wrong_sampling(bonus_shift: bool = False, all_accepted_slots: bool = False):
-    def rule(draft_tokens, draft_probs, target_probs, generator=None):
+    def rule(draft_tokens, draft_probs, target_probs, generator=None, widths=None):  # chain rounds: widths None
         B, K = draft_tokens.shape
         p = target_probs[:, :K].gather(-1, draft_tokens[..., None])[..., 0]
         q = draft_probs.gather(-1, draft_tokens[..., None])[..., 0]
@@ -395,7 +395,7 @@ def _wrong_sampling(bonus_shift: bool = False, all_accepted_slots: bool = False)
 
 
 def _wrong_greedy(bonus_shift: bool = False, all_accepted_slots: bool = False):
-    def rule(draft_tokens, target_logits):
+    def rule(draft_tokens, target_logits, widths=None):  # chain rounds: widths None
         t = target_logits.argmax(-1)
         K = draft_tokens.shape[1]
         m = (draft_tokens == t[:, :K]).long()
@@ -430,10 +430,10 @@ def _first_candidate_only(tree, node_targets):
         acc.path.shape)) + torch.arange(acc.path.shape[1]))
 
 
-def _untruncated_target(draft_tokens, draft_probs, target_logits, params, generator=None):
+def _untruncated_target(draft_tokens, draft_probs, target_logits, params, generator=None, widths=None):
     """Verifies against the target at the right temperature but without top-k / top-p."""
     plain = SamplingParams(temperature=params.temperature)
-    return _verify_round(draft_tokens, draft_probs, target_logits, plain, generator)
+    return _verify_round(draft_tokens, draft_probs, target_logits, plain, generator, widths)
 
 
 def _drafts_sampled_at_t1(draft_logits, params, draft_sampling, generator=None):

@@ -129,20 +129,25 @@ class _Backlog:
         self.rows = (self.rows or [[] for _ in range(rows)]) + (other.rows or [[] for _ in range(other_rows)])
         self.tokens += other.tokens
 
-    def flush(self, drafter, cache) -> None:
-        """Feed every row its deferred features in order (``[b, n, F]``, each row's entries first)."""
-        counts = [sum(x.shape[0] for x in row) for row in self.rows]
-        self.tokens = 0
+    def flush(self, drafter, cache, rows: torch.Tensor | None = None) -> None:
+        """Feed rows their deferred features in order: every row (``ingest`` of ``[b, n, F]``, each row's entries
+        first), or only ``rows`` (the drafter's ``ingest_rows`` of ``[m, n, F]``; the other rows keep theirs)."""
+        fed = list(range(len(self.rows))) if rows is None else rows.tolist()
+        counts = [sum(x.shape[0] for x in self.rows[i]) for i in fed]
+        self.tokens -= sum(counts)
         if max(counts, default=0) == 0:
-            self.rows = [[] for _ in self.rows]
             return
-        piece = next(x for row in self.rows for x in row)
-        feats = piece.new_zeros(len(self.rows), max(counts), piece.shape[-1])  # [b, n, F]
-        for i, row in enumerate(self.rows):
-            if row:
-                feats[i, : counts[i]] = torch.cat(row)
-        self.rows = [[] for _ in self.rows]
-        drafter.ingest(cache, feats, torch.tensor(counts, device=feats.device))
+        piece = next(x for i in fed for x in self.rows[i])
+        feats = piece.new_zeros(len(fed), max(counts), piece.shape[-1])  # [b or m, n, F]
+        for j, i in enumerate(fed):
+            if self.rows[i]:
+                feats[j, : counts[j]] = torch.cat(self.rows[i])
+                self.rows[i] = []
+        counts = torch.tensor(counts, device=feats.device)
+        if rows is None:
+            drafter.ingest(cache, feats, counts)
+        else:
+            drafter.ingest_rows(cache, feats, counts, rows)
 
 
 def _pad(prompts: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -278,7 +283,8 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
                 return i + 1, "length"
         return len(new_tokens), None
 
-    fresh: set[int] = set()  # running requests admitted since the last drafted round (an adaptive policy probes them)
+    fresh: set[int] = set()  # running requests not drafted for since they were admitted (an adaptive policy probes)
+    explored = 0  # exploring rounds so far (the plain rows they draft for take turns)
     queue = deque(range(B))
     state = _State(rows=torch.zeros(0, dtype=torch.long, device=dev), anchor=torch.zeros(0, dtype=torch.long,
                                                                                          device=dev))
@@ -345,29 +351,41 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
         tcache, dcache, scache = caches["t"], caches["d"], caches["s"]
         b = state.rows.numel()
         clock.lap("commit")
-        tree_nodes = tree_winner = None
+        tree_nodes = tree_winner = widths = None
         if tree is not None:
             rnd = tree_round(target, drafter, tree, dcache, scache if second is not None else dcache, tcache,
                              state.anchor, params, feature_layers, generator, clock, config.draft_sampling)
             draft_tokens, draft_logits, hidden = rnd.draft_tokens, rnd.draft_logits, rnd.hidden
             n_acc, nxt, target_logits = rnd.acceptance.num_accepted, rnd.acceptance.next_token, rnd.path_logits
             features, tree_nodes, tree_winner = rnd.path_features, rnd.tree.num_nodes, rnd.acceptance.winner
-        elif drafter is not None and (policy is None or policy.draft_this_round(b, len(fresh))):
-            fresh.clear()
-            backlog.flush(drafter, dcache)  # plain rounds' features, deferred until drafting resumed
-            blk = torch.full((b, block), drafter.config.mask_token_id, dtype=torch.long, device=dev)
-            blk[:, 0] = state.anchor
-            hidden = drafter.draft_hidden(dcache, drafter.block_embeds(blk, state.draft_state))  # [b, Bk, D]
-            draft_logits = drafter.logits(hidden[:, 1:])  # [b, K, V]
-            draft_tokens, draft_probs = propose(draft_logits, params, config.draft_sampling, generator)
-            if policy is not None:  # verify only the first k drafts: a block of k drafts, just as lossless
-                k = policy.verify_len(draft_confidence(draft_logits, draft_tokens, draft_probs))
-                draft_tokens, draft_logits = draft_tokens[:, :k], draft_logits[:, :k]
-                draft_probs = draft_probs[:, :k] if draft_probs is not None else None
+        elif drafter is not None and (m := b if policy is None else policy.draft_rows(b, len(fresh))) > 0:
+            widths = None  # [b] drafts each row verifies, when only a few rows drafted
+            if m < b and _explores_rows(drafter, dcache):
+                # an adaptive policy exploring: a few rows draft (new requests first), the others decode plainly
+                few = _explorers(m, state.rows, fresh, explored)  # [m]
+                explored += 1
+                fresh.difference_update(state.rows[few].tolist())
+                backlog.flush(drafter, dcache, few)
+                part = _draft(drafter, dcache.gather_rows(few, block), state.anchor[few], None, params,
+                              config.draft_sampling, generator)
+                k = policy.verify_len(draft_confidence(*part[1:]), rows=b)
+                widths = torch.zeros(b, dtype=torch.long, device=dev)
+                widths[few] = k
+                hidden, draft_logits, draft_tokens, draft_probs = (
+                    None if x is None else _scatter_rows(x[:, :k] if i else x, few, b) for i, x in enumerate(part))
+            else:
+                fresh.clear()
+                backlog.flush(drafter, dcache)  # plain rounds' features, deferred until drafting resumed
+                hidden, draft_logits, draft_tokens, draft_probs = _draft(
+                    drafter, dcache, state.anchor, state.draft_state, params, config.draft_sampling, generator)
+                if policy is not None:  # verify only the first k drafts: a block of k drafts, just as lossless
+                    k = policy.verify_len(draft_confidence(draft_logits, draft_tokens, draft_probs))
+                    draft_tokens, draft_logits = draft_tokens[:, :k], draft_logits[:, :k]
+                    draft_probs = draft_probs[:, :k] if draft_probs is not None else None
             clock.lap("draft")
             out = target(torch.cat([state.anchor[:, None], draft_tokens], dim=1), cache=tcache,
                          feature_layers=feature_layers)  # verify [anchor, d_1..d_K]
-            n_acc, nxt = verify_round(draft_tokens, draft_probs, out.logits, params, generator)  # [b], [b]
+            n_acc, nxt = verify_round(draft_tokens, draft_probs, out.logits, params, generator, widths)  # [b], [b]
             features, target_logits = out.features, out.logits
             clock.lap("verify")
         else:  # the target alone, or a plain round of an adaptive policy (its features wait in the backlog)
@@ -379,10 +397,14 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
             clock.lap("verify")
         if observer is not None:
             observer(RoundRecord(state.rows, draft_tokens, draft_logits, hidden, n_acc, nxt, target_logits,
-                                 tree_nodes, tree_winner))
+                                 tree_nodes, tree_winner, widths))
         tcache.crop(tcache.lengths + n_acc + 1)  # anchor + accepted drafts are now committed
         if drafter is not None and tree is None and draft_tokens.shape[1] == 0:
             backlog.add(features)  # a plain round: the drafter catches up when drafting resumes
+        elif widths is not None:  # a few rows drafted: they ingest now, the others' features wait like a plain round's
+            drafted = widths > 0  # [b]
+            drafter.ingest(dcache, features, torch.where(drafted, n_acc + 1, 0))
+            backlog.add(features[:, :1], (~drafted).long())
         elif drafter is not None:  # the committed tokens' target features join the drafter's context
             fused = drafter.ingest(dcache, features, n_acc + 1)  # [b, T, D]
             state.draft_state = drafter.next_round_state(state.draft_state, hidden, draft_tokens, n_acc,
@@ -394,14 +416,14 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
             second.next_round_state(None, None, draft_tokens, n_acc, target_logits, None)
         state.anchor = nxt
         if policy is not None and draft_tokens.shape[1] > 0:
-            policy.observe(n_acc)
+            policy.observe(n_acc if widths is None else n_acc[widths > 0])
         keep = []
         tree_nodes = tree_nodes.tolist() if tree_nodes is not None else [0] * b
         tree_winner = tree_winner.tolist() if tree_winner is not None else [0] * b
         for i, (row, a, d, t) in enumerate(zip(state.rows.tolist(), n_acc.tolist(), draft_tokens.tolist(),
                                                nxt.tolist())):
             accepted[row].append(a)
-            verified[row].append(len(d))
+            verified[row].append(len(d) if widths is None else int(widths[i]))
             if tree is not None:
                 nodes[row].append(tree_nodes[i])
                 winners[row].append(tree_winner[i])
@@ -415,6 +437,44 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
         admit()
     clock.lap("commit")
     return results  # type: ignore[return-value]
+
+
+def _draft(drafter, cache, anchor: torch.Tensor, draft_state, params: SamplingParams, draft_sampling: str,
+           generator: torch.Generator | None):
+    """One block per row against ``cache``: ``(hidden [b, Bk, D], draft_logits [b, K, V], draft_tokens [b, K],
+    draft_probs [b, K, V] or None)``."""
+    blk = torch.full((anchor.shape[0], drafter.block_size), drafter.config.mask_token_id, dtype=torch.long,
+                     device=anchor.device)
+    blk[:, 0] = anchor
+    hidden = drafter.draft_hidden(cache, drafter.block_embeds(blk, draft_state))  # [b, Bk, D]
+    draft_logits = drafter.logits(hidden[:, 1:])  # [b, K, V]
+    return (hidden, draft_logits, *propose(draft_logits, params, draft_sampling, generator))
+
+
+def _explores_rows(drafter, cache) -> bool:
+    """Whether a few rows can draft while the others decode plainly: the drafter carries no state between rounds and
+    ingests for a subset of rows (``ingest_rows``), and its cache lends copies of rows (``gather_rows``)."""
+    return (not getattr(drafter, "carries_state", True) and getattr(drafter, "ingest_rows", None) is not None
+            and getattr(cache, "gather_rows", None) is not None)
+
+
+def _explorers(m: int, rows: torch.Tensor, fresh: set[int], turn: int) -> torch.Tensor:
+    """``[m]`` batch positions that draft in an exploring round: requests not yet drafted for first, then the others
+    in turns (a window that moves by ``m`` each exploring round)."""
+    ids = rows.tolist()
+    new = [i for i, r in enumerate(ids) if r in fresh]
+    old = [i for i, r in enumerate(ids) if r not in fresh]
+    if old:
+        start = (turn * m) % len(old)
+        old = old[start:] + old[:start]
+    return torch.tensor(sorted((new + old)[:m]), dtype=torch.long, device=rows.device)
+
+
+def _scatter_rows(x: torch.Tensor, rows: torch.Tensor, b: int) -> torch.Tensor:
+    """``x`` ``[m, ...]`` placed at ``rows`` of a zero ``[b, ...]`` (the rows that did not draft: padding)."""
+    out = x.new_zeros(b, *x.shape[1:])
+    out[rows] = x
+    return out
 
 
 def draft_confidence(draft_logits: torch.Tensor, draft_tokens: torch.Tensor,
@@ -436,14 +496,17 @@ def propose(draft_logits: torch.Tensor, params: SamplingParams, draft_sampling: 
 
 
 def verify_round(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
-                 params: SamplingParams, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 params: SamplingParams, generator: torch.Generator | None = None,
+                 widths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(num_accepted [b], next_token [b])`` for drafts ``[b, K]`` against the verify logits ``[b, K + 1, V]``:
-    greedy verification at T=0, speculative sampling otherwise (deterministic drafts verify as ``q = one_hot``)."""
+    greedy verification at T=0, speculative sampling otherwise (deterministic drafts verify as ``q = one_hot``).
+    ``widths`` ``[b]``: drafts each row verifies, when rows differ (padding past them)."""
     if params.greedy:
-        return accept_greedy(draft_tokens, target_logits)
+        return accept_greedy(draft_tokens, target_logits, widths)
     if draft_probs is None:
         draft_probs = torch.nn.functional.one_hot(draft_tokens, target_logits.shape[-1]).float()
-    return accept_speculative_sampling(draft_tokens, draft_probs, logits_to_probs(target_logits, params), generator)
+    return accept_speculative_sampling(draft_tokens, draft_probs, logits_to_probs(target_logits, params), generator,
+                                       widths)
 
 
 def _compact(state: _State, caches: dict[str, object], keep: list[int], current: int,

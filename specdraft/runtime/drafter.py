@@ -79,3 +79,5 @@ class RoundRecord:
     nodes: torch.Tensor | None = None  # [b] D²SD: tree nodes verified (then draft_tokens is the winning candidate,
     #   target_logits are along its path and draft_logits/hidden are the first drafter's)
     winner: torch.Tensor | None = None  # [b] D²SD: the winning candidate (0 = the first draft)
+    widths: torch.Tensor | None = None  # [b] drafts each row verified when rows differ (an adaptive policy's
+    #   exploring round: rows that did not draft have width 0 and zero padding in draft_tokens/logits/hidden)

@@ -100,6 +100,17 @@ class KVCache:
         self.k, self.v = [b[:n] for b in self._kb], [b[:n] for b in self._vb]
         self.lengths = self.lengths.index_select(0, rows)
 
+    def gather_rows(self, rows: torch.Tensor, room: int) -> "KVCache":
+        """A new cache holding copies of rows ``rows``: their committed entries and ``room`` scratch slots past the
+        longest (a few rows' drafts against their own context, leaving this cache as it is)."""
+        lengths = self.lengths.index_select(0, rows)  # [m]
+        used = int(lengths.max()) + room
+        out = KVCache.__new__(KVCache)
+        out.k = [b.index_select(0, rows)[:, :, :used] for b in self.k]  # [m, H_kv, used, D] each
+        out.v = [b.index_select(0, rows)[:, :, :used] for b in self.v]
+        out._kb, out._vb, out.lengths, out.max_len, out.fixed_shape = out.k, out.v, lengths, used, False
+        return out
+
     def reserve(self, rows: int) -> None:
         """Make room for ``rows`` rows in all (continuous batching reserves its slots once)."""
         n = self.batch_size

@@ -193,6 +193,11 @@ class AdaptivePolicy:
     """A failing retry's extra seconds over a plain round stay below this share of the plain rounds' seconds around
     it: the wait is never shorter than ``extra / (retry_share * plain round)`` rounds (where a drafted round costs
     several plain ones, as with many rows on a CPU, retries are rarer)."""
+    explore_rows: int = 4
+    """Rows that draft in the job's first round, a retry or a new-request probe, while drafting is not known to pay
+    (the others decode plainly in the same pass): what those rounds learn is the drafter's acceptance, and a few rows
+    tell it for a fraction of the batch's drafter round and deferred ingest. 0: every row (the engine also drafts every
+    row for a drafter that carries state between rounds)."""
     margin: float = 0.05
     """Leave the full block (or drafting) only for a predicted gain above this fraction: the costs and the calibration
     are estimates, and where they are nearly tied the fixed block is the safer choice."""
@@ -208,6 +213,7 @@ class AdaptivePolicy:
 
     def __post_init__(self):
         self._rate_memo: dict = {}
+        self._exploring = True  # the last drafted round was a first round, a retry or a probe (not known to pay)
         self._predicted: list[float] = []  # the last drafted round's predicted acceptance per slot (conditional)
 
     def draft_this_round(self, b: int, fresh: int = 0) -> bool:
@@ -217,13 +223,14 @@ class AdaptivePolicy:
         round, are half the batch, after ``retry_every`` or a quarter of the affordable wait, whichever is longer).
         Drafting keeps the benefit of ``margin`` only while its last round verified drafts: after a round that
         verified none, drafting must pay outright."""
+        self._exploring = True
         if not self.accept:
             return True
         spec = self._drafted_rate(b)
         margin = self.margin if self.width > 0 else 0.0
         wait = self.wait or max(self.retry_every, self._affordable_wait(b))
         if spec * (1 + margin) >= b / self.costs.target(b, 1):
-            self.skipped, self.wait = 0, 0
+            self.skipped, self.wait, self._exploring = 0, 0, False
             return True
         if self.skipped >= wait:
             self.skipped, self.wait = 0, max(min(2 * wait, max(self.max_retry_every, self.retry_every)),
@@ -236,23 +243,36 @@ class AdaptivePolicy:
         self.skipped += 1
         return False
 
+    def draft_rows(self, b: int, fresh: int = 0) -> int:
+        """How many of the ``b`` rows draft this round: 0 (a plain round, see :meth:`draft_this_round`), all of them
+        while drafting pays, or ``explore_rows`` for the job's first round, a retry or a new-request probe."""
+        if not self.draft_this_round(b, fresh):
+            return 0
+        return self._explorers(b) if self._exploring else b
+
+    def _explorers(self, b: int) -> int:
+        return min(b, self.explore_rows) if self.explore_rows > 0 else b
+
     def _affordable_wait(self, b: int) -> int:
         """Plain rounds a retry must be spread over to cost at most ``retry_share`` of them (the retry assumed to
         verify the last drafted width)."""
         plain = self.costs.target(b, 1)
-        extra = self.costs.drafter(b) + self.costs.target(b, max(self.width, 1) + 1) - plain
+        extra = self.costs.drafter(self._explorers(b)) + self.costs.target(b, max(self.width, 1) + 1) - plain
         return math.ceil(max(extra, 0.0) / (self.retry_share * plain) - 1e-9)
 
-    def verify_len(self, confidence: torch.Tensor) -> int:
-        """Drafts to verify (0..K) given the drafted block's per-slot confidences ``[b, K]``: the width that
-        maximises expected committed tokens per second (the drafter's round is paid by now; plain decoding, k = 0,
-        still costs it this round). Slots past the chosen width will not be verified: their predicted acceptance is
-        this round's evidence for them in the running acceptance (realised outcomes update the verified ones in
-        :meth:`observe`), so a burst's long-gone acceptance of deep slots cannot keep narrow rounds drafting."""
-        b = confidence.shape[0]
-        accept = self.calibration(confidence)  # [b, K]
-        tokens = expected_committed(accept).sum(0)  # [K + 1]
-        seconds = torch.tensor([self.costs.drafter(b) + self.costs.target(b, k + 1) for k in range(len(tokens))])
+    def verify_len(self, confidence: torch.Tensor, rows: int | None = None) -> int:
+        """Drafts to verify (0..K) given the drafted block's per-slot confidences ``[m, K]`` of the ``m`` rows that
+        drafted, in a pass of ``rows`` rows (default ``m``; the others verify nothing and commit one token each, at
+        the padded width's cost): the width that maximises the pass's expected committed tokens per second (the
+        drafter's round is paid by now; plain decoding, k = 0, still costs it this round). Slots past the chosen
+        width will not be verified: their predicted acceptance is this round's evidence for them in the running
+        acceptance (realised outcomes update the verified ones in :meth:`observe`), so a burst's long-gone acceptance
+        of deep slots cannot keep narrow rounds drafting."""
+        m = confidence.shape[0]
+        b = rows or m
+        accept = self.calibration(confidence)  # [m, K]
+        tokens = expected_committed(accept).sum(0) + (b - m)  # [K + 1]
+        seconds = torch.tensor([self.costs.drafter(m) + self.costs.target(b, k + 1) for k in range(len(tokens))])
         rate = tokens.cpu() / seconds  # [K + 1] expected committed tokens per second
         best = int(rate.argmax())
         self.width = best if rate[best] > (1 + self.margin) * rate[-1] else len(rate) - 1

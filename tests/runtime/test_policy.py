@@ -172,13 +172,51 @@ def test_deferred_prompt_ingest_leaves_every_draft_unchanged(budget, monkeypatch
     gen = GenerationConfig(max_new_tokens=CAPS)
     for batching in ({}, {"slots": 3, "prefill_chunk": 2}):
         drafts = []
-        for policy in (None, AdaptivePolicy(costs(per_token=0.0, drafter=0.0))):  # verifying costs nothing
+        for policy in (None, AdaptivePolicy(costs(per_token=0.0, drafter=0.0), explore_rows=0)):  # verifying is free
             seen: dict[int, list] = {}
             generate(target, PROMPTS, gen, drafter=drafter, policy=policy, **batching,
                      observer=lambda rec: [seen.setdefault(r, []).append(d) for r, d in
                                            zip(rec.rows.tolist(), rec.draft_tokens.tolist())])
             drafts.append(seen)
         assert drafts[0] == drafts[1] and sum(len(v) for v in drafts[0].values()) > len(PROMPTS)
+
+
+def test_rows_drafting_alone_in_an_exploring_round_draft_what_the_fixed_engine_drafts_there():
+    """An exploring round drafts for a few rows (new requests first) from a copy of their rows of the drafter's
+    cache, after feeding them their deferred features; the others decode plainly and keep theirs. A row's block must
+    then be the one the fixed engine drafts at the same point of the same (greedy) text: keyed by row and committed
+    length, the drafter's hidden states of the block agree wherever both engines drafted there (this random drafter
+    drafts its mask token everywhere; its hidden states show any context fed late, twice, or to the wrong row)."""
+    target = make_target(seed=3, vocab=48)
+    drafter = make_drafter(target, seed=2, block_size=4)
+    gen = GenerationConfig(max_new_tokens=CAPS)
+
+    def drafts(policy, batching):
+        seen, done = {}, {}
+
+        def observe(rec):
+            widths = rec.widths if rec.widths is not None else torch.full_like(rec.rows, rec.draft_tokens.shape[1])
+            hidden = rec.hidden if rec.hidden is not None else [None] * len(widths)  # None: a plain round
+            for r, h, w, a in zip(rec.rows.tolist(), hidden, widths.tolist(), rec.num_accepted.tolist()):
+                if w:
+                    seen[r, done.get(r, 0)] = h.clone()  # [Bk, D]
+                done[r] = done.get(r, 0) + a + 1
+        out = generate(target, PROMPTS, gen, drafter=drafter, policy=policy, observer=observe, **batching)
+        return seen, [r.tokens for r in out], [v for r in out for v in r.verified]
+
+    for batching in ({}, {"slots": 4, "prefill_chunk": 2}):
+        fixed, want, _ = drafts(None, batching)
+        # a drafter round costs a plain round and drafts are predicted accepted 3 times in 10: drafting every row
+        # cannot pay, verifying is free, so every other round explores two rows with the whole block
+        seldom = Calibration(bins=1, table=[[0.3]] * 3)
+        explore = AdaptivePolicy(costs(per_token=0.0, drafter=1.0), seldom, retry_every=1, max_retry_every=1,
+                                 retry_share=1.0, explore_rows=2)
+        seen, got, verified = drafts(explore, batching)
+        assert got == want
+        both = [key for key in seen if key in fixed]
+        assert len(both) > len(PROMPTS) and verified.count(0) > 0
+        for key in both:
+            torch.testing.assert_close(seen[key], fixed[key], rtol=1e-4, atol=1e-5)
 
 
 def test_the_shared_greedy_harness_passes_with_narrower_rounds():
@@ -199,25 +237,31 @@ def test_the_shared_greedy_harness_passes_with_narrower_rounds():
     assert set(widths) == {2} and got["partial"] > 0 and got["none"] > 0, got
 
 
-@pytest.mark.parametrize("right", [2, 0], ids=["narrow-rounds", "plain-rounds-mixed-in-continuous"])
-def test_sampled_output_fits_the_target_distribution_under_the_policy(right):
-    """Narrow rounds on one static batch; plain rounds mixed in under continuous batching (1024 slots for 6000 rows,
+@pytest.mark.parametrize("right,explore", [(2, 0), (2, 3000), (0, 4)],
+                         ids=["narrow-rounds", "half-the-rows-explore", "plain-rounds-mixed-in-continuous"])
+def test_sampled_output_fits_the_target_distribution_under_the_policy(right, explore):
+    """Narrow rounds on one static batch; a first round where half the rows draft (one draft each) and the other half
+    decode plainly in the same pass; plain rounds mixed in under continuous batching (1024 slots for 6000 rows,
     admitted rows prefilled a token per round)."""
     target, oracle = bigram_oracle(right)
     half = Calibration(bins=1, table=[[0.5]] * 3)  # every slot accepted half the time: one draft pays, not three
-    widths = []
+    widths, first = [], []
     batching = {} if right else {"slots": 1024, "prefill_chunk": 1}
+    per_token = 0.1 if explore > 4 else 0.3  # cheap enough that half the rows' drafts pay for the whole pass
 
     def engine(*args, **kwargs):
         results = generate(*args, **kwargs, **batching,
-                           policy=AdaptivePolicy(costs(per_token=0.3), half, retry_every=2))
+                           policy=AdaptivePolicy(costs(per_token=per_token), half, retry_every=2, explore_rows=explore))
         widths.extend(v for r in results for v in r.verified)
+        first.extend(r.verified[0] for r in results)
         return results
 
     check = sampling_pvalues(target, lambda p: oracle, SAMPLING_SETTINGS[0], n=6000, engine=engine)
     assert check.min_p > ALPHA, check
-    if right:  # one draft verified per round, and often accepted
+    if right and not explore:  # one draft verified per round, and often accepted
         assert set(widths) == {1} and check.profile["partial"] > 0
+    elif right:  # the exploring first round: half the rows verify the block, half nothing, in one pass
+        assert first.count(0) == 3000 and first.count(3) == 3000 and check.profile["partial"] > 0
     else:  # drafts that rarely pay: plain rounds between drafted retries
         assert set(widths) == {0, 1}
 

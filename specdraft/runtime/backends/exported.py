@@ -58,6 +58,9 @@ class StackedKVCache(KVCache):
         self.K, self.V = self.K.index_select(1, rows), self.V.index_select(1, rows)
         self.lengths = self.lengths.index_select(0, rows)
 
+    gather_rows = None
+    """No row copies for a few rows' drafts: the exported drafter's graphs take the stacked layout (all rows draft)."""
+
     def reserve(self, rows: int) -> None:
         """Nothing to do: the stacked buffers are reallocated on admission (:meth:`cat_rows`)."""
 
