@@ -364,7 +364,7 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
                 # an adaptive policy exploring: a few rows draft (new requests first), the others decode plainly
                 few = _explorers(m, state.rows, fresh, explored)  # [m]
                 explored += 1
-                fresh.difference_update(state.rows[few].tolist())
+                fresh.clear()  # a probe of some new requests stands for all of them, as a full round did
                 backlog.flush(drafter, dcache, few)
                 part = _draft(drafter, dcache.gather_rows(few, block), state.anchor[few], None, params,
                               config.draft_sampling, generator)

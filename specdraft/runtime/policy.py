@@ -8,13 +8,14 @@ the chance that slot ``i`` is accepted given the slots before it. Plain decoding
 :class:`CostModel` holds ``T`` and ``D`` measured on the machine (:func:`measure_costs`, cached per machine and
 models); :class:`Calibration` maps the drafter's per-slot confidence (its probability of its own draft, the quantity
 D²SD branches on) to an acceptance probability, fitted on held-in rounds; :class:`AdaptivePolicy` picks, each round,
-the number of drafts to verify (the same for every row: the verify pass pads rows to one width, so a narrower row
-would save nothing) and skips drafting altogether while the recent acceptance says a round cannot beat plain
-decoding, retrying after ``retry_every`` rounds and backing off while retries fail (never more often than a
-failing retry can be afforded). A plain round feeds the drafter
-nothing: its target features wait, and the drafter ingests them in one pass when drafting resumes. Only how much is
-drafted and verified changes: verifying the first ``k`` drafts of a block is speculative decoding with a block of
-``k`` drafts, so the output stays lossless.
+the number of drafts to verify (the same for every row that drafted: the verify pass pads rows to one width, so a
+narrower row would save nothing) and skips drafting altogether while the recent acceptance says a round cannot beat
+plain decoding, retrying after ``retry_every`` rounds and backing off while retries fail (never more often than a
+failing retry can be afforded). Rounds that only explore (the job's first, a retry, a probe of new requests) draft
+for a few rows, new requests first; the others verify nothing in the same pass. A plain row feeds the drafter
+nothing: its target features wait, and the drafter ingests them in one pass when it next drafts for the row. Only
+how much is drafted and verified changes: verifying the first ``k`` drafts of a block is speculative decoding with a
+block of ``k`` drafts (``k = 0``: plain decoding), so the output stays lossless.
 """
 
 from __future__ import annotations
