@@ -283,7 +283,7 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
                 return i + 1, "length"
         return len(new_tokens), None
 
-    fresh: set[int] = set()  # running requests not drafted for since they were admitted (an adaptive policy probes)
+    fresh: set[int] = set()  # running requests admitted since the last drafted round (an adaptive policy probes them)
     explored = 0  # exploring rounds so far (the plain rows they draft for take turns)
     queue = deque(range(B))
     state = _State(rows=torch.zeros(0, dtype=torch.long, device=dev), anchor=torch.zeros(0, dtype=torch.long,
@@ -420,10 +420,11 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
         keep = []
         tree_nodes = tree_nodes.tolist() if tree_nodes is not None else [0] * b
         tree_winner = tree_winner.tolist() if tree_winner is not None else [0] * b
+        row_widths = widths.tolist() if widths is not None else [draft_tokens.shape[1]] * b
         for i, (row, a, d, t) in enumerate(zip(state.rows.tolist(), n_acc.tolist(), draft_tokens.tolist(),
                                                nxt.tolist())):
             accepted[row].append(a)
-            verified[row].append(len(d) if widths is None else int(widths[i]))
+            verified[row].append(row_widths[i])
             if tree is not None:
                 nodes[row].append(tree_nodes[i])
                 winners[row].append(tree_winner[i])
