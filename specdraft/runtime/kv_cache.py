@@ -106,8 +106,8 @@ class KVCache:
         lengths = self.lengths.index_select(0, rows)  # [m]
         used = int(lengths.max()) + room
         out = KVCache.__new__(KVCache)
-        out.k = [b.index_select(0, rows)[:, :, :used] for b in self.k]  # [m, H_kv, used, D] each
-        out.v = [b.index_select(0, rows)[:, :, :used] for b in self.v]
+        out.k = [b[:, :, :used].index_select(0, rows) for b in self.k]  # [m, H_kv, used, D] each (only used copied)
+        out.v = [b[:, :, :used].index_select(0, rows) for b in self.v]
         out._kb, out._vb, out.lengths, out.max_len, out.fixed_shape = out.k, out.v, lengths, used, False
         return out
 
