@@ -296,6 +296,7 @@ class DFlashDrafter(nn.Module):
         ``ctx_features[i]`` (``[m, T, F]``), the other rows nothing. Only real tokens are projected (packed into one
         sequence). Returns the fused context ``[m, T, D]`` (zeros past a row's count)."""
         m, T, _ = ctx_features.shape
+        cache.check_room(T)  # a clear error, not an index out of range, when a backlog outgrows the cache
         real = torch.arange(T, device=counts.device) < counts[:, None]  # [m, T]
         i, cols = real.nonzero(as_tuple=True)  # [N], [N] row-major: each row's tokens in order
         at = rows[i]  # [N] cache rows
