@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--spread", type=float, default=10.0)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-probes", action="store_true")
+    ap.add_argument("--kinds", default="ar,adaptive", help="comma-separated: ar, adaptive, fixed (the whole block)")
     args = ap.parse_args(argv)
     target = load_target(f"{args.world}/target")
     drafter = load_drafter(args.drafter, target)
@@ -54,7 +55,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     base = AdaptivePolicy(CostModel(**saved["costs"]), Calibration(**saved["calibration"]))
     rows = []
     for rep in range(args.repeats):
-        for kind in ("ar", "adaptive") if rep % 2 == 0 else ("adaptive", "ar"):
+        kinds = args.kinds.split(",")
+        for kind in kinds if rep % 2 == 0 else kinds[::-1]:
             policy = replace(base) if kind == "adaptive" else None
             if policy is not None and args.no_probes:
                 plain = policy.draft_this_round
@@ -62,13 +64,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
             timings: dict[str, float] = {}
             start = time.perf_counter()
             res = generate(target, prompts, gen, generator=torch.Generator().manual_seed(rep), slots=args.slots,
-                           timings=timings, **({"drafter": drafter, "policy": policy} if policy else {}))
+                           timings=timings, **({"drafter": drafter} if kind != "ar" else {}), policy=policy)
             seconds = time.perf_counter() - start
             tokens = sum(len(r.tokens) for r in res)
             drafted = sum(v > 0 for r in res for v in r.verified) if policy else 0
             rows.append({"kind": kind, "repeat": rep, "tokens_per_s": tokens / seconds, "seconds": seconds,
                          "rounds": sum(len(r.accept_lengths) for r in res), "drafted_rounds": drafted,
-                         **{f"{k}_s": v for k, v in sorted(timings.items())}})
+                         **{f"{k}_s": v for k, v in sorted(timings.items())},
+                         **({f"measured_{k}": v for k, v in policy._scale.items()} if policy else {})})
             print(" ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in rows[-1].items()))
     return rows
 

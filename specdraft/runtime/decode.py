@@ -22,7 +22,7 @@ import torch
 from specdraft.runtime.d2sd import TreeDrafting, tree_round
 from specdraft.runtime.drafter import Drafter, RoundRecord
 from specdraft.runtime.models.target import TargetLM
-from specdraft.runtime.phase_clock import PhaseClock
+from specdraft.runtime.phase_clock import PhaseClock, wall_seconds
 from specdraft.runtime.policy import AdaptivePolicy
 from specdraft.runtime.sampling import SamplingParams, logits_to_probs, sample, sample_from_probs
 from specdraft.runtime.verify import accept_greedy, accept_speculative_sampling
@@ -346,12 +346,27 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
                 backlog.flush(drafter, caches["d"])
             clock.lap("compaction")
 
+    cuda = dev.type == "cuda"
+    flushed = 0.0  # this round's seconds feeding the drafter deferred features (not a cost of the round's kind)
+
+    def flush(rows: torch.Tensor | None = None) -> None:
+        nonlocal flushed
+        if backlog.tokens:
+            clock.lap("draft")
+            flushed += wall_seconds(lambda: backlog.flush(drafter, caches["d"], rows), dev)
+            clock.lap("flush")
+
     admit()
     while state.rows.numel() > 0:
         tcache, dcache, scache = caches["t"], caches["d"], caches["s"]
         b = state.rows.numel()
         clock.lap("commit")
+        if policy is not None:  # the policy prices rounds by their measured seconds
+            if cuda:
+                torch.cuda.synchronize()
+            started, flushed = time.perf_counter(), 0.0
         tree_nodes = tree_winner = widths = None
+        m = 0  # rows that drafted this round
         if tree is not None:
             rnd = tree_round(target, drafter, tree, dcache, scache if second is not None else dcache, tcache,
                              state.anchor, params, feature_layers, generator, clock, config.draft_sampling)
@@ -359,13 +374,16 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
             n_acc, nxt, target_logits = rnd.acceptance.num_accepted, rnd.acceptance.next_token, rnd.path_logits
             features, tree_nodes, tree_winner = rnd.path_features, rnd.tree.num_nodes, rnd.acceptance.winner
         elif drafter is not None and (m := b if policy is None else policy.draft_rows(b, len(fresh))) > 0:
+            # m rows draft (fewer than b: an exploring round, when the drafter can draft for a subset of rows)
             widths = None  # [b] drafts each row verifies, when only a few rows drafted
-            if m < b and _explores_rows(drafter, dcache):
+            if m < b and not _explores_rows(drafter, dcache):
+                m = b
+            if m < b:
                 # an adaptive policy exploring: a few rows draft (new requests first), the others decode plainly
                 few = _explorers(m, state.rows, fresh, explored)  # [m]
                 explored += 1
                 fresh.clear()  # a probe of some new requests stands for all of them, as a full round did
-                backlog.flush(drafter, dcache, few)
+                flush(few)
                 part = _draft(drafter, dcache.gather_rows(few, block), state.anchor[few], None, params,
                               config.draft_sampling, generator)
                 k = policy.verify_len(draft_confidence(*part[1:]), rows=b)
@@ -375,7 +393,7 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
                     None if x is None else _scatter_rows(x[:, :k] if i else x, few, b) for i, x in enumerate(part))
             else:
                 fresh.clear()
-                backlog.flush(drafter, dcache)  # plain rounds' features, deferred until drafting resumed
+                flush()  # plain rounds' features, deferred until drafting resumed
                 hidden, draft_logits, draft_tokens, draft_probs = _draft(
                     drafter, dcache, state.anchor, state.draft_state, params, config.draft_sampling, generator)
                 if policy is not None:  # verify only the first k drafts: a block of k drafts, just as lossless
@@ -415,9 +433,7 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
             second.ingest(scache, features, n_acc + 1)
             second.next_round_state(None, None, draft_tokens, n_acc, target_logits, None)
         state.anchor = nxt
-        if policy is not None and draft_tokens.shape[1] > 0:
-            policy.observe(n_acc if widths is None else n_acc[widths > 0])
-        keep = []
+        keep, useful = [], []  # useful: drafts each row committed (accepted ones past its stop token or cap are not)
         tree_nodes = tree_nodes.tolist() if tree_nodes is not None else [0] * b
         tree_winner = tree_winner.tolist() if tree_winner is not None else [0] * b
         row_widths = widths.tolist() if widths is not None else [draft_tokens.shape[1]] * b
@@ -429,12 +445,18 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
                 nodes[row].append(tree_nodes[i])
                 winners[row].append(tree_winner[i])
             emitted, reason = emit(row, d[:a] + [t])
+            useful.append(emitted - 1)
             accept_lengths[row].append(emitted)  # what the round emitted (a + 1 unless cut short)
             if reason is None:
                 keep.append(i)
             else:
                 finish(row, reason)
+        if policy is not None and draft_tokens.shape[1] > 0:  # drafts past a row's end count as rejected
+            useful_t = torch.tensor(useful)
+            policy.observe(useful_t if widths is None else useful_t[widths.cpu() > 0])
         _compact(state, caches, keep, b, backlog)
+        if policy is not None:  # the round's rows, drafting rows and verified width, as the cost model prices them
+            policy.observe_seconds(b, m, draft_tokens.shape[1], time.perf_counter() - started - flushed)
         admit()
     clock.lap("commit")
     return results  # type: ignore[return-value]

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import bisect
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -190,10 +189,11 @@ class AdaptivePolicy:
     """Rounds of plain decoding before drafting is tried again; each retry that still finds drafting not paying
     doubles the wait, up to ``max_retry_every`` (a drafter that pays again resets it)."""
     max_retry_every: int = 64
-    retry_share: float = 0.02
-    """A failing retry's extra seconds over a plain round stay below this share of the plain rounds' seconds around
-    it: the wait is never shorter than ``extra / (retry_share * plain round)`` rounds (where a drafted round costs
-    several plain ones, as with many rows on a CPU, retries are rarer)."""
+    explore_share: float = 0.02
+    """Exploring rounds (retries and new-request probes) cost at most this share of the plain rounds' seconds: each
+    plain round earns this share of its seconds, and an exploring round runs only once its extra seconds over a
+    plain round are earned (where a drafted round costs several plain ones, as with many rows on a CPU, exploring is
+    rarer; a drafter that never pays then costs at most this share over plain decoding)."""
     explore_rows: int = 4
     """Rows that draft in the job's first round, a retry or a new-request probe, while drafting is not known to pay
     (the others decode plainly in the same pass): what those rounds learn is the drafter's acceptance, and a few rows
@@ -204,9 +204,19 @@ class AdaptivePolicy:
     are estimates, and where they are nearly tied the fixed block is the safer choice."""
     smoothing: float = 0.3
     """Weight of the latest round in the running per-slot acceptance."""
+    cost_smoothing: float = 0.1
+    """Weight of the latest round in the running ratios of measured to modelled seconds (:meth:`observe_seconds`) and
+    of committed to promised tokens (:meth:`observe`)."""
+    measured: bool = True
+    """Rescale the cost model by the rounds' measured seconds, and the running acceptance's promise by the tokens
+    drafted rounds committed (False: decide from the cost model and the running acceptance alone, as tests that pin
+    decisions on a synthetic machine do)."""
     accept: list[float] = field(default_factory=list)
     """Running acceptance of slot ``j + 1`` given the slots before it were accepted, from realised rounds (empty:
     none drafted yet)."""
+    population: list[float] = field(default_factory=list)
+    """The same, averaged slowly (``population_smoothing``) over every drafted round: what a new request starts from."""
+    population_smoothing: float = 0.05
     width: int = 0
     skipped: int = 0
     wait: int = 0
@@ -216,32 +226,43 @@ class AdaptivePolicy:
         self._rate_memo: dict = {}
         self._exploring = True  # the last drafted round was a first round, a retry or a probe (not known to pay)
         self._predicted: list[float] = []  # the last drafted round's predicted acceptance per slot (conditional)
+        self._credit = 0.0  # seconds of exploring the plain rounds have earned (explore_share), not yet spent
+        self._scale: dict[str, float] = {}  # "plain" / "drafted": running measured / modelled seconds of such rounds
 
     def draft_this_round(self, b: int, fresh: int = 0) -> bool:
         """False while the running acceptance says no width of drafted round commits more tokens per second than
-        plain decoding (plain rounds then run; drafting is retried after ``retry_every`` of them, then after twice as
-        many while retries keep failing; once ``fresh`` rows, still running and admitted since the last drafted
-        round, are half the batch, after ``retry_every`` or a quarter of the affordable wait, whichever is longer).
-        Drafting keeps the benefit of ``margin`` only while its last round verified drafts: after a round that
-        verified none, drafting must pay outright."""
+        plain decoding, at the rounds' measured costs (plain rounds then run). Drafting is retried after
+        ``retry_every`` plain rounds, then after twice as many while retries keep failing, and new requests are
+        probed once ``fresh`` rows (still running, admitted since the last drafted round) are half the batch, after
+        ``retry_every`` plain rounds; either only once :attr:`explore_share` of the plain rounds' seconds pays for
+        its extra seconds. Drafting keeps the benefit of ``margin`` only while its last round verified drafts: after
+        a round that verified none, drafting must pay outright."""
         self._exploring = True
         if not self.accept:
             return True
-        spec = self._drafted_rate(b)
+        if 2 * fresh >= b and self.population:
+            # new requests are half the batch: they start from the acceptance drafted requests had on average, not
+            # from the last rounds of the ones before them
+            self.accept = list(self.population)
+        plain = self.costs.target(b, 1) * self._scaled("plain")
+        spec = self._drafted_rate(b) * self._scale.get("tokens", 1.0) / self._scaled("drafted")
         margin = self.margin if self.width > 0 else 0.0
-        wait = self.wait or max(self.retry_every, self._affordable_wait(b))
-        if spec * (1 + margin) >= b / self.costs.target(b, 1):
+        if spec * (1 + margin) >= b / plain:
             self.skipped, self.wait, self._exploring = 0, 0, False
             return True
-        if self.skipped >= wait:
-            self.skipped, self.wait = 0, max(min(2 * wait, max(self.max_retry_every, self.retry_every)),
-                                             self._affordable_wait(b))
+        extra = self._exploring_extra(b)
+        wait = self.wait or self.retry_every
+        earned = self._credit >= extra * (1 - 1e-9)
+        if self.skipped >= wait and earned:  # a retry; while retries fail, the next waits twice as long
+            self.skipped, self.wait = 0, min(2 * wait, max(self.max_retry_every, self.retry_every))
+            self._credit -= extra
             return True
-        # new requests: a probe (up to 4 x retry_share of the plain rounds' seconds); the backed-off wait stays
-        if 2 * fresh >= b and self.skipped >= max(self.retry_every, self._affordable_wait(b) // 4):
+        if 2 * fresh >= b and self.skipped >= self.retry_every and earned:  # a probe; the wait stays
             self.skipped = 0
+            self._credit -= extra
             return True
         self.skipped += 1
+        self._credit = min(self._credit + self.explore_share * plain, 2 * extra)
         return False
 
     def draft_rows(self, b: int, fresh: int = 0) -> int:
@@ -254,12 +275,33 @@ class AdaptivePolicy:
     def _explorers(self, b: int) -> int:
         return min(b, self.explore_rows) if self.explore_rows > 0 else b
 
-    def _affordable_wait(self, b: int) -> int:
-        """Plain rounds a retry must be spread over to cost at most ``retry_share`` of them (the retry assumed to
-        verify the last drafted width)."""
-        plain = self.costs.target(b, 1)
-        extra = self.costs.drafter(self._explorers(b)) + self.costs.target(b, max(self.width, 1) + 1) - plain
-        return math.ceil(max(extra, 0.0) / (self.retry_share * plain) - 1e-9)
+    def _exploring_extra(self, b: int) -> float:
+        """Seconds an exploring round costs over a plain round (it is assumed to verify the last drafted width)."""
+        if self._rate_memo.get("extra_key") != (b, self.width):
+            drafted = self.costs.drafter(self._explorers(b)) + self.costs.target(b, max(self.width, 1) + 1)
+            self._rate_memo.update(extra_key=(b, self.width), extra=(drafted, self.costs.target(b, 1)))
+        drafted, plain = self._rate_memo["extra"]
+        return max(drafted * self._scaled("drafted") - plain * self._scaled("plain"), 0.0)
+
+    def _scaled(self, kind: str) -> float:
+        """Measured / modelled seconds of ``kind`` rounds (``plain`` or ``drafted``; a kind not measured yet: as the
+        other, or as modelled)."""
+        other = "plain" if kind == "drafted" else "drafted"
+        return self._scale.get(kind) or self._scale.get(other, 1.0)
+
+    def observe_seconds(self, b: int, drafting: int, width: int, seconds: float) -> None:
+        """A round's measured wall seconds: ``b`` rows, of which ``drafting`` drafted (0: a plain round), verifying
+        ``width`` drafts. The running ratio to what the cost model prices such a round at rescales the model: what it
+        does not time (sampling, verification, commit, the drafter's ingest of the accepted tokens) and how far the
+        machine runs from when it was measured. One slow round moves the ratio by at most a factor
+        ``1 + cost_smoothing``."""
+        if not self.measured:
+            return
+        model = (self.costs.drafter(drafting) if drafting else 0.0) + self.costs.target(b, width + 1)
+        kind = "drafted" if drafting else "plain"
+        ratio, old = seconds / max(model, 1e-12), self._scale.get(kind, 1.0)
+        weight = self.cost_smoothing if kind in self._scale else 1.0  # the first round of its kind: as measured
+        self._scale[kind] = old + weight * (min(ratio, 2 * old) - old)
 
     def verify_len(self, confidence: torch.Tensor, rows: int | None = None) -> int:
         """Drafts to verify (0..K) given the drafted block's per-slot confidences ``[m, K]`` of the ``m`` rows that
@@ -315,15 +357,21 @@ class AdaptivePolicy:
         slots past them from the round's calibrated prediction (nothing else is known of them, and the width was
         chosen because they did not pay)."""
         n = num_accepted.cpu()
-        accept = list(self.accept)  # a new list: copies of a policy (dataclasses.replace) must not share it
+        if self.measured and self.accept and self.width > 0 and not self._exploring:  # what it promised this round
+            promised = float(expected_committed(self._accept(self.width)[None])[0, -1]) * len(n)
+            ratio, old = (float(n.sum()) + len(n)) / promised, self._scale.get("tokens", 1.0)
+            self._scale["tokens"] = old + self.cost_smoothing * (min(ratio, 2 * old) - old)
+        accept = list(self.accept)  # new lists: copies of a policy (dataclasses.replace) must not share them
+        population = list(self.population)
         for j in range(1, self.width + 1):
             reached = int((n >= j - 1).sum())
             if reached == 0:
                 break
             rate = float((n >= j).sum()) / reached
-            if j > len(accept):
-                accept.append(rate)
-            else:
-                accept[j - 1] += self.smoothing * (rate - accept[j - 1])
-        self.accept = accept
+            for values, weight in ((accept, self.smoothing), (population, self.population_smoothing)):
+                if j > len(values):
+                    values.append(rate)
+                else:
+                    values[j - 1] += weight * (rate - values[j - 1])
+        self.accept, self.population = accept, population
         self._blend_predicted()

@@ -44,7 +44,7 @@ def test_no_drafts_when_verification_cannot_pay_and_the_whole_block_when_accepta
 
 
 def test_a_drafter_that_does_not_pay_reverts_to_plain_rounds_and_is_retried():
-    policy = AdaptivePolicy(costs(per_token=0.5, drafter=0.5), retry_every=3, retry_share=1.0)
+    policy = AdaptivePolicy(costs(per_token=0.5, drafter=0.5), retry_every=3, explore_share=1.0)
     assert policy.draft_this_round(8)  # nothing known yet: draft
     assert policy.verify_len(torch.full((8, 3), 0.05)) == 0  # no draft worth verifying
     plan = [policy.draft_this_round(8) for _ in range(19)]
@@ -72,8 +72,9 @@ def test_rounds_that_verify_nothing_back_off_to_plain_rounds():
         if policy.draft_this_round(8):
             drafted += 1
             assert policy.verify_len(unsure) == 0
-    # the first round, then retries after 26 plain rounds (a retry's 0.51 s extra is 2 % of 26 plain rounds), 52
-    assert drafted == 3 and policy.wait == 64
+    # the first round, then retries once 2 % of the plain rounds' seconds pays for a retry's 0.51 s extra (26 plain
+    # rounds), each waiting twice as long as the last (8, 16, 32): 26, 27 and 33 plain rounds
+    assert drafted == 4 and policy.wait == 64
     # one unsure round blends in, it does not erase what verified rounds realised
     sure = AdaptivePolicy(costs(per_token=0.1, drafter=0.1), accept=[0.9, 0.9, 0.9], width=3)
     assert sure.verify_len(torch.full((8, 3), 0.05)) == 0
@@ -84,7 +85,7 @@ def test_slots_a_narrow_round_leaves_unverified_follow_its_prediction_not_a_past
     """After a burst of whole-block acceptance, rounds whose drafts are predicted to fail past the first slot verify
     one draft: the deep slots' running acceptance must follow that prediction (it is all that is known of them), or
     the burst's values keep drafting going round after round for one failing draft."""
-    burst = AdaptivePolicy(costs(per_token=0.1, drafter=0.3), retry_share=1.0)
+    burst = AdaptivePolicy(costs(per_token=0.1, drafter=0.3), explore_share=1.0)
     assert burst.draft_this_round(8) and burst.verify_len(torch.full((8, 3), 0.99)) == 3
     burst.observe(torch.full((8,), 3))
     assert burst.accept == [1.0, 1.0, 1.0]
@@ -103,26 +104,91 @@ def test_slots_a_narrow_round_leaves_unverified_follow_its_prediction_not_a_past
 
 def test_retries_are_spread_so_their_extra_cost_stays_a_small_share():
     """Where a drafted round costs several plain ones (many rows on a CPU), a failing retry every 8 rounds would
-    cost more than drafting could win back: the wait grows to keep the retries' extra seconds at ``retry_share``."""
+    cost more than drafting could win back: retries wait until ``explore_share`` of the plain rounds' seconds pays
+    for their extra seconds."""
     policy = AdaptivePolicy(costs(per_token=1.0, drafter=1.0))  # one draft verified: 3 s against a 1 s plain round
     assert policy.draft_this_round(8) and policy.verify_len(torch.full((8, 3), 0.05)) == 0
     plan = [policy.draft_this_round(8) for _ in range(250)]
     assert [i for i, d in enumerate(plan) if d] == [100, 201]  # 2 s extra each, 2 % of 100 plain rounds
-    cheap = AdaptivePolicy(costs(per_token=0.1, drafter=0.1))  # 0.2 s extra: 10 rounds, then the doubling schedule
+    cheap = AdaptivePolicy(costs(per_token=0.1, drafter=0.1))  # 0.2 s extra: 10 rounds, then the doubling wait (16)
     assert cheap.draft_this_round(8) and cheap.verify_len(torch.full((8, 3), 0.05)) == 0
-    assert [i for i, d in enumerate(cheap.draft_this_round(8) for _ in range(40)) if d] == [10, 31]
+    assert [i for i, d in enumerate(cheap.draft_this_round(8) for _ in range(40)) if d] == [10, 27]
 
 
 def test_new_requests_filling_half_the_batch_bring_the_retry_forward():
     """Requests admitted while drafting does not pay have unknown acceptance: once they are half the batch's running
-    rows, drafting is retried after ``retry_every`` plain rounds instead of the (long) backed-off wait, which stays."""
-    policy = AdaptivePolicy(costs(per_token=1.0, drafter=1.0))  # a failing retry waits 100 plain rounds
-    assert policy.draft_this_round(8) and policy.verify_len(torch.full((8, 3), 0.05)) == 0
+    rows, drafting is retried after ``retry_every`` plain rounds instead of the (long) backed-off wait, which stays;
+    the exploring budget still holds."""
+    policy = AdaptivePolicy(costs(per_token=0.1, drafter=0.1))  # a failing retry costs 0.2 s: 10 plain rounds' share
+    low = torch.full((8, 3), 0.05)
+    assert policy.draft_this_round(8) and policy.verify_len(low) == 0
+    for _ in range(200):  # retries keep failing: the wait doubles up to 64
+        if policy.draft_this_round(8):
+            assert policy.verify_len(low) == 0
+    assert policy.wait == 64 and policy.skipped < 64
+    while policy.skipped:  # up to the next retry
+        if policy.draft_this_round(8):
+            assert policy.verify_len(low) == 0
     assert not any(policy.draft_this_round(8) for _ in range(20))
     assert not any(policy.draft_this_round(8, fresh=3) for _ in range(20))  # three of eight rows are new: not enough
-    assert policy.draft_this_round(8, fresh=4)  # four of eight: this round retries
-    assert policy.verify_len(torch.full((8, 3), 0.05)) == 0  # the new rows do not pay either: back to waiting
-    assert [i for i, d in enumerate(policy.draft_this_round(8) for _ in range(101)) if d] == [100]
+    assert policy.draft_this_round(8, fresh=4)  # four of eight: this round probes them
+    assert policy.verify_len(low) == 0  # the new rows do not pay either: back to waiting
+    assert [i for i, d in enumerate(policy.draft_this_round(8) for _ in range(65)) if d] == [64]
+    poor = AdaptivePolicy(costs(per_token=1.0, drafter=1.0))  # a probe costs 2 s: 100 plain rounds' share
+    assert poor.draft_this_round(8) and poor.verify_len(low) == 0
+    assert [i for i, d in enumerate(poor.draft_this_round(8, fresh=8) for _ in range(101)) if d] == [100]
+
+
+def test_new_requests_start_from_the_acceptance_drafted_requests_had():
+    """A stretch of failing rounds (the last request's hard tail) stops drafting; requests admitted after it start
+    from the slowly averaged acceptance of every drafted round, and are drafted for at once where that pays."""
+    policy = AdaptivePolicy(costs(per_token=0.2, drafter=0.2))
+    assert policy.draft_this_round(8) and policy.verify_len(torch.full((8, 3), 0.95)) == 3
+    for _ in range(40):
+        policy.observe(torch.full((8,), 3))  # requests whose drafts are all accepted
+    for _ in range(5):
+        policy.observe(torch.zeros(8, dtype=torch.long))  # then a tail where none are
+    assert policy.accept[0] < 0.2 < 0.7 < policy.population[0]
+    assert not policy.draft_this_round(8) and not policy.draft_this_round(8, fresh=3)
+    assert policy.draft_rows(8, fresh=4) == 8  # every row drafts: not an exploring round
+    assert policy.accept == policy.population
+
+
+def test_measured_round_seconds_rescale_the_cost_model():
+    """The cost model times the target's and drafter's passes; a round also samples, verifies, commits and feeds
+    the drafter. Where measured drafted rounds cost three times what the model says (plain ones as modelled),
+    drafting that the model says pays stops; one slow round moves the ratio by at most a step."""
+    policy = AdaptivePolicy(costs(per_token=0.1, drafter=0.1), accept=[0.5, 0.5, 0.5], width=3)
+    assert policy.draft_this_round(8)  # modelled: 1.875 tokens per row for 1.4 s against 1 per 1 s
+    policy.observe_seconds(8, 0, 0, 1.0)
+    for _ in range(30):
+        policy.observe_seconds(8, 8, 3, 3 * 1.4)
+    assert policy._scaled("drafted") == pytest.approx(3.0, rel=0.05) and not policy.draft_this_round(8)
+    policy.observe_seconds(8, 0, 0, 100.0)  # a stall (another process, a collection) in one plain round
+    assert policy._scaled("plain") == pytest.approx(1.1)
+    model_only = AdaptivePolicy(costs(per_token=0.1, drafter=0.1), accept=[0.5, 0.5, 0.5], width=3, measured=False)
+    model_only.observe_seconds(8, 8, 3, 3 * 1.4)
+    assert model_only.draft_this_round(8)
+
+
+def test_the_policy_learns_from_the_drafts_rows_committed():
+    """Drafts accepted past a row's stop token or cap commit nothing: the policy's running acceptance counts what
+    each drafting row committed, which is what a round's worth is."""
+    target, oracle = bigram_oracle(2)
+    seen = []
+
+    class Recording(AdaptivePolicy):
+        def observe(self, num_accepted):
+            seen.append(num_accepted.tolist())
+            super().observe(num_accepted)
+
+    caps = [2, 3, 5, 9]
+    got = generate(target, PROMPTS[:4], GenerationConfig(max_new_tokens=caps), drafter=oracle,
+                   policy=Recording(costs(per_token=0.0, drafter=0.0), measured=False))
+    emitted = [[e - 1 for e, v in zip(r.accept_lengths, r.verified) if v] for r in got]
+    accepted = [[a for a, v in zip(r.accepted, r.verified) if v] for r in got]
+    assert sorted(x for rnd in seen for x in rnd) == sorted(x for row in emitted for x in row)
+    assert sum(map(sum, emitted)) < sum(map(sum, accepted))  # short caps cut accepted runs
 
 
 def test_calibration_maps_confidence_to_the_observed_acceptance():
@@ -145,9 +211,11 @@ def test_greedy_output_is_the_targets_under_the_policy(per_token, right):
         gen = GenerationConfig(max_new_tokens=CAPS, stop_token_ids=stop)
         want = generate(target, PROMPTS, gen)
         for batching in ({"slots": 3, "prefill_chunk": 2}, {}):  # continuous (requests join mid-way), static
-            got = generate(target, PROMPTS, gen, drafter=oracle, policy=AdaptivePolicy(costs(per_token), retry_every=2),
-                           **batching)
+            policy = AdaptivePolicy(costs(per_token), retry_every=2, measured=right == 0)
+            got = generate(target, PROMPTS, gen, drafter=oracle, policy=policy, **batching)
             assert [r.tokens for r in got] == [r.tokens for r in want]
+            # measured: the engine reported the seconds of plain and drafted rounds
+            assert set(policy._scale) >= ({"plain", "drafted"} if right == 0 else set())
     verified = [v for r in got for v in r.verified]
     assert all(a <= v for r in got for a, v in zip(r.accepted, r.verified))
     if per_token == 0.0 and right == 2:
@@ -172,7 +240,8 @@ def test_deferred_prompt_ingest_leaves_every_draft_unchanged(budget, monkeypatch
     gen = GenerationConfig(max_new_tokens=CAPS)
     for batching in ({}, {"slots": 3, "prefill_chunk": 2}):
         drafts = []
-        for policy in (None, AdaptivePolicy(costs(per_token=0.0, drafter=0.0), explore_rows=0)):  # verifying is free
+        free = AdaptivePolicy(costs(per_token=0.0, drafter=0.0), explore_rows=0, measured=False)  # verifying is free
+        for policy in (None, free):
             seen: dict[int, list] = {}
             generate(target, PROMPTS, gen, drafter=drafter, policy=policy, **batching,
                      observer=lambda rec: [seen.setdefault(r, []).append(d) for r, d in
@@ -210,7 +279,7 @@ def test_rows_drafting_alone_in_an_exploring_round_draft_what_the_fixed_engine_d
         # cannot pay, verifying is free, so every other round explores two rows with the whole block
         seldom = Calibration(bins=1, table=[[0.3]] * 3)
         explore = AdaptivePolicy(costs(per_token=0.0, drafter=1.0), seldom, retry_every=1, max_retry_every=1,
-                                 retry_share=1.0, explore_rows=2)
+                                 explore_share=1.0, explore_rows=2, measured=False)
         seen, got, verified = drafts(explore, batching)
         assert got == want
         both = [key for key in seen if key in fixed]
@@ -225,7 +294,7 @@ def test_the_shared_greedy_harness_passes_with_narrower_rounds():
     widths = []
 
     def engine(*args, **kwargs):  # a fresh policy per call, as each decode job builds one
-        results = generate(*args, **kwargs, policy=AdaptivePolicy(costs(per_token=0.2, K=4), half))
+        results = generate(*args, **kwargs, policy=AdaptivePolicy(costs(per_token=0.2, K=4), half, measured=False))
         widths.extend(v for r in results for v in r.verified)
         return results
 
@@ -251,7 +320,8 @@ def test_sampled_output_fits_the_target_distribution_under_the_policy(right, exp
 
     def engine(*args, **kwargs):
         results = generate(*args, **kwargs, **batching,
-                           policy=AdaptivePolicy(costs(per_token=per_token), half, retry_every=2, explore_rows=explore))
+                           policy=AdaptivePolicy(costs(per_token=per_token), half, retry_every=2, explore_rows=explore,
+                                                measured=False))
         widths.extend(v for r in results for v in r.verified)
         first.extend(r.verified[0] for r in results)
         return results
