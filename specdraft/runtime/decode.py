@@ -456,7 +456,7 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
             policy.observe(useful_t if widths is None else useful_t[widths.cpu() > 0])
         _compact(state, caches, keep, b, backlog)
         if policy is not None:  # the round's rows, drafting rows and verified width, as the cost model prices them
-            policy.observe_seconds(b, m, draft_tokens.shape[1], time.perf_counter() - started - flushed)
+            policy.observe_seconds(b, m, draft_tokens.shape[1], time.perf_counter() - started - flushed, flushed)
         admit()
     clock.lap("commit")
     return results  # type: ignore[return-value]

@@ -88,15 +88,16 @@ class KVCache:
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (compaction when requests finish, so finished rows stop costing compute), in place:
         only rows whose position changes are copied (a swap-remove order, kept rows filling the holes from the tail,
-        copies one row per finished request)."""
+        copies one row per finished request, and only its committed entries)."""
         order = rows.tolist()
         n = len(order)
         moved = [i for i, r in enumerate(order) if r != i]
         if moved:
             dst = torch.tensor(moved, dtype=torch.long, device=rows.device)  # [m]
             src = rows.to(dst.device)[dst]  # [m]
+            used = int(self.lengths.index_select(0, src.to(self.lengths.device)).max())
             for buf in (*self._kb, *self._vb):
-                buf[dst] = buf[src]  # the right side is gathered first: overlaps are safe
+                buf[dst, :, :used] = buf[src, :, :used]  # the right side is gathered first: overlaps are safe
         self.k, self.v = [b[:n] for b in self._kb], [b[:n] for b in self._vb]
         self.lengths = self.lengths.index_select(0, rows)
 
@@ -122,11 +123,12 @@ class KVCache:
 
     def cat_rows(self, other: "KVCache") -> None:
         """Append ``other``'s rows (same layers, heads and ``max_len``): requests admitted by continuous batching,
-        copied into spare rows (made when there are none)."""
+        copied into spare rows (made when there are none; only their committed entries)."""
         n, m = self.batch_size, other.batch_size
         self.reserve(n + m)
+        used = int(other.lengths.max()) if m else 0
         for buf, new in zip((*self._kb, *self._vb), (*other.k, *other.v)):
-            buf[n:n + m] = new
+            buf[n:n + m, :, :used] = new[:, :, :used]
         self.k, self.v = [b[: n + m] for b in self._kb], [b[: n + m] for b in self._vb]
         self.lengths = torch.cat([self.lengths, other.lengths])
 

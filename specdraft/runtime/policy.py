@@ -10,9 +10,13 @@ models); :class:`Calibration` maps the drafter's per-slot confidence (its probab
 D²SD branches on) to an acceptance probability, fitted on held-in rounds; :class:`AdaptivePolicy` picks, each round,
 the number of drafts to verify (the same for every row that drafted: the verify pass pads rows to one width, so a
 narrower row would save nothing) and skips drafting altogether while the recent acceptance says a round cannot beat
-plain decoding, retrying after ``retry_every`` rounds and backing off while retries fail (never more often than a
-failing retry can be afforded). Rounds that only explore (the job's first, a retry, a probe of new requests) draft
-for a few rows, new requests first; the others verify nothing in the same pass. A plain row feeds the drafter
+plain decoding, retrying after ``retry_every`` rounds and backing off while retries fail. The model is kept honest
+by what the job measures: each round's wall seconds rescale the modelled costs of its kind (plain or drafted), the
+acceptance counts only drafts a row committed (not those past its stop token or cap), and a drafted round's
+committed tokens rescale what the running acceptance promises. New requests start from the acceptance averaged over
+every drafted round. Rounds that only explore (the job's first, a retry, a probe of new requests) draft for a few
+rows, new requests first, while the others verify nothing in the same pass, and together cost at most a set share of
+the plain rounds' seconds. A plain row feeds the drafter
 nothing: its target features wait, and the drafter ingests them in one pass when it next drafts for the row. Only
 how much is drafted and verified changes: verifying the first ``k`` drafts of a block is speculative decoding with a
 block of ``k`` drafts (``k = 0``: plain decoding), so the output stays lossless.
@@ -189,11 +193,12 @@ class AdaptivePolicy:
     """Rounds of plain decoding before drafting is tried again; each retry that still finds drafting not paying
     doubles the wait, up to ``max_retry_every`` (a drafter that pays again resets it)."""
     max_retry_every: int = 64
-    explore_share: float = 0.02
+    explore_share: float = 0.015
     """Exploring rounds (retries and new-request probes) cost at most this share of the plain rounds' seconds: each
     plain round earns this share of its seconds, and an exploring round runs only once its extra seconds over a
-    plain round are earned (where a drafted round costs several plain ones, as with many rows on a CPU, exploring is
-    rarer; a drafter that never pays then costs at most this share over plain decoding)."""
+    plain round (and the features it fed the drafter last time) are earned (where a drafted round costs several
+    plain ones, as with many rows on a CPU, exploring is rarer; a drafter that never pays then costs about this
+    share over plain decoding)."""
     explore_rows: int = 4
     """Rows that draft in the job's first round, a retry or a new-request probe, while drafting is not known to pay
     (the others decode plainly in the same pass): what those rounds learn is the drafter's acceptance, and a few rows
@@ -289,12 +294,15 @@ class AdaptivePolicy:
         other = "plain" if kind == "drafted" else "drafted"
         return self._scale.get(kind) or self._scale.get(other, 1.0)
 
-    def observe_seconds(self, b: int, drafting: int, width: int, seconds: float) -> None:
+    def observe_seconds(self, b: int, drafting: int, width: int, seconds: float, flushed: float = 0.0) -> None:
         """A round's measured wall seconds: ``b`` rows, of which ``drafting`` drafted (0: a plain round), verifying
-        ``width`` drafts. The running ratio to what the cost model prices such a round at rescales the model: what it
-        does not time (sampling, verification, commit, the drafter's ingest of the accepted tokens) and how far the
-        machine runs from when it was measured. One slow round moves the ratio by at most a factor
-        ``1 + cost_smoothing``."""
+        ``width`` drafts; ``flushed``: further seconds it fed the drafter deferred features (a catch-up, not a cost
+        of the round's kind; an exploring round's is charged to the exploring budget). The running ratio to what the
+        cost model prices such a round at rescales the model: what it does not time (sampling, verification, commit,
+        the drafter's ingest of the accepted tokens) and how far the machine runs from when it was measured. One
+        slow round moves the ratio by at most a factor ``1 + cost_smoothing``."""
+        if drafting and self._exploring:
+            self._credit -= flushed
         if not self.measured:
             return
         model = (self.costs.drafter(drafting) if drafting else 0.0) + self.costs.target(b, width + 1)

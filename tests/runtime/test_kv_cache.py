@@ -18,6 +18,15 @@ def _filled(rows: int, seed: int) -> KVCache:
     return cache
 
 
+def _assert_committed_equal(cache, want_k: list[torch.Tensor], lengths: list[int]) -> None:
+    """Each row's committed entries equal ``want_k``'s (entries past a row's length are scratch, never copied)."""
+    assert cache.lengths.tolist() == lengths
+    for k, want in zip(cache.k, want_k):
+        assert k.shape == want.shape
+        for row, n in enumerate(lengths):
+            torch.testing.assert_close(k[row, :, :n], want[row, :, :n], rtol=0, atol=0)
+
+
 def test_compaction_and_admission_in_place_equal_select_and_cat():
     cache = _filled(5, seed=0)
     ref_k = [k.clone() for k in cache.k]
@@ -27,15 +36,12 @@ def test_compaction_and_admission_in_place_equal_select_and_cat():
     assert cache.batch_size == 5 and cache.k[0].shape[0] == 5  # room reserved, not in the rows
     order = torch.tensor([0, 4, 2])  # rows 1 and 3 end; row 4 fills the hole at 1 (swap-remove)
     cache.select_rows(order)
-    for k, r in zip(cache.k, ref_k):
-        torch.testing.assert_close(k, r[order], rtol=0, atol=0)
-    assert cache.lengths.tolist() == ref_len[order].tolist()
+    _assert_committed_equal(cache, [r[order] for r in ref_k], ref_len[order].tolist())
     new = _filled(3, seed=1)
     cache.cat_rows(new)  # three requests join: rows 3..5 of the reserved room
     assert cache.batch_size == 6 and cache._kb[0].data_ptr() == base  # no reallocation
-    for k, r, n in zip(cache.k, ref_k, new.k):
-        torch.testing.assert_close(k, torch.cat([r[order], n]), rtol=0, atol=0)
-    assert cache.lengths.tolist() == ref_len[order].tolist() + new.lengths.tolist()
+    _assert_committed_equal(cache, [torch.cat([r[order], n]) for r, n in zip(ref_k, new.k)],
+                            ref_len[order].tolist() + new.lengths.tolist())
     cache.cat_rows(_filled(1, seed=2))  # past the reserved room: it grows
     assert cache.batch_size == 7 and cache.k[1].shape[0] == 7
     cache.select_rows(torch.tensor([], dtype=torch.long))

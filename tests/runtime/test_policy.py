@@ -65,7 +65,7 @@ def test_a_drafter_that_does_not_pay_reverts_to_plain_rounds_and_is_retried():
 def test_rounds_that_verify_nothing_back_off_to_plain_rounds():
     """A cheap drafter whose drafts are predicted just short of paying: each drafted round verifies none. Drafting
     must not go on paying the drafter for nothing; it backs off like any failing retry."""
-    policy = AdaptivePolicy(costs(per_token=0.5, drafter=0.01), retry_every=8)
+    policy = AdaptivePolicy(costs(per_token=0.5, drafter=0.01), retry_every=8, explore_share=0.02)
     unsure = torch.full((8, 3), 0.46)  # one draft would commit 1.46 tokens for 1.51 s: 3 % short of plain decoding
     drafted = 0
     for _ in range(120):
@@ -106,11 +106,15 @@ def test_retries_are_spread_so_their_extra_cost_stays_a_small_share():
     """Where a drafted round costs several plain ones (many rows on a CPU), a failing retry every 8 rounds would
     cost more than drafting could win back: retries wait until ``explore_share`` of the plain rounds' seconds pays
     for their extra seconds."""
-    policy = AdaptivePolicy(costs(per_token=1.0, drafter=1.0))  # one draft verified: 3 s against a 1 s plain round
+    policy = AdaptivePolicy(costs(per_token=1.0, drafter=1.0), explore_share=0.02, measured=False)  # 3 s against 1 s
     assert policy.draft_this_round(8) and policy.verify_len(torch.full((8, 3), 0.05)) == 0
     plan = [policy.draft_this_round(8) for _ in range(250)]
     assert [i for i, d in enumerate(plan) if d] == [100, 201]  # 2 s extra each, 2 % of 100 plain rounds
-    cheap = AdaptivePolicy(costs(per_token=0.1, drafter=0.1))  # 0.2 s extra: 10 rounds, then the doubling wait (16)
+    # a retry that first fed the drafter 2 s of deferred features: that too is paid for before the next one (48
+    # plain rounds had earned 0.96 s of the next retry's 2 s; 152 more earn the rest and the flush)
+    policy.observe_seconds(8, 1, 0, 3.0, flushed=2.0)
+    assert [i for i, d in enumerate(policy.draft_this_round(8) for _ in range(250)) if d] == [152]
+    cheap = AdaptivePolicy(costs(per_token=0.1, drafter=0.1), explore_share=0.02)  # 0.2 s extra: 10 rounds, then 16
     assert cheap.draft_this_round(8) and cheap.verify_len(torch.full((8, 3), 0.05)) == 0
     assert [i for i, d in enumerate(cheap.draft_this_round(8) for _ in range(40)) if d] == [10, 27]
 
@@ -119,7 +123,7 @@ def test_new_requests_filling_half_the_batch_bring_the_retry_forward():
     """Requests admitted while drafting does not pay have unknown acceptance: once they are half the batch's running
     rows, drafting is retried after ``retry_every`` plain rounds instead of the (long) backed-off wait, which stays;
     the exploring budget still holds."""
-    policy = AdaptivePolicy(costs(per_token=0.1, drafter=0.1))  # a failing retry costs 0.2 s: 10 plain rounds' share
+    policy = AdaptivePolicy(costs(per_token=0.1, drafter=0.1), explore_share=0.02)  # a failing retry: 0.2 s extra
     low = torch.full((8, 3), 0.05)
     assert policy.draft_this_round(8) and policy.verify_len(low) == 0
     for _ in range(200):  # retries keep failing: the wait doubles up to 64
@@ -134,7 +138,7 @@ def test_new_requests_filling_half_the_batch_bring_the_retry_forward():
     assert policy.draft_this_round(8, fresh=4)  # four of eight: this round probes them
     assert policy.verify_len(low) == 0  # the new rows do not pay either: back to waiting
     assert [i for i, d in enumerate(policy.draft_this_round(8) for _ in range(65)) if d] == [64]
-    poor = AdaptivePolicy(costs(per_token=1.0, drafter=1.0))  # a probe costs 2 s: 100 plain rounds' share
+    poor = AdaptivePolicy(costs(per_token=1.0, drafter=1.0), explore_share=0.02)  # a probe: 2 s, 100 plain rounds
     assert poor.draft_this_round(8) and poor.verify_len(low) == 0
     assert [i for i, d in enumerate(poor.draft_this_round(8, fresh=8) for _ in range(101)) if d] == [100]
 
