@@ -255,6 +255,8 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
     drafter_len = max_len + (longest + max(max_new) if policy is not None else 0)
     second = tree.second if tree is not None and tree.second is not drafter else None
     clock = PhaseClock(timings, dev)
+    if policy is not None:
+        policy.new_job()
 
     generated: list[list[int]] = [[] for _ in range(B)]
     accept_lengths: list[list[int]] = [[] for _ in range(B)]
@@ -367,13 +369,14 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
             started, flushed = time.perf_counter(), 0.0
         tree_nodes = tree_winner = widths = None
         m = 0  # rows that drafted this round
+        ids = state.rows.tolist() if policy is not None else None  # the running requests
         if tree is not None:
             rnd = tree_round(target, drafter, tree, dcache, scache if second is not None else dcache, tcache,
                              state.anchor, params, feature_layers, generator, clock, config.draft_sampling)
             draft_tokens, draft_logits, hidden = rnd.draft_tokens, rnd.draft_logits, rnd.hidden
             n_acc, nxt, target_logits = rnd.acceptance.num_accepted, rnd.acceptance.next_token, rnd.path_logits
             features, tree_nodes, tree_winner = rnd.path_features, rnd.tree.num_nodes, rnd.acceptance.winner
-        elif drafter is not None and (m := b if policy is None else policy.draft_rows(b, len(fresh))) > 0:
+        elif drafter is not None and (m := b if policy is None else policy.draft_rows(b, len(fresh), ids)) > 0:
             # m rows draft (fewer than b: an exploring round, when the drafter can draft for a subset of rows)
             widths = None  # [b] drafts each row verifies, when only a few rows drafted
             if m < b and not _explores_rows(drafter, dcache):
@@ -452,8 +455,8 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
             else:
                 finish(row, reason)
         if policy is not None and draft_tokens.shape[1] > 0:  # drafts past a row's end count as rejected
-            useful_t = torch.tensor(useful)
-            policy.observe(useful_t if widths is None else useful_t[widths.cpu() > 0])
+            drafting = [i for i, w in enumerate(row_widths) if w > 0]
+            policy.observe(torch.tensor([useful[i] for i in drafting]), [ids[i] for i in drafting])
         _compact(state, caches, keep, b, backlog)
         if policy is not None:  # the round's rows, drafting rows and verified width, as the cost model prices them
             policy.observe_seconds(b, m, draft_tokens.shape[1], time.perf_counter() - started - flushed, flushed)

@@ -11,15 +11,16 @@ D²SD branches on) to an acceptance probability, fitted on held-in rounds; :clas
 the number of drafts to verify (the same for every row that drafted: the verify pass pads rows to one width, so a
 narrower row would save nothing) and skips drafting altogether while the recent acceptance says a round cannot beat
 plain decoding, retrying after ``retry_every`` rounds and backing off while retries fail. The model is kept honest
-by what the job measures: each round's wall seconds rescale the modelled costs of its kind (plain or drafted), the
-acceptance counts only drafts a row committed (not those past its stop token or cap), and a drafted round's
-committed tokens rescale what the running acceptance promises. New requests start from the acceptance averaged over
-every drafted round. Rounds that only explore (the job's first, a retry, a probe of new requests) draft for a few
-rows, new requests first, while the others verify nothing in the same pass, and together cost at most a set share of
-the plain rounds' seconds. A plain row feeds the drafter
-nothing: its target features wait, and the drafter ingests them in one pass when it next drafts for the row. Only
-how much is drafted and verified changes: verifying the first ``k`` drafts of a block is speculative decoding with a
-block of ``k`` drafts (``k = 0``: plain decoding), so the output stays lossless.
+by what the job measures: each round's wall seconds rescale the modelled costs of its kind (plain or drafted), and
+the acceptance counts only drafts a row committed (not those past its stop token or cap). Whether drafting pays is
+judged on the running requests' own acceptance (easy requests end first: the ones left are not the average of those
+drafted for before); a request not yet drafted for starts from the acceptance averaged over every drafted round.
+Rounds that only explore (the job's first, a retry, a probe of new requests) draft for a few rows, new requests
+first, while the others verify nothing in the same pass, and together cost at most a set share of the plain rounds'
+seconds. A plain row feeds the drafter nothing: its target features wait, and the drafter ingests them in one pass
+when it next drafts for the row. Only how much is drafted and verified changes: verifying the first ``k`` drafts of
+a block is speculative decoding with a block of ``k`` drafts (``k = 0``: plain decoding), so the output stays
+lossless.
 """
 
 from __future__ import annotations
@@ -210,18 +211,18 @@ class AdaptivePolicy:
     smoothing: float = 0.3
     """Weight of the latest round in the running per-slot acceptance."""
     cost_smoothing: float = 0.1
-    """Weight of the latest round in the running ratios of measured to modelled seconds (:meth:`observe_seconds`) and
-    of committed to promised tokens (:meth:`observe`)."""
+    """Weight of the latest round in the running ratio of measured to modelled seconds (:meth:`observe_seconds`)."""
     measured: bool = True
-    """Rescale the cost model by the rounds' measured seconds, and the running acceptance's promise by the tokens
-    drafted rounds committed (False: decide from the cost model and the running acceptance alone, as tests that pin
-    decisions on a synthetic machine do)."""
+    """Rescale the cost model by the rounds' measured seconds (False: decide from the cost model alone, as tests that
+    pin decisions on a synthetic machine do)."""
     accept: list[float] = field(default_factory=list)
     """Running acceptance of slot ``j + 1`` given the slots before it were accepted, from realised rounds (empty:
     none drafted yet)."""
     population: list[float] = field(default_factory=list)
-    """The same, averaged slowly (``population_smoothing``) over every drafted round: what a new request starts from."""
-    population_smoothing: float = 0.05
+    """The same over every row of every drafted round (weighted by rows, the older rounds' by ``population_decay``
+    per round; a slot starts from 8 rows' worth of the calibrated prediction, so the few rows of a first exploring
+    round do not decide alone): what a request starts from before it has drafted."""
+    population_decay: float = 0.95
     width: int = 0
     skipped: int = 0
     wait: int = 0
@@ -232,11 +233,21 @@ class AdaptivePolicy:
         self._exploring = True  # the last drafted round was a first round, a retry or a probe (not known to pay)
         self._predicted: list[float] = []  # the last drafted round's predicted acceptance per slot (conditional)
         self._credit = 0.0  # seconds of exploring the plain rounds have earned (explore_share), not yet spent
+        self._row_accept: dict[int, torch.Tensor] = {}  # request -> [accepted, reached] [2, K] per slot (this job)
+        self._row_version = 0  # bumped whenever a request's acceptance changes
+        # per slot [accepted, reached], decayed per drafted round (a given population counts as 8 rows' worth)
+        self._population_counts: list[list[float]] = [[8.0 * p, 8.0] for p in self.population]
         self._scale: dict[str, float] = {}  # "plain" / "drafted": running measured / modelled seconds of such rounds
 
-    def draft_this_round(self, b: int, fresh: int = 0) -> bool:
-        """False while the running acceptance says no width of drafted round commits more tokens per second than
-        plain decoding, at the rounds' measured costs (plain rounds then run). Drafting is retried after
+    def new_job(self) -> None:
+        """Forget the requests' own acceptance (a decode call numbers its requests from 0); what was learnt of the
+        drafter and the machine stays."""
+        self._row_accept, self._row_version = {}, self._row_version + 1
+
+    def draft_this_round(self, b: int, fresh: int = 0, rows: list[int] | None = None) -> bool:
+        """False while the running acceptance (each request's own where ``rows``, the ``b`` running requests, are
+        given and it has one) says no width of drafted round commits more tokens per second than plain decoding, at
+        the rounds' measured costs (plain rounds then run). Drafting is retried after
         ``retry_every`` plain rounds, then after twice as many while retries keep failing, and new requests are
         probed once ``fresh`` rows (still running, admitted since the last drafted round) are half the batch, after
         ``retry_every`` plain rounds; either only once :attr:`explore_share` of the plain rounds' seconds pays for
@@ -245,12 +256,15 @@ class AdaptivePolicy:
         self._exploring = True
         if not self.accept:
             return True
-        if 2 * fresh >= b and self.population:
+        if rows is None and 2 * fresh >= b and self.population:
             # new requests are half the batch: they start from the acceptance drafted requests had on average, not
-            # from the last rounds of the ones before them
+            # from the last rounds of the ones before them (with ``rows``, each request without its own does)
             self.accept = list(self.population)
+        if rows is not None and len(self._row_accept) > 2 * len(rows) + 64:  # ended requests: forget them
+            kept = set(rows)
+            self._row_accept = {r: a for r, a in self._row_accept.items() if r in kept}
         plain = self.costs.target(b, 1) * self._scaled("plain")
-        spec = self._drafted_rate(b) * self._scale.get("tokens", 1.0) / self._scaled("drafted")
+        spec = self._drafted_rate(b, rows) / self._scaled("drafted")
         margin = self.margin if self.width > 0 else 0.0
         if spec * (1 + margin) >= b / plain:
             self.skipped, self.wait, self._exploring = 0, 0, False
@@ -270,10 +284,10 @@ class AdaptivePolicy:
         self._credit = min(self._credit + self.explore_share * plain, 2 * extra)
         return False
 
-    def draft_rows(self, b: int, fresh: int = 0) -> int:
+    def draft_rows(self, b: int, fresh: int = 0, rows: list[int] | None = None) -> int:
         """How many of the ``b`` rows draft this round: 0 (a plain round, see :meth:`draft_this_round`), all of them
         while drafting pays, or ``explore_rows`` for the job's first round, a retry or a new-request probe."""
-        if not self.draft_this_round(b, fresh):
+        if not self.draft_this_round(b, fresh, rows):
             return 0
         return self._explorers(b) if self._exploring else b
 
@@ -343,43 +357,69 @@ class AdaptivePolicy:
                 accept.append(self._predicted[j])
         self.accept = accept
 
-    def _drafted_rate(self, b: int) -> float:
-        """Expected committed tokens per second of a drafted round of ``b`` rows at its best width, from the running
-        acceptance (kept until the acceptance changes: plain rounds ask it every round)."""
-        key = (b, tuple(self.accept))
+    def _drafted_rate(self, b: int, rows: list[int] | None = None) -> float:
+        """Expected committed tokens per second of a drafted round of ``b`` rows (requests ``rows``: each at its own
+        running acceptance, or the population's before it has one; else all at the running acceptance) at its best
+        width (kept until an acceptance or the rows change: plain rounds ask it every round)."""
+        key = (b, tuple(self.accept), None if rows is None else (tuple(rows), self._row_version))
         if self._rate_memo.get("key") != key:
             K = max(self.costs.tokens) - 1
-            committed = expected_committed(self._accept(K)[None])[0] * b  # [K + 1]
+            if rows is None:
+                committed = expected_committed(self._accept(K)[None])[0] * b  # [K + 1]
+            else:
+                prior = self._prior(K)
+                own = [self._row_accept.get(r) for r in rows]
+                accept = torch.stack([prior if c is None else c[0] / c[1] for c in own])  # [b, K]
+                committed = expected_committed(accept).sum(0)  # [K + 1]
             rate = max(float(committed[k]) / (self.costs.drafter(b) + self.costs.target(b, k + 1))
                        for k in range(1, K + 1))
-            self._rate_memo = {"key": key, "rate": rate}
+            self._rate_memo.update(key=key, rate=rate)
         return self._rate_memo["rate"]
 
     def _accept(self, K: int) -> torch.Tensor:
         """``[K]``: the running acceptance, slots never verified taking the last verified slot's."""
         return torch.tensor(self.accept[:K] + [self.accept[-1]] * (K - len(self.accept)))
 
-    def observe(self, num_accepted: torch.Tensor) -> None:
+    def _prior(self, K: int) -> torch.Tensor:
+        """``[K]``: what a request that has not drafted yet starts from: the population's acceptance of the slots it
+        verified, the running acceptance (calibrated predictions past the verified slots) of the others."""
+        return torch.cat([torch.tensor(self.population[:K]), self._accept(K)[len(self.population):]])
+
+    def observe(self, num_accepted: torch.Tensor, rows: list[int] | None = None) -> None:
         """Update the running per-slot acceptance with a drafted round's accepted drafts ``[b]``: the ``self.width``
         verified slots from realised outcomes (an over-confident drafter must not talk the policy into drafting), the
         slots past them from the round's calibrated prediction (nothing else is known of them, and the width was
-        chosen because they did not pay)."""
+        chosen because they did not pay). With ``rows`` (the requests that drafted), each request's own running
+        acceptance of the verified slots too (accepted over reached, older rounds weighted down by ``1 - smoothing``
+        per round), starting from one round's worth of the population's: the requests that remain are not the
+        average of those that drafted before (easy ones end first)."""
         n = num_accepted.cpu()
-        if self.measured and self.accept and self.width > 0 and not self._exploring:  # what it promised this round
-            promised = float(expected_committed(self._accept(self.width)[None])[0, -1]) * len(n)
-            ratio, old = (float(n.sum()) + len(n)) / promised, self._scale.get("tokens", 1.0)
-            self._scale["tokens"] = old + self.cost_smoothing * (min(ratio, 2 * old) - old)
+        if rows is not None and self.width > 0 and (self.population or self.accept):
+            K = max(self.costs.tokens) - 1
+            start = torch.stack([self._prior(K), torch.ones(K)])  # [2, K]: the prior, worth one round
+            own = torch.stack([self._row_accept.get(r, start) for r in rows])  # [m, 2, K]
+            slot = torch.arange(1, K + 1)
+            reached = (n[:, None] >= slot - 1) & (slot <= self.width)  # [m, K]
+            hit = reached & (n[:, None] >= slot)
+            decay = torch.where(reached, 1 - self.smoothing, 1.0)[:, None]  # [m, 1, K]: older rounds count less
+            own = own * decay + torch.stack([hit, reached], dim=1).float()
+            self._row_accept.update(zip(rows, own.unbind(0)))
+            self._row_version += 1
         accept = list(self.accept)  # new lists: copies of a policy (dataclasses.replace) must not share them
-        population = list(self.population)
+        counts = [[c * self.population_decay for c in slot] for slot in self._population_counts]
         for j in range(1, self.width + 1):
             reached = int((n >= j - 1).sum())
             if reached == 0:
                 break
-            rate = float((n >= j).sum()) / reached
-            for values, weight in ((accept, self.smoothing), (population, self.population_smoothing)):
-                if j > len(values):
-                    values.append(rate)
-                else:
-                    values[j - 1] += weight * (rate - values[j - 1])
-        self.accept, self.population = accept, population
+            hits = int((n >= j).sum())
+            if j > len(accept):
+                accept.append(hits / reached)
+            else:
+                accept[j - 1] += self.smoothing * (hits / reached - accept[j - 1])
+            if j > len(counts):  # a slot first verified: 8 rows' worth of its calibrated prediction to start from
+                guess = self._predicted[j - 1] if j <= len(self._predicted) else hits / reached
+                counts.append([8.0 * guess, 8.0])
+            counts[j - 1] = [counts[j - 1][0] + hits, counts[j - 1][1] + reached]
+        self.accept, self._population_counts = accept, counts
+        self.population = [hit / reached for hit, reached in counts]
         self._blend_predicted()

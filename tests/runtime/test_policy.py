@@ -158,6 +158,21 @@ def test_new_requests_start_from_the_acceptance_drafted_requests_had():
     assert policy.accept == policy.population
 
 
+def test_drafting_is_judged_on_the_requests_still_running():
+    """Two of eight requests accept every draft, six none: drafting for all eight pays (14 tokens for 1.4 s against 8
+    for 1 s). Once the two end, the six left must decode plainly; the batch's running acceptance (one in four at the
+    first slot, the deep slots reached only by the two) would keep drafting for them (1.75 tokens each for 1.4 s)."""
+    policy = AdaptivePolicy(costs(per_token=0.1, drafter=0.1), measured=False)
+    rows = list(range(8))
+    assert policy.draft_rows(8, 8, rows) == 4  # the first round explores
+    for _ in range(6):
+        policy.verify_len(torch.full((8, 3), 0.9))
+        policy.observe(torch.tensor([3, 3, 0, 0, 0, 0, 0, 0]), rows)
+    assert policy.draft_this_round(8, 0, rows)
+    assert not policy.draft_this_round(6, 0, rows[2:])
+    assert policy.draft_this_round(6)  # the batch's acceptance alone
+
+
 def test_measured_round_seconds_rescale_the_cost_model():
     """The cost model times the target's and drafter's passes; a round also samples, verifies, commits and feeds
     the drafter. Where measured drafted rounds cost three times what the model says (plain ones as modelled),
@@ -182,9 +197,9 @@ def test_the_policy_learns_from_the_drafts_rows_committed():
     seen = []
 
     class Recording(AdaptivePolicy):
-        def observe(self, num_accepted):
+        def observe(self, num_accepted, rows=None):
             seen.append(num_accepted.tolist())
-            super().observe(num_accepted)
+            super().observe(num_accepted, rows)
 
     caps = [2, 3, 5, 9]
     got = generate(target, PROMPTS[:4], GenerationConfig(max_new_tokens=caps), drafter=oracle,
@@ -218,8 +233,8 @@ def test_greedy_output_is_the_targets_under_the_policy(per_token, right):
             policy = AdaptivePolicy(costs(per_token), retry_every=2, measured=right == 0)
             got = generate(target, PROMPTS, gen, drafter=oracle, policy=policy, **batching)
             assert [r.tokens for r in got] == [r.tokens for r in want]
-            # measured: the engine reported the seconds of plain and drafted rounds
-            assert set(policy._scale) >= ({"plain", "drafted"} if right == 0 else set())
+            # measured: the engine reported the seconds of plain and drafted rounds (rows running to their caps)
+            assert set(policy._scale) >= ({"plain", "drafted"} if right == 0 and not stop else set())
     verified = [v for r in got for v in r.verified]
     assert all(a <= v for r in got for a, v in zip(r.accepted, r.verified))
     if per_token == 0.0 and right == 2:
@@ -332,8 +347,9 @@ def test_sampled_output_fits_the_target_distribution_under_the_policy(right, exp
 
     check = sampling_pvalues(target, lambda p: oracle, SAMPLING_SETTINGS[0], n=6000, engine=engine)
     assert check.min_p > ALPHA, check
-    if right and not explore:  # one draft verified per round, and often accepted
-        assert set(widths) == {1} and check.profile["partial"] > 0
+    if right and not explore:  # one draft verified per round, often accepted (requests left with a poor record of
+        # their own at the end may decode plainly)
+        assert set(widths) <= {0, 1} and widths.count(1) > 10 * widths.count(0) and check.profile["partial"] > 0
     elif right:  # the exploring first round: half the rows verify the block, half nothing, in one pass
         assert first.count(0) == 3000 and first.count(3) == 3000 and check.profile["partial"] > 0
     else:  # drafts that rarely pay: plain rounds between drafted retries
