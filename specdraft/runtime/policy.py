@@ -223,6 +223,10 @@ class AdaptivePolicy:
     per round; a slot starts from 8 rows' worth of the calibrated prediction, so the few rows of a first exploring
     round do not decide alone): what a request starts from before it has drafted."""
     population_decay: float = 0.95
+    drift: float = 0.9
+    """Each round since a request last drafted keeps this share of its own evidence's weight against one round's worth
+    of the population's acceptance: a request's acceptance drifts, and where drafting pays on average a stretch of
+    rejections is retried for free (a drafter that recovers, as at the end of an answer, is not missed)."""
     width: int = 0
     skipped: int = 0
     wait: int = 0
@@ -233,7 +237,8 @@ class AdaptivePolicy:
         self._exploring = True  # the last drafted round was a first round, a retry or a probe (not known to pay)
         self._predicted: list[float] = []  # the last drafted round's predicted acceptance per slot (conditional)
         self._credit = 0.0  # seconds of exploring the plain rounds have earned (explore_share), not yet spent
-        self._row_accept: dict[int, torch.Tensor] = {}  # request -> [accepted, reached] [2, K] per slot (this job)
+        self._row_accept: dict[int, tuple] = {}  # request -> ([accepted, reached] [2, K] per slot, round) (this job)
+        self._round = 0  # draft_this_round calls
         self._row_version = 0  # bumped whenever a request's acceptance changes
         # per slot [accepted, reached], decayed per drafted round (a given population counts as 8 rows' worth)
         self._population_counts: list[list[float]] = [[8.0 * p, 8.0] for p in self.population]
@@ -254,6 +259,7 @@ class AdaptivePolicy:
         its extra seconds. Drafting keeps the benefit of ``margin`` only while its last round verified drafts: after
         a round that verified none, drafting must pay outright."""
         self._exploring = True
+        self._round += 1
         if not self.accept:
             return True
         if rows is None and 2 * fresh >= b and self.population:
@@ -262,7 +268,7 @@ class AdaptivePolicy:
             self.accept = list(self.population)
         if rows is not None and len(self._row_accept) > 2 * len(rows) + 64:  # ended requests: forget them
             kept = set(rows)
-            self._row_accept = {r: a for r, a in self._row_accept.items() if r in kept}
+            self._row_accept = {r: e for r, e in self._row_accept.items() if r in kept}
         plain = self.costs.target(b, 1) * self._scaled("plain")
         spec = self._drafted_rate(b, rows) / self._scaled("drafted")
         margin = self.margin if self.width > 0 else 0.0
@@ -361,20 +367,32 @@ class AdaptivePolicy:
         """Expected committed tokens per second of a drafted round of ``b`` rows (requests ``rows``: each at its own
         running acceptance, or the population's before it has one; else all at the running acceptance) at its best
         width (kept until an acceptance or the rows change: plain rounds ask it every round)."""
-        key = (b, tuple(self.accept), None if rows is None else (tuple(rows), self._row_version))
+        key = (b, tuple(self.accept), None if rows is None else (tuple(rows), self._row_version, self._round // 4))
         if self._rate_memo.get("key") != key:
             K = max(self.costs.tokens) - 1
             if rows is None:
                 committed = expected_committed(self._accept(K)[None])[0] * b  # [K + 1]
             else:
                 prior = self._prior(K)
-                own = [self._row_accept.get(r) for r in rows]
+                own = [self._own(r, prior) for r in rows]
                 accept = torch.stack([prior if c is None else c[0] / c[1] for c in own])  # [b, K]
                 committed = expected_committed(accept).sum(0)  # [K + 1]
             rate = max(float(committed[k]) / (self.costs.drafter(b) + self.costs.target(b, k + 1))
                        for k in range(1, K + 1))
             self._rate_memo.update(key=key, rate=rate)
         return self._rate_memo["rate"]
+
+    def _own(self, row: int, prior: torch.Tensor) -> torch.Tensor | None:
+        """``[2, K]``: a request's own accepted and reached counts per slot, drifted toward one round's worth of
+        ``prior`` by the rounds since it last drafted (None: it has not drafted)."""
+        entry = self._row_accept.get(row)
+        if entry is None:
+            return None
+        counts, then = entry
+        w = self.drift ** max(self._round - then - 1, 0)
+        if w == 1.0:
+            return counts
+        return w * counts + (1 - w) * torch.stack([prior, torch.ones_like(prior)])
 
     def _accept(self, K: int) -> torch.Tensor:
         """``[K]``: the running acceptance, slots never verified taking the last verified slot's."""
@@ -396,14 +414,15 @@ class AdaptivePolicy:
         n = num_accepted.cpu()
         if rows is not None and self.width > 0 and (self.population or self.accept):
             K = max(self.costs.tokens) - 1
-            start = torch.stack([self._prior(K), torch.ones(K)])  # [2, K]: the prior, worth one round
-            own = torch.stack([self._row_accept.get(r, start) for r in rows])  # [m, 2, K]
+            prior = self._prior(K)
+            start = torch.stack([prior, torch.ones(K)])  # [2, K]: the prior, worth one round
+            own = torch.stack([c if (c := self._own(r, prior)) is not None else start for r in rows])  # [m, 2, K]
             slot = torch.arange(1, K + 1)
             reached = (n[:, None] >= slot - 1) & (slot <= self.width)  # [m, K]
             hit = reached & (n[:, None] >= slot)
             decay = torch.where(reached, 1 - self.smoothing, 1.0)[:, None]  # [m, 1, K]: older rounds count less
             own = own * decay + torch.stack([hit, reached], dim=1).float()
-            self._row_accept.update(zip(rows, own.unbind(0)))
+            self._row_accept.update((r, (c, self._round)) for r, c in zip(rows, own.unbind(0)))
             self._row_version += 1
         accept = list(self.accept)  # new lists: copies of a policy (dataclasses.replace) must not share them
         counts = [[c * self.population_decay for c in slot] for slot in self._population_counts]

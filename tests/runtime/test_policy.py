@@ -173,6 +173,25 @@ def test_drafting_is_judged_on_the_requests_still_running():
     assert policy.draft_this_round(6)  # the batch's acceptance alone
 
 
+def test_a_request_that_stopped_drafting_drifts_back_to_the_population():
+    """A request whose drafts failed for a stretch decodes plainly; each plain round weighs its own record less
+    against the population's (here: drafting pays), so it drafts again without spending the exploring budget (a
+    drafter that recovers at the end of an answer is not missed); with ``drift=1`` only the exploring budget's retry
+    comes back (its 1.2 s extra earned at 1.5 % of 1 s plain rounds: 80 rounds)."""
+    for drift, back in ((0.9, range(5, 15)), (1.0, range(78, 83))):
+        policy = AdaptivePolicy(costs(per_token=0.3, drafter=0.3), measured=False, drift=drift)
+        assert policy.draft_rows(2, 2, [0, 1]) == 2
+        policy.verify_len(torch.full((2, 3), 0.9))
+        for _ in range(20):
+            policy.observe(torch.tensor([3, 3]), [0, 1])  # two requests: every draft accepted
+        policy.new_job()
+        assert policy.draft_this_round(1, 1, [5])  # a new request starts from the population: it drafts
+        for _ in range(4):
+            policy.observe(torch.tensor([0]), [5])  # then its drafts fail
+        plan = [policy.draft_this_round(1, 0, [5]) for _ in range(100)]
+        assert plan.index(True) in back and (policy._exploring is False) == (drift < 1)  # drift: a paying round
+
+
 def test_measured_round_seconds_rescale_the_cost_model():
     """The cost model times the target's and drafter's passes; a round also samples, verifies, commits and feeds
     the drafter. Where measured drafted rounds cost three times what the model says (plain ones as modelled),
