@@ -369,7 +369,7 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
             started, flushed = time.perf_counter(), 0.0
         tree_nodes = tree_winner = widths = None
         m = 0  # rows that drafted this round
-        ids = state.rows.tolist() if policy is not None else None  # the running requests
+        ids = state.rows.tolist()  # the running requests
         if tree is not None:
             rnd = tree_round(target, drafter, tree, dcache, scache if second is not None else dcache, tcache,
                              state.anchor, params, feature_layers, generator, clock, config.draft_sampling)
@@ -440,7 +440,7 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
         tree_nodes = tree_nodes.tolist() if tree_nodes is not None else [0] * b
         tree_winner = tree_winner.tolist() if tree_winner is not None else [0] * b
         row_widths = widths.tolist() if widths is not None else [draft_tokens.shape[1]] * b
-        for i, (row, a, d, t) in enumerate(zip(state.rows.tolist(), n_acc.tolist(), draft_tokens.tolist(),
+        for i, (row, a, d, t) in enumerate(zip(ids, n_acc.tolist(), draft_tokens.tolist(),
                                                nxt.tolist())):
             accepted[row].append(a)
             verified[row].append(row_widths[i])

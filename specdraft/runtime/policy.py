@@ -252,12 +252,12 @@ class AdaptivePolicy:
     def draft_this_round(self, b: int, fresh: int = 0, rows: list[int] | None = None) -> bool:
         """False while the running acceptance (each request's own where ``rows``, the ``b`` running requests, are
         given and it has one) says no width of drafted round commits more tokens per second than plain decoding, at
-        the rounds' measured costs (plain rounds then run). Drafting is retried after
-        ``retry_every`` plain rounds, then after twice as many while retries keep failing, and new requests are
-        probed once ``fresh`` rows (still running, admitted since the last drafted round) are half the batch, after
-        ``retry_every`` plain rounds; either only once :attr:`explore_share` of the plain rounds' seconds pays for
-        its extra seconds. Drafting keeps the benefit of ``margin`` only while its last round verified drafts: after
-        a round that verified none, drafting must pay outright."""
+        the rounds' measured costs (plain rounds then run). Drafting is retried after ``retry_every`` plain rounds,
+        then after twice as many while retries keep failing, and new requests are probed once ``fresh`` rows (still
+        running, admitted since the last drafted round) are half the batch, after ``retry_every`` plain rounds;
+        either only once :attr:`explore_share` of the plain rounds' seconds pays for its extra seconds. Drafting
+        keeps the benefit of ``margin`` only while its last round verified drafts: after a round that verified
+        none, drafting must pay outright."""
         self._exploring = True
         self._round += 1
         if not self.accept:
