@@ -460,6 +460,7 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
         _compact(state, caches, keep, b, backlog)
         if policy is not None:  # the round's rows, drafting rows and verified width, as the cost model prices them
             policy.observe_seconds(b, m, draft_tokens.shape[1], time.perf_counter() - started - flushed, flushed)
+        clock.lap("commit")  # the round's bookkeeping is not the admission's prefill
         admit()
     clock.lap("commit")
     return results  # type: ignore[return-value]

@@ -373,14 +373,25 @@ class AdaptivePolicy:
             if rows is None:
                 committed = expected_committed(self._accept(K)[None])[0] * b  # [K + 1]
             else:
-                prior = self._prior(K)
-                own = [self._own(r, prior) for r in rows]
-                accept = torch.stack([prior if c is None else c[0] / c[1] for c in own])  # [b, K]
-                committed = expected_committed(accept).sum(0)  # [K + 1]
+                committed = expected_committed(self._row_acceptance(rows, K)).sum(0)  # [K + 1]
             rate = max(float(committed[k]) / (self.costs.drafter(b) + self.costs.target(b, k + 1))
                        for k in range(1, K + 1))
             self._rate_memo.update(key=key, rate=rate)
         return self._rate_memo["rate"]
+
+    def _row_acceptance(self, rows: list[int], K: int) -> torch.Tensor:
+        """``[b, K]``: each request's own acceptance (drifted as :meth:`_own` does, all rows at once), or the prior."""
+        prior = self._prior(K)
+        accept = prior.repeat(len(rows), 1)  # [b, K]
+        entries = [self._row_accept.get(r) for r in rows]
+        have = [i for i, e in enumerate(entries) if e is not None]
+        if have:
+            counts = torch.stack([entries[i][0] for i in have])  # [h, 2, K]
+            age = torch.tensor([max(self._round - entries[i][1] - 1, 0) for i in have], dtype=torch.float64)
+            w = (self.drift ** age).float()[:, None, None]  # [h, 1, 1]
+            counts = w * counts + (1 - w) * torch.stack([prior, torch.ones_like(prior)])
+            accept[have] = counts[:, 0] / counts[:, 1]
+        return accept
 
     def _own(self, row: int, prior: torch.Tensor) -> torch.Tensor | None:
         """``[2, K]``: a request's own accepted and reached counts per slot, drifted toward one round's worth of
