@@ -373,37 +373,27 @@ class AdaptivePolicy:
             if rows is None:
                 committed = expected_committed(self._accept(K)[None])[0] * b  # [K + 1]
             else:
-                committed = expected_committed(self._row_acceptance(rows, K)).sum(0)  # [K + 1]
+                counts = self._row_counts(rows, self._prior(K))  # [b, 2, K]
+                committed = expected_committed(counts[:, 0] / counts[:, 1]).sum(0)  # [K + 1]
             rate = max(float(committed[k]) / (self.costs.drafter(b) + self.costs.target(b, k + 1))
                        for k in range(1, K + 1))
             self._rate_memo.update(key=key, rate=rate)
         return self._rate_memo["rate"]
 
-    def _row_acceptance(self, rows: list[int], K: int) -> torch.Tensor:
-        """``[b, K]``: each request's own acceptance (drifted as :meth:`_own` does, all rows at once), or the prior."""
-        prior = self._prior(K)
-        accept = prior.repeat(len(rows), 1)  # [b, K]
+    def _row_counts(self, rows: list[int], prior: torch.Tensor) -> torch.Tensor:
+        """``[m, 2, K]``: each request's own accepted and reached counts per slot, drifted toward one round's worth of
+        ``prior`` by the rounds since it last drafted; one round's worth of ``prior`` for a request that has not
+        drafted."""
+        start = torch.stack([prior, torch.ones_like(prior)])  # [2, K]
+        counts = start.repeat(len(rows), 1, 1)  # [m, 2, K]
         entries = [self._row_accept.get(r) for r in rows]
         have = [i for i, e in enumerate(entries) if e is not None]
         if have:
-            counts = torch.stack([entries[i][0] for i in have])  # [h, 2, K]
+            own = torch.stack([entries[i][0] for i in have])  # [h, 2, K]
             age = torch.tensor([max(self._round - entries[i][1] - 1, 0) for i in have], dtype=torch.float64)
             w = (self.drift ** age).float()[:, None, None]  # [h, 1, 1]
-            counts = w * counts + (1 - w) * torch.stack([prior, torch.ones_like(prior)])
-            accept[have] = counts[:, 0] / counts[:, 1]
-        return accept
-
-    def _own(self, row: int, prior: torch.Tensor) -> torch.Tensor | None:
-        """``[2, K]``: a request's own accepted and reached counts per slot, drifted toward one round's worth of
-        ``prior`` by the rounds since it last drafted (None: it has not drafted)."""
-        entry = self._row_accept.get(row)
-        if entry is None:
-            return None
-        counts, then = entry
-        w = self.drift ** max(self._round - then - 1, 0)
-        if w == 1.0:
-            return counts
-        return w * counts + (1 - w) * torch.stack([prior, torch.ones_like(prior)])
+            counts[have] = w * own + (1 - w) * start
+        return counts
 
     def _accept(self, K: int) -> torch.Tensor:
         """``[K]``: the running acceptance, slots never verified taking the last verified slot's."""
@@ -425,9 +415,7 @@ class AdaptivePolicy:
         n = num_accepted.cpu()
         if rows is not None and self.width > 0 and (self.population or self.accept):
             K = max(self.costs.tokens) - 1
-            prior = self._prior(K)
-            start = torch.stack([prior, torch.ones(K)])  # [2, K]: the prior, worth one round
-            own = torch.stack([c if (c := self._own(r, prior)) is not None else start for r in rows])  # [m, 2, K]
+            own = self._row_counts(rows, self._prior(K))  # [m, 2, K]
             slot = torch.arange(1, K + 1)
             reached = (n[:, None] >= slot - 1) & (slot <= self.width)  # [m, K]
             hit = reached & (n[:, None] >= slot)
