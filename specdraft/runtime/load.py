@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from specdraft.errors import SpecdraftError
+from specdraft.runtime.host_memory import keep_freed_memory
 from specdraft.runtime.models.layers import rope_inv_freq
 from specdraft.runtime.models.target import TargetArgs, TargetLM, read_hf_config
 
@@ -81,10 +82,13 @@ def read_target_args(path: str | Path) -> TargetArgs:
 
 
 def load_target(path: str | Path, dtype: str = "auto", device: str = "auto") -> TargetLM:
-    """Build a :class:`TargetLM` from a local HF checkpoint directory (sharded or not)."""
+    """Build a :class:`TargetLM` from a local HF checkpoint directory (sharded or not). On a CPU, the process keeps
+    freed host memory for the next round (:func:`~specdraft.runtime.host_memory.keep_freed_memory`)."""
     path = Path(path)
     args = read_target_args(path)
     dev = resolve_device(device)
+    if dev.type == "cpu":
+        keep_freed_memory()
     with torch.device("meta"):
         model = TargetLM(args)
     state = load_safetensors_dir(path)
