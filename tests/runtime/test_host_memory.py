@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from specdraft.runtime.host_memory import keep_freed_memory
+
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
 # In a fresh process (``keep``: after keep_freed_memory): bytes glibc serves from fresh mmap for a 16 MiB tensor, free
@@ -55,8 +57,6 @@ def test_rounds_reuse_freed_memory_instead_of_faulting_it_in():
 
 
 def test_setting_is_applied_once_and_reports_whether_it_holds():
-    from specdraft.runtime.host_memory import keep_freed_memory
-
     first = keep_freed_memory()
     assert keep_freed_memory() is first
     assert first == GLIBC
