@@ -2,8 +2,12 @@
 
 Decodes a held-out suite of the tiny world (or any world with ``bench/<suite>.jsonl``) with continuous batching,
 AR and the adaptive policy side by side (alternating, ``--repeats`` each), with the engine's phase clock
-(``generate(timings=...)``: prefill, draft, verify, compaction, commit). ``--no-probes`` turns off the retry that
-newly admitted requests bring forward, to price it.
+(``generate(timings=...)``: prefill, draft, verify, compaction, commit; ``drafted_rounds``: rows that verified
+drafts, ``drafter_rounds``: rounds in which the drafter ran, with their measured seconds). ``--no-probes`` turns off
+the retry that newly admitted requests bring forward, to price it. Kind ``plain`` is the adaptive engine with a
+policy that never drafts (a drafter attached, its caches, the target's features and their backlog kept, every round
+plain): what the engine's plain path costs over AR's, exploring left out. Besides each job's line, each kind's tokens/s
+over AR's in the same repeat (median and range over repeats: slow drifts of the machine cancel within a repeat).
 
     python benchmarks/policy_overhead.py artifacts/tiny/world-f8d6f235a11e artifacts/tiny/drafter/sft \\
         artifacts/cb-bench/policy/<key>.json --suite dialogue --slots 32 --temperature 1
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from dataclasses import replace
 
@@ -42,7 +47,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--spread", type=float, default=10.0)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-probes", action="store_true")
-    ap.add_argument("--kinds", default="ar,adaptive", help="comma-separated: ar, adaptive, fixed (the whole block)")
+    ap.add_argument("--kinds", default="ar,adaptive",
+                    help="comma-separated: ar, adaptive, fixed (the whole block), plain (adaptive, never drafting)")
     args = ap.parse_args(argv)
     target = load_target(f"{args.world}/target")
     drafter = load_drafter(args.drafter, target)
@@ -54,13 +60,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
     saved = json.loads(open(args.policy).read())
     base = AdaptivePolicy(CostModel(**saved["costs"]), Calibration(**saved["calibration"]))
     rows = []
+    kinds = args.kinds.split(",")
     for rep in range(args.repeats):
-        kinds = args.kinds.split(",")
         for kind in kinds if rep % 2 == 0 else kinds[::-1]:
-            policy = replace(base) if kind == "adaptive" else None
+            policy = replace(base) if kind in ("adaptive", "plain") else None
+            if kind == "plain":
+                policy.draft_rows = lambda b, fresh=0, rows=None: 0
             if policy is not None and args.no_probes:
                 plain = policy.draft_this_round
                 policy.draft_this_round = lambda b, fresh=0, plain=plain: plain(b)
+            drafter_rounds = {"rounds": 0, "seconds": 0.0}  # rounds in which the drafter ran, their measured seconds
+            if policy is not None:
+                def observe_seconds(b, drafting, width, sec, flushed=0.0, seen=policy.observe_seconds,
+                                    tally=drafter_rounds):
+                    if drafting:
+                        tally["rounds"] += 1
+                        tally["seconds"] += sec + flushed
+                    seen(b, drafting, width, sec, flushed)
+                policy.observe_seconds = observe_seconds
             timings: dict[str, float] = {}
             start = time.perf_counter()
             res = generate(target, prompts, gen, generator=torch.Generator().manual_seed(rep), slots=args.slots,
@@ -70,9 +87,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
             drafted = sum(v > 0 for r in res for v in r.verified) if policy else 0
             rows.append({"kind": kind, "repeat": rep, "tokens_per_s": tokens / seconds, "seconds": seconds,
                          "rounds": sum(len(r.accept_lengths) for r in res), "drafted_rounds": drafted,
+                         "drafter_rounds": drafter_rounds["rounds"], "drafter_rounds_s": drafter_rounds["seconds"],
                          **{f"{k}_s": v for k, v in sorted(timings.items())},
                          **({f"measured_{k}": v for k, v in policy._scale.items()} if policy else {})})
             print(" ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in rows[-1].items()))
+    if "ar" in kinds:
+        ar = {r["repeat"]: r["tokens_per_s"] for r in rows if r["kind"] == "ar"}
+        for kind in (k for k in kinds if k != "ar"):
+            ratios = sorted(r["tokens_per_s"] / ar[r["repeat"]] for r in rows if r["kind"] == kind)
+            print(f"{kind} / ar over {len(ratios)} repeats: median {statistics.median(ratios):.3f}, "
+                  f"{ratios[0]:.3f}-{ratios[-1]:.3f}")
     return rows
 
 
