@@ -21,31 +21,17 @@ import time
 from dataclasses import replace
 
 import torch
-from transformers import AutoTokenizer
+from policy_overhead import load_job  # benchmarks/ is on sys.path when this runs as a script
 
 import specdraft.runtime.load as load
-from specdraft.pipeline.bench import length_caps
-from specdraft.pipeline.tokenizer import stop_token_ids
-from specdraft.runtime.batch_job import encode_requests, read_requests
 from specdraft.runtime.decode import GenerationConfig, generate
-from specdraft.runtime.drafter_io import load_drafter
-from specdraft.runtime.policy import AdaptivePolicy, Calibration, CostModel
-from specdraft.runtime.sampling import SamplingParams
 
 
 def decode_jobs(args) -> None:
     """One process: ``--repeats`` jobs per kind, alternating; one JSON line each."""
     if args.allocator == "default":
-        load.keep_freed_memory = lambda: False  # glibc as it comes
-    target = load.load_target(f"{args.world}/target")
-    drafter = load_drafter(args.drafter, target)
-    tok = AutoTokenizer.from_pretrained(f"{args.world}/target")
-    reqs = read_requests(f"{args.world}/bench/{args.suite}.jsonl", print)[: args.num_prompts]
-    prompts = [ids for _, ids in encode_requests(reqs, tok, None, warn=print)]
-    gen = GenerationConfig(max_new_tokens=length_caps(len(prompts), args.max_new_tokens, args.spread, 0),
-                           stop_token_ids=stop_token_ids(tok), sampling=SamplingParams(args.temperature))
-    saved = json.loads(open(args.policy).read())
-    base = AdaptivePolicy(CostModel(**saved["costs"]), Calibration(**saved["calibration"]))
+        load.keep_freed_memory = lambda: False  # glibc as it comes (load_target reads it from its module)
+    target, drafter, prompts, gen, base = load_job(args)
     generate(target, prompts[:8], GenerationConfig(max_new_tokens=8), drafter=drafter)  # warm-up
     for rep in range(args.repeats):
         for kind in ("ar", "adaptive") if rep % 2 == 0 else ("adaptive", "ar"):

@@ -34,6 +34,21 @@ from specdraft.runtime.policy import AdaptivePolicy, Calibration, CostModel
 from specdraft.runtime.sampling import SamplingParams
 
 
+def load_job(args) -> tuple:
+    """``(target, drafter, prompts, generation config, adaptive policy)`` of a suite job from the arguments ``world``,
+    ``drafter``, ``policy``, ``suite``, ``num_prompts``, ``max_new_tokens``, ``spread`` and ``temperature``."""
+    target = load_target(f"{args.world}/target")
+    drafter = load_drafter(args.drafter, target)
+    tok = AutoTokenizer.from_pretrained(f"{args.world}/target")
+    reqs = read_requests(f"{args.world}/bench/{args.suite}.jsonl", print)[: args.num_prompts]
+    prompts = [ids for _, ids in encode_requests(reqs, tok, None, warn=print)]
+    gen = GenerationConfig(max_new_tokens=length_caps(len(prompts), args.max_new_tokens, args.spread, 0),
+                           stop_token_ids=stop_token_ids(tok), sampling=SamplingParams(args.temperature))
+    saved = json.loads(open(args.policy).read())
+    policy = AdaptivePolicy(CostModel(**saved["costs"]), Calibration(**saved["calibration"]))
+    return target, drafter, prompts, gen, policy
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("world", help="a world folder: target/ and bench/<suite>.jsonl")
@@ -50,15 +65,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--kinds", default="ar,adaptive",
                     help="comma-separated: ar, adaptive, fixed (the whole block), plain (adaptive, never drafting)")
     args = ap.parse_args(argv)
-    target = load_target(f"{args.world}/target")
-    drafter = load_drafter(args.drafter, target)
-    tok = AutoTokenizer.from_pretrained(f"{args.world}/target")
-    reqs = read_requests(f"{args.world}/bench/{args.suite}.jsonl", print)[: args.num_prompts]
-    prompts = [ids for _, ids in encode_requests(reqs, tok, None, warn=print)]
-    gen = GenerationConfig(max_new_tokens=length_caps(len(prompts), args.max_new_tokens, args.spread, 0),
-                           stop_token_ids=stop_token_ids(tok), sampling=SamplingParams(args.temperature))
-    saved = json.loads(open(args.policy).read())
-    base = AdaptivePolicy(CostModel(**saved["costs"]), Calibration(**saved["calibration"]))
+    target, drafter, prompts, gen, base = load_job(args)
     rows = []
     kinds = args.kinds.split(",")
     for rep in range(args.repeats):
