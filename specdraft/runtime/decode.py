@@ -308,8 +308,11 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
                 now = time.perf_counter()
                 for r in take:
                     admitted[r] = now
-                pending = _Prefill(take, prompts, target, drafter, second, feature_layers, max_len, drafter_len,
-                                   dev, defer=policy is not None)
+                # under a policy the drafter's ingest of a joining group is deferred: its drafter cache rows are never
+                # written before admission copies their committed entries (none), so one slot each stands in for them
+                placeholder = policy is not None and bool(caches)
+                pending = _Prefill(take, prompts, target, drafter, second, feature_layers, max_len,
+                                   1 if placeholder else drafter_len, dev, defer=policy is not None)
             complete = pending.step(chunk if running else pending.tokens.shape[1])
             clock.lap("prefill")
             if not complete:

@@ -113,11 +113,16 @@ class KVCache:
         return out
 
     def reserve(self, rows: int) -> None:
-        """Make room for ``rows`` rows in all (continuous batching reserves its slots once)."""
+        """Make room for ``rows`` rows in all (continuous batching reserves its slots once): new zeroed buffers into
+        which only the rows' committed entries are copied (a drafter cache whose ingest is deferred copies nothing)."""
         n = self.batch_size
         if rows > self._kb[0].shape[0]:
-            grow = [b.new_zeros(rows - b.shape[0], *b.shape[1:]) for b in (*self._kb, *self._vb)]
-            bufs = [torch.cat([b, g]) for b, g in zip((*self._kb, *self._vb), grow)]
+            used = int(self.lengths.max()) if n else 0
+            bufs = []
+            for b in (*self._kb, *self._vb):
+                new = b.new_zeros(rows, *b.shape[1:])  # [rows, H_kv, S, D]
+                new[:n, :, :used] = b[:n, :, :used]
+                bufs.append(new)
             self._kb, self._vb = bufs[: len(self._kb)], bufs[len(self._kb):]
             self.k, self.v = [b[:n] for b in self._kb], [b[:n] for b in self._vb]
 
