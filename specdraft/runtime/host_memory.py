@@ -3,7 +3,7 @@
 A decode round allocates and frees the same few hundred kilobytes to megabytes of activations, logits and target
 features every round. glibc's malloc serves blocks above its (dynamic) ``mmap`` threshold with fresh ``mmap`` pages
 and returns freed heap tops to the kernel, so rounds keep page-faulting memory in again (docs/results.md measures what
-that costs, and how it blurs side-by-side timings). Fixing the threshold at 32 MiB and keeping freed memory (what
+that costs). Fixing the threshold at 32 MiB and keeping freed memory (what
 PyTorch's CPU tuning guide gets from jemalloc or tcmalloc) serves rounds from memory already mapped; the peak
 footprint is the same, it is only not returned until the process ends. GPU decoding is untouched (device memory has
 its own caching allocator).
@@ -30,16 +30,14 @@ def keep_freed_memory() -> bool:
     library is not glibc (macOS, musl: their allocators are left as they are)."""
     global _done
     if _done is None:
-        _done = False
         name = ctypes.util.find_library("c")
         try:
             libc = ctypes.CDLL(name) if name else None
-            mallopt = getattr(libc, "mallopt", None) if libc is not None and hasattr(libc, "gnu_get_libc_version") \
-                else None
         except OSError:
-            mallopt = None
-        if mallopt is not None:
-            mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-            _done = all(mallopt(option, value) == 1 for option, value in (
+            libc = None
+        _done = libc is not None and hasattr(libc, "gnu_get_libc_version")  # glibc's own symbol
+        if _done:
+            libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+            _done = all(libc.mallopt(option, value) == 1 for option, value in (
                 (M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD)))
     return _done
