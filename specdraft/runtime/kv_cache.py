@@ -127,7 +127,8 @@ class KVCache:
             self.k, self.v = [b[:n] for b in self._kb], [b[:n] for b in self._vb]
 
     def cat_rows(self, other: "KVCache") -> None:
-        """Append ``other``'s rows (same layers, heads and ``max_len``): requests admitted by continuous batching,
+        """Append ``other``'s rows (same layers and heads; its committed entries must fit this cache's ``max_len``, its
+        own may be shorter, e.g. one slot for rows with nothing committed): requests admitted by continuous batching,
         copied into spare rows (made when there are none; only their committed entries)."""
         n, m = self.batch_size, other.batch_size
         self.reserve(n + m)

@@ -42,8 +42,16 @@ def test_compaction_and_admission_in_place_equal_select_and_cat():
     assert cache.batch_size == 6 and cache._kb[0].data_ptr() == base  # no reallocation
     _assert_committed_equal(cache, [torch.cat([r[order], n]) for r, n in zip(ref_k, new.k)],
                             ref_len[order].tolist() + new.lengths.tolist())
-    cache.cat_rows(_filled(1, seed=2))  # past the reserved room: it grows
+    before_k, before_len = [k.clone() for k in cache.k], cache.lengths.tolist()
+    last = _filled(1, seed=2)
+    cache.cat_rows(last)  # past the reserved room: it grows, copying the committed entries into new buffers
     assert cache.batch_size == 7 and cache.k[1].shape[0] == 7
+    _assert_committed_equal(cache, [torch.cat([b, n]) for b, n in zip(before_k, last.k)],
+                            before_len + last.lengths.tolist())
+    placeholder = KVCache(num_layers=2, batch_size=2, num_kv_heads=2, max_len=1, head_dim=3, dtype=torch.float32,
+                          device="cpu")  # rows joining with nothing committed (a deferred drafter ingest)
+    cache.cat_rows(placeholder)
+    assert cache.lengths.tolist() == before_len + last.lengths.tolist() + [0, 0] and cache.k[0].shape[2] == 6
     cache.select_rows(torch.tensor([], dtype=torch.long))
     assert cache.batch_size == 0 and cache.k[0].shape[0] == 0
 
