@@ -4,7 +4,7 @@ Metrics: ``tau`` = mean tokens emitted per target verify round (bonus included; 
 or the length cap counts what it emitted), with a 95 % bootstrap interval over prompts;
 ``acceptance_rate`` = accepted drafts / drafted; ``per_position_acceptance[k]`` = share of rounds whose first
 ``k + 1`` drafts were all accepted; ``tokens_per_s``; ``speedup`` = tokens/s over AR's, from the same interleaved
-run; ``target_distinct2`` = distinct-bigram ratio of AR outputs (flags degenerate loops that would inflate tau).
+run, with ``speedup_per_repeat`` and its ``speedup_ci95`` (each repeat's ratio to AR's in that repeat); ``target_distinct2`` = distinct-bigram ratio of AR outputs (flags degenerate loops that would inflate tau).
 Writes ``bench.json``, ``bench.md`` and ``bench.png`` and logs them to MLflow.
 """
 
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from scipy import stats
 from transformers import AutoTokenizer
 
 from specdraft.errors import SpecdraftError
@@ -116,6 +117,19 @@ def ratio_interval(num: list[list[int]], den: list[list[int]], n_boot: int = 100
     return mean_ratio_interval([(num, den)], n_boot, seed)
 
 
+def speedup_repeats(repeats: list[list[float]], ar_tokens_per_s: list[float]) -> dict:
+    """``speedup_per_repeat``: each repeat's tokens/s (``repeats``: ``[tokens, seconds]`` per repeat) over AR's in the
+    same repeat (the two decoded side by side, so drifts of the machine's speed cancel), and ``speedup_ci95``: the
+    95 % t-interval of their mean (Student, ``n - 1`` degrees of freedom; one repeat: no interval, ``nan``)."""
+    ratios = [(t / s) / ar for (t, s), ar in zip(repeats, ar_tokens_per_s)]
+    n = len(ratios)
+    if n < 2:
+        return {"speedup_per_repeat": ratios, "speedup_ci95": [float("nan"), float("nan")]}
+    mean, sem = float(np.mean(ratios)), float(np.std(ratios, ddof=1)) / n ** 0.5
+    half = float(stats.t.ppf(0.975, n - 1)) * sem
+    return {"speedup_per_repeat": ratios, "speedup_ci95": [mean - half, mean + half]}
+
+
 def with_bench_prompts(cfg: RunConfig, world):
     """``world`` with its held-out suites: the tiny world's own, else ``<work_dir>/bench_prompts/`` (where ``specdraft
     data`` copies ``data.bench_dir``), else ``data.bench_dir`` itself."""
@@ -166,15 +180,18 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
     for st in stages:
         d = Path(cfg.decode.drafter) if cfg.decode.drafter and len(stages) == 1 else cfg.drafter_dir(st)
         drafter = load_drafter(d, tgt)
+        adaptive = "adaptive" in b.policies and drafter.arch_name in ("dflash", "vp")
         for backend in b.backends:
             if backend == "torch":
-                loaded[f"{drafter.arch_name}:{st}"] = _Entry(drafter, drafter.arch_name, st, str(d), None, tgt, backend)
+                if "fixed" in b.policies or not adaptive:  # a drafter the policy cannot run keeps its fixed rows
+                    loaded[f"{drafter.arch_name}:{st}"] = _Entry(drafter, drafter.arch_name, st, str(d), None, tgt,
+                                                                 backend)
                 continue
             b_tgt, b_drafter = backend_models(backend, d, world)
             loaded.setdefault(f"ar@{backend}", _Entry(None, "ar", "", str(d), None, b_tgt, backend))
             loaded[f"{drafter.arch_name}:{st}@{backend}"] = _Entry(b_drafter, drafter.arch_name, st, str(d), None,
                                                                    b_tgt, backend)
-        if "adaptive" in b.policies and drafter.arch_name in ("dflash", "vp"):
+        if adaptive:
             heldin = heldin_prompts(world, tok, cfg.data.enable_thinking)
             policy = adaptive_policy(cfg.work_path, tgt, drafter, d, heldin, stops, tuple(b.batch_sizes), log)
             loaded[f"{drafter.arch_name}:{st}+adaptive"] = _Entry(drafter, drafter.arch_name, st, str(d), None, tgt,
@@ -212,7 +229,8 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
             for bs in b.batch_sizes:
                 measured: dict[str, dict[str, float]] = {}  # batching -> method -> tokens/s
                 modes = sorted(b.batching, key=lambda m: m != "static")  # static first: the ratios need it
-                accs = {m: defaultdict(lambda: {"tokens": 0, "seconds": 0.0, "results": []}) for m in modes}
+                accs = {m: defaultdict(lambda: {"tokens": 0, "seconds": 0.0, "results": [], "repeats": []})
+                        for m in modes}
                 policies = {mode: {m: {"policy": replace(e.policy)} for m, e in loaded.items() if e.policy is not None}
                             for mode in modes}
                 for rep in range(b.repeats):
@@ -220,6 +238,8 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
                     for mode in (modes if rep % 2 == 0 else modes[::-1]):
                         # static: one batch of bs prompts at a time; continuous: the whole suite through bs slots
                         groups = range(0, len(prompts), bs) if mode == "static" else [0]
+                        for method in methods:
+                            accs[mode][method]["repeats"].append([0, 0.0])  # this repeat's [tokens, seconds]
                         size = bs if mode == "static" else len(prompts)
                         batching = {"slots": bs, "prefill_chunk": d.prefill_chunk or None} if mode != "static" else {}
                         for i in groups:
@@ -238,13 +258,17 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
                                                **policies[mode].get(method, {}), **batching)
                                 dt = time.perf_counter() - t0
                                 a = accs[mode][method]
+                                tokens = sum(len(r.tokens) for r in res)
                                 a["seconds"] += dt
-                                a["tokens"] += sum(len(r.tokens) for r in res)
+                                a["tokens"] += tokens
+                                a["repeats"][-1][0] += tokens
+                                a["repeats"][-1][1] += dt
                                 a["results"].extend(res)
                 for mode in modes:
                     acc = accs[mode]
                     measured[mode] = {m: a["tokens"] / a["seconds"] for m, a in acc.items()}
                     ar_tps = measured[mode]["ar"]
+                    ar_reps = [t / s for t, s in acc["ar"]["repeats"]]
                     d2 = distinct2([r.tokens for r in acc["ar"]["results"]])
                     for method in methods:
                         a = acc[method]
@@ -257,7 +281,8 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
                                "temperature": temp, "batch_size": bs, "batching": mode,
                                **summarize(a["results"], block),
                                "tau_ci95": tau_interval(per_prompt, seed=b.seed), "tokens_per_s": tps,
-                               "speedup": tps / ar_tps, "target_distinct2": d2, "num_prompts": len(prompts),
+                               "speedup": tps / ar_tps, **speedup_repeats(a["repeats"], ar_reps),
+                               "target_distinct2": d2, "num_prompts": len(prompts),
                                "tokens": a["tokens"], **settings, "length_spread": b.length_spread,
                                "per_prompt": per_prompt,
                                **(tree_summary(a["results"], tree) if tree is not None else {}),
@@ -299,8 +324,8 @@ def length_caps(n: int, max_new_tokens: int, spread: float, seed: int) -> list[i
 def write_reports(rows: list[dict], out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps({"results": rows}, indent=2))
-    lines = ["| method | stage | suite | T | bs | prompts x repeats | tau (95% CI) | accept rate | tok/s | speedup "
-             "| distinct2 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | stage | suite | T | bs | prompts x repeats | tau (95% CI) | accept rate | tok/s "
+             "| speedup (95% CI over repeats) | distinct2 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lo, hi = r["tau_ci95"]
         method = (f"d2sd K={r['tree_k']}" + (f" {r['placement']}" if r["placement"] != "confidence" else "")
@@ -311,9 +336,11 @@ def write_reports(rows: list[dict], out_dir: Path) -> dict:
             method += " adaptive"
         if r.get("batching") == "continuous":
             method += " continuous" + (f" ({r['vs_static']:.2f}x static)" if "vs_static" in r else "")
+        s_lo, s_hi = r.get("speedup_ci95", [float("nan")] * 2)
+        ci = f" ({s_lo:.2f}-{s_hi:.2f})" if r["method"] != "ar" and s_lo == s_lo else ""
         lines.append(f"| {method} | {r['stage'] or '-'} | {r['suite']} | {r['temperature']:g} | {r['batch_size']} "
                      f"| {r['num_prompts']} x {r['repeats']} | {r['tau']:.2f} ({lo:.2f}-{hi:.2f}) "
-                     f"| {r['acceptance_rate']:.3f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x "
+                     f"| {r['acceptance_rate']:.3f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x{ci} "
                      f"| {r['target_distinct2']:.2f} |")
     md = "\n".join(lines)
     (out_dir / "bench.md").write_text(md + "\n")

@@ -296,7 +296,8 @@ class BenchConfig:
     the exports must exist: ``specdraft export CONFIG --to onnx|trt``)."""
     policies: list[Literal["fixed", "adaptive"]] = field(default_factory=lambda: ["fixed"])
     """Speculation policies each chain drafter runs with on the torch backend (rows ``<arch>:<stage>+adaptive``
-    beside the fixed ones; see ``decode.policy``)."""
+    beside the fixed ones; see ``decode.policy``). ``[adaptive]`` alone leaves the fixed rows out (their time goes to
+    more repeats); a drafter the adaptive policy cannot run (retrace, d2sd) keeps its fixed rows."""
     batching: list[Literal["static", "continuous"]] = field(default_factory=lambda: ["static"])
     """How each method decodes a suite at each batch size: static batches of that size, or continuous batching with
     that many slots over the whole suite (``decode.prefill_chunk`` applies); rows carry ``batching``, and
@@ -326,6 +327,8 @@ class BenchConfig:
                 raise OptionError("backends", f"{backend!r} is not one of torch, onnx, trt")
         if not self.batching:
             raise OptionError("batching", "needs at least one of static, continuous")
+        if not self.policies:
+            raise OptionError("policies", "needs at least one of fixed, adaptive")
         check_range("length_spread", self.length_spread, 1.0)
 
 

@@ -234,6 +234,7 @@ class AdaptivePolicy:
 
     def __post_init__(self):
         self._rate_memo: dict = {}
+        self._seconds_memo: dict[tuple[int, int], list[float]] = {}
         self._exploring = True  # the last drafted round was a first round, a retry or a probe (not known to pay)
         self._predicted: list[float] = []  # the last drafted round's predicted acceptance per slot (conditional)
         self._credit = 0.0  # seconds of exploring the plain rounds have earned (explore_share), not yet spent
@@ -375,10 +376,15 @@ class AdaptivePolicy:
             else:
                 counts = self._row_counts(rows, self._prior(K))  # [b, 2, K]
                 committed = expected_committed(counts[:, 0] / counts[:, 1]).sum(0)  # [K + 1]
-            rate = max(float(committed[k]) / (self.costs.drafter(b) + self.costs.target(b, k + 1))
-                       for k in range(1, K + 1))
+            rate = max(c / s for c, s in zip(committed.tolist()[1:], self._round_seconds(b, K)))
             self._rate_memo.update(key=key, rate=rate)
         return self._rate_memo["rate"]
+
+    def _round_seconds(self, b: int, K: int) -> list[float]:
+        """``[K]``: modelled seconds of a drafted round of ``b`` rows verifying ``k = 1..K`` drafts."""
+        if (b, K) not in self._seconds_memo:
+            self._seconds_memo[b, K] = [self.costs.drafter(b) + self.costs.target(b, k + 1) for k in range(1, K + 1)]
+        return self._seconds_memo[b, K]
 
     def _row_counts(self, rows: list[int], prior: torch.Tensor) -> torch.Tensor:
         """``[m, 2, K]``: each request's own accepted and reached counts per slot, drifted toward one round's worth of

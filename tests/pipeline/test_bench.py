@@ -1,4 +1,5 @@
 import random
+import statistics
 import shutil
 from types import SimpleNamespace
 
@@ -10,6 +11,7 @@ from specdraft.pipeline.bench import (
     length_caps,
     per_prompt_counts,
     ratio_interval,
+    speedup_repeats,
     summarize,
     tau_interval,
     write_reports,
@@ -65,6 +67,22 @@ def test_paired_ratio_interval_excludes_one_for_a_consistent_gain():
     assert 1.0 < lo < hi
     lo, hi = ratio_interval(base, base)
     assert lo == hi == 1.0
+
+
+def test_speedup_interval_pairs_each_repeat_with_ar_in_the_same_repeat():
+    # the machine ran at half speed in the second repeat: paired per repeat, the ratio is 0.9 both times
+    s = speedup_repeats([[90, 1.0], [90, 2.0]], [100.0, 50.0])
+    assert s["speedup_per_repeat"] == pytest.approx([0.9, 0.9]) and s["speedup_ci95"] == pytest.approx([0.9, 0.9])
+    # a spread of ratios: the Student interval of their mean, wider with fewer repeats
+    ratios = [0.95, 1.01, 0.98, 1.04, 0.97, 0.99]
+    s = speedup_repeats([[r * 100, 1.0] for r in ratios], [100.0] * 6)
+    lo, hi = s["speedup_ci95"]
+    half = 2.5706 * statistics.stdev(ratios) / 6 ** 0.5  # t(0.975, 5)
+    assert (lo, hi) == pytest.approx((statistics.mean(ratios) - half, statistics.mean(ratios) + half), rel=1e-4)
+    few = speedup_repeats([[r * 100, 1.0] for r in ratios[:3]], [100.0] * 3)["speedup_ci95"]
+    assert few[1] - few[0] > hi - lo
+    one = speedup_repeats([[95, 1.0]], [100.0])
+    assert one["speedup_per_repeat"] == pytest.approx([0.95]) and all(v != v for v in one["speedup_ci95"])
 
 
 def test_per_prompt_counts_pool_repeats():

@@ -81,6 +81,16 @@ def test_run_end_to_end_and_rerun_is_cached(tmp_path, monkeypatch, capsys):
     assert all(r["vs_static"] > 0 and r["vs_ar_static"] > 0 for r in rows)
     assert (w / "bench" / "bench_batch_sizes.png").stat().st_size > 1000
 
+    # the adaptive policy alone, two repeats: no fixed rows; each row's speedup per repeat and its interval
+    assert main([*bench[:-4], "bench.policies=[adaptive]", "bench.repeats=2", *bench[-2:]]) == 0
+    rows = json.loads((w / "bench" / "bench.json").read_text())["results"]
+    drafted = [r for r in rows if r["method"] != "ar"]
+    assert drafted and len(drafted) == len(rows) // 2 and all(r["policy"] == "adaptive" for r in drafted)
+    for r in rows:
+        lo, hi = r["speedup_ci95"]
+        assert len(r["speedup_per_repeat"]) == 2 and lo <= sum(r["speedup_per_repeat"]) / 2 <= hi
+    assert "x (" in (w / "bench" / "bench.md").read_text()
+
 
 def test_empty_prompt_file_for_data_is_one_clean_line(tmp_path, capsys, tiny_world):
     empty = tmp_path / "p.jsonl"
