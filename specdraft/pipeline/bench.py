@@ -4,7 +4,8 @@ Metrics: ``tau`` = mean tokens emitted per target verify round (bonus included; 
 or the length cap counts what it emitted), with a 95 % bootstrap interval over prompts;
 ``acceptance_rate`` = accepted drafts / drafted; ``per_position_acceptance[k]`` = share of rounds whose first
 ``k + 1`` drafts were all accepted; ``tokens_per_s``; ``speedup`` = tokens/s over AR's, from the same interleaved
-run, with ``speedup_per_repeat`` and its ``speedup_ci95`` (each repeat's ratio to AR's in that repeat); ``target_distinct2`` = distinct-bigram ratio of AR outputs (flags degenerate loops that would inflate tau).
+run, with ``speedup_per_repeat`` and its ``speedup_ci95`` (each repeat's ratio to AR's in that repeat);
+``target_distinct2`` = distinct-bigram ratio of AR outputs (flags degenerate loops that would inflate tau).
 Writes ``bench.json``, ``bench.md`` and ``bench.png`` and logs them to MLflow.
 """
 

@@ -1,6 +1,6 @@
 import random
-import statistics
 import shutil
+import statistics
 from types import SimpleNamespace
 
 import pytest
