@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          "rounds": sum(len(r.accept_lengths) for r in res), "drafted_rounds": drafted,
                          "drafter_rounds": drafter_rounds["rounds"], "drafter_rounds_s": drafter_rounds["seconds"],
                          **{f"{k}_s": v for k, v in sorted(timings.items())},
-                         **({f"measured_{k}": v for k, v in policy._scale.items()} if policy else {})})
+                         **({f"measured_{k}": v for k, v in policy._scale.items() if isinstance(k, str)}
+                            if policy else {})})
             print(" ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in rows[-1].items()))
     if "ar" in kinds:
         ar = {r["repeat"]: r["tokens_per_s"] for r in rows if r["kind"] == "ar"}

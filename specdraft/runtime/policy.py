@@ -11,10 +11,11 @@ D²SD branches on) to an acceptance probability, fitted on held-in rounds; :clas
 the number of drafts to verify (the same for every row that drafted: the verify pass pads rows to one width, so a
 narrower row would save nothing) and skips drafting altogether while the recent acceptance says a round cannot beat
 plain decoding, retrying after ``retry_every`` rounds and backing off while retries fail. The model is kept honest
-by what the job measures: each round's wall seconds rescale the modelled costs of its kind (plain or drafted), and
-the acceptance counts only drafts a row committed (not those past its stop token or cap). Whether drafting pays is
-judged on the running requests' own acceptance (easy requests end first: the ones left are not the average of those
-drafted for before); a request not yet drafted for starts from the acceptance averaged over every drafted round.
+by what the job measures: each round's wall seconds rescale the modelled costs of its kind (plain or drafted) and
+size, and the acceptance counts only drafts a row committed (not those past its stop token or cap). Whether drafting
+pays is judged on the running requests' own acceptance (easy requests end first: the ones left are not the average
+of those drafted for before); a request not yet drafted for starts from the acceptance averaged over every drafted
+round.
 Rounds that only explore (the job's first, a retry, a probe of new requests) draft for a few rows, new requests
 first, while the others verify nothing in the same pass, and together cost at most a set share of the plain rounds'
 seconds. A plain row feeds the drafter nothing: its target features wait, and the drafter ingests them in one pass
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -194,7 +196,7 @@ class AdaptivePolicy:
     """Rounds of plain decoding before drafting is tried again; each retry that still finds drafting not paying
     doubles the wait, up to ``max_retry_every`` (a drafter that pays again resets it)."""
     max_retry_every: int = 64
-    explore_share: float = 0.015
+    explore_share: float = 0.005
     """Exploring rounds (retries and new-request probes) cost at most this share of the plain rounds' seconds: each
     plain round earns this share of its seconds, and an exploring round runs only once its extra seconds over a
     plain round (and the features it fed the drafter last time) are earned (where a drafted round costs several
@@ -243,7 +245,9 @@ class AdaptivePolicy:
         self._row_version = 0  # bumped whenever a request's acceptance changes
         # per slot [accepted, reached], decayed per drafted round (a given population counts as 8 rows' worth)
         self._population_counts: list[list[float]] = [[8.0 * p, 8.0] for p in self.population]
-        self._scale: dict[str, float] = {}  # "plain" / "drafted": running measured / modelled seconds of such rounds
+        # running measured / modelled seconds of "plain" / "drafted" rounds, over all sizes and by (kind, size)
+        self._scale: dict[str | tuple[str, int], float] = {}
+        self._size_memo: dict[int, int] = {}  # rows -> the measured row count nearest
 
     def new_job(self) -> None:
         """Forget the requests' own acceptance (a decode call numbers its requests from 0); what was learnt of the
@@ -270,8 +274,8 @@ class AdaptivePolicy:
         if rows is not None and len(self._row_accept) > 2 * len(rows) + 64:  # ended requests: forget them
             kept = set(rows)
             self._row_accept = {r: e for r, e in self._row_accept.items() if r in kept}
-        plain = self.costs.target(b, 1) * self._scaled("plain")
-        spec = self._drafted_rate(b, rows) / self._scaled("drafted")
+        plain = self.costs.target(b, 1) * self._scaled("plain", b)
+        spec = self._drafted_rate(b, rows) / self._scaled("drafted", b)
         margin = self.margin if self.width > 0 else 0.0
         if spec * (1 + margin) >= b / plain:
             self.skipped, self.wait, self._exploring = 0, 0, False
@@ -307,13 +311,30 @@ class AdaptivePolicy:
             drafted = self.costs.drafter(self._explorers(b)) + self.costs.target(b, max(self.width, 1) + 1)
             self._rate_memo.update(extra_key=(b, self.width), extra=(drafted, self.costs.target(b, 1)))
         drafted, plain = self._rate_memo["extra"]
-        return max(drafted * self._scaled("drafted") - plain * self._scaled("plain"), 0.0)
+        return max(drafted * self._scaled("drafted", b) - plain * self._scaled("plain", b), 0.0)
 
-    def _scaled(self, kind: str) -> float:
-        """Measured / modelled seconds of ``kind`` rounds (``plain`` or ``drafted``; a kind not measured yet: as the
-        other, or as modelled)."""
+    def _size(self, b: int) -> int:
+        """The measured row count nearest ``b`` (by ratio), memoised: rounds of about that size share a ratio."""
+        if b not in self._size_memo:
+            self._size_memo[b] = min(self.costs.rows, key=lambda r: abs(math.log(r / b)))
+        return self._size_memo[b]
+
+    def _scaled(self, kind: str, b: int | None = None) -> float:
+        """Measured / modelled seconds of ``kind`` rounds (``plain`` or ``drafted``) of about ``b`` rows: as measured
+        at that size; a kind not measured at that size yet: its ratio over all sizes, times how the other kind runs at
+        that size against its own ratio over all sizes; a kind not measured at all: as the other, or as modelled. A
+        model priced on a few row counts is off by different factors at different sizes (at one row a round's fixed
+        costs weigh most), and the tail of a job, where few rows are left, decides on its own size's ratios."""
         other = "plain" if kind == "drafted" else "drafted"
-        return self._scale.get(kind) or self._scale.get(other, 1.0)
+        overall = self._scale.get(kind) or self._scale.get(other, 1.0)
+        if b is None:
+            return overall
+        size = self._size(b)
+        if (kind, size) in self._scale:
+            return self._scale[kind, size]
+        if (other, size) in self._scale and other in self._scale:
+            return overall * self._scale[other, size] / self._scale[other]
+        return overall
 
     def observe_seconds(self, b: int, drafting: int, width: int, seconds: float, flushed: float = 0.0) -> None:
         """A round's measured wall seconds: ``b`` rows, of which ``drafting`` drafted (0: a plain round), verifying
@@ -328,9 +349,11 @@ class AdaptivePolicy:
             return
         model = (self.costs.drafter(drafting) if drafting else 0.0) + self.costs.target(b, width + 1)
         kind = "drafted" if drafting else "plain"
-        ratio, old = seconds / max(model, 1e-12), self._scale.get(kind, 1.0)
-        weight = self.cost_smoothing if kind in self._scale else 1.0  # the first round of its kind: as measured
-        self._scale[kind] = old + weight * (min(ratio, 2 * old) - old)
+        ratio = seconds / max(model, 1e-12)
+        for key in (kind, (kind, self._size(b))):  # over all sizes, and at this round's size
+            old = self._scale.get(key, 1.0)
+            weight = self.cost_smoothing if key in self._scale else 1.0  # the first round of its kind: as measured
+            self._scale[key] = old + weight * (min(ratio, 2 * old) - old)
 
     def verify_len(self, confidence: torch.Tensor, rows: int | None = None) -> int:
         """Drafts to verify (0..K) given the drafted block's per-slot confidences ``[m, K]`` of the ``m`` rows that

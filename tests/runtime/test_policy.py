@@ -179,7 +179,7 @@ def test_a_request_that_stopped_drafting_drifts_back_to_the_population():
     drafter that recovers at the end of an answer is not missed); with ``drift=1`` only the exploring budget's retry
     comes back (its 1.2 s extra earned at 1.5 % of 1 s plain rounds: 80 rounds)."""
     for drift, back in ((0.9, range(5, 15)), (1.0, range(78, 83))):
-        policy = AdaptivePolicy(costs(per_token=0.3, drafter=0.3), measured=False, drift=drift)
+        policy = AdaptivePolicy(costs(per_token=0.3, drafter=0.3), measured=False, drift=drift, explore_share=0.015)
         assert policy.draft_rows(2, 2, [0, 1]) == 2
         policy.verify_len(torch.full((2, 3), 0.9))
         for _ in range(20):
@@ -207,6 +207,35 @@ def test_measured_round_seconds_rescale_the_cost_model():
     model_only = AdaptivePolicy(costs(per_token=0.1, drafter=0.1), accept=[0.5, 0.5, 0.5], width=3, measured=False)
     model_only.observe_seconds(8, 8, 3, 3 * 1.4)
     assert model_only.draft_this_round(8)
+
+
+def test_round_seconds_rescale_the_cost_model_by_size():
+    """A job's tail, where one row is left, decides on what rounds of one row cost: where drafted rounds of one row
+    run twice what the model says (plain ones of one row, and all rounds of 64, as modelled), drafting stops for one
+    row and goes on for 64; a size not measured for a kind takes its ratio over all sizes, adjusted by how the other
+    kind runs at that size."""
+    policy = AdaptivePolicy(costs(per_token=0.1, drafter=0.1), accept=[0.5, 0.5, 0.5], width=3)
+    assert policy.draft_this_round(1) and policy.draft_this_round(64)  # 1.875 tokens for 1.4 s against 1 for 1 s
+    for _ in range(30):
+        policy.observe_seconds(64, 64, 3, 1.4)
+        policy.observe_seconds(64, 0, 0, 1.0)
+        policy.observe_seconds(1, 0, 0, 1.0)
+    for _ in range(30):
+        policy.observe_seconds(1, 1, 3, 2 * 1.4)
+    assert policy._scaled("drafted", 1) == pytest.approx(2.0, rel=0.05)
+    assert policy._scaled("drafted", 64) == pytest.approx(1.0) and policy._scaled("plain", 1) == pytest.approx(1.0)
+    assert not policy.draft_this_round(1) and policy.draft_this_round(64)
+    # sizes between the measured row counts take the nearest one's (by ratio)
+    assert policy._scaled("drafted", 4) == policy._scaled("drafted", 1)
+    assert policy._scaled("drafted", 40) == policy._scaled("drafted", 64)
+    # plain rounds of 64 rows measured at three times the model, drafted ones at 64 not yet: priced alike
+    fresh = AdaptivePolicy(costs(per_token=0.1, drafter=0.1), accept=[0.5, 0.5, 0.5], width=3)
+    fresh.observe_seconds(1, 0, 0, 1.0)
+    fresh.observe_seconds(1, 1, 3, 1.4)
+    fresh.observe_seconds(64, 0, 0, 3.0)
+    assert fresh._scaled("drafted", 64) == pytest.approx(fresh._scaled("drafted") * fresh._scale["plain", 64]
+                                                         / fresh._scale["plain"])
+    assert fresh._scaled("drafted", 64) > fresh._scaled("drafted", 1)
 
 
 def test_the_policy_learns_from_the_drafts_rows_committed():
