@@ -49,6 +49,17 @@ def load_job(args) -> tuple:
     return target, drafter, prompts, gen, policy
 
 
+def policy_of(base: AdaptivePolicy, kind: str) -> AdaptivePolicy | None:
+    """A fresh copy of ``base`` for ``adaptive`` and ``plain``, with one field set for ``adaptive@FIELD=VALUE``
+    (a number); None for AR and fixed."""
+    if kind in ("adaptive", "plain"):
+        return replace(base)
+    if kind.startswith("adaptive@"):
+        name, value = kind.removeprefix("adaptive@").split("=")
+        return replace(base, **{name: type(getattr(base, name))(float(value))})
+    return None
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("world", help="a world folder: target/ and bench/<suite>.jsonl")
@@ -63,14 +74,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-probes", action="store_true")
     ap.add_argument("--kinds", default="ar,adaptive",
-                    help="comma-separated: ar, adaptive, fixed (the whole block), plain (adaptive, never drafting)")
+                    help="comma-separated: ar, adaptive, fixed (the whole block), plain (adaptive, never drafting); "
+                         "adaptive@FIELD=VALUE: adaptive with one policy field set (e.g. adaptive@explore_share=0)")
     args = ap.parse_args(argv)
     target, drafter, prompts, gen, base = load_job(args)
     rows = []
     kinds = args.kinds.split(",")
     for rep in range(args.repeats):
         for kind in kinds if rep % 2 == 0 else kinds[::-1]:
-            policy = replace(base) if kind in ("adaptive", "plain") else None
+            policy = policy_of(base, kind)
             if kind == "plain":
                 policy.draft_rows = lambda b, fresh=0, rows=None: 0
             if policy is not None and args.no_probes:
