@@ -15,13 +15,12 @@ by what the job measures: each round's wall seconds rescale the modelled costs o
 size, and the acceptance counts only drafts a row committed (not those past its stop token or cap). Whether drafting
 pays is judged on the running requests' own acceptance (easy requests end first: the ones left are not the average
 of those drafted for before); a request not yet drafted for starts from the acceptance averaged over every drafted
-round.
-Rounds that only explore (the job's first, a retry, a probe of new requests) draft for a few rows, new requests
-first, while the others verify nothing in the same pass, and together cost at most a set share of the plain rounds'
-seconds. A plain row feeds the drafter nothing: its target features wait, and the drafter ingests them in one pass
-when it next drafts for the row. Only how much is drafted and verified changes: verifying the first ``k`` drafts of
-a block is speculative decoding with a block of ``k`` drafts (``k = 0``: plain decoding), so the output stays
-lossless.
+round. Rounds that only explore (the job's first, a retry, a probe of new requests) draft for a few rows, new
+requests first, while the others verify nothing in the same pass, and together cost at most a set share of the plain
+rounds' seconds. A plain row feeds the drafter nothing: its target features wait, and the drafter ingests them in
+one pass when it next drafts for the row. Only how much is drafted and verified changes: verifying the first ``k``
+drafts of a block is speculative decoding with a block of ``k`` drafts (``k = 0``: plain decoding), so the output
+stays lossless.
 """
 
 from __future__ import annotations
