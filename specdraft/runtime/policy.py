@@ -274,8 +274,14 @@ class AdaptivePolicy:
             kept = set(rows)
             self._row_accept = {r: e for r, e in self._row_accept.items() if r in kept}
         plain = self.costs.target(b, 1) * self._scaled("plain", b)
-        spec = self._drafted_rate(b, rows) / self._scaled("drafted", b)
         margin = self.margin if self.width > 0 else 0.0
+        scale = self._scaled("drafted", b)
+        # the requests' acceptance drifts with every round: bounded by the drift's end points, a round that cannot pay
+        # at the bound is decided without the exact rate (the decision of a plain round stays a few dict lookups)
+        if rows is None or self._drafted_rate(b, rows, bound=True) / scale * (1 + margin) >= b / plain:
+            spec = self._drafted_rate(b, rows) / scale
+        else:
+            spec = 0.0
         if spec * (1 + margin) >= b / plain:
             self.skipped, self.wait, self._exploring = 0, 0, False
             return True
@@ -386,21 +392,28 @@ class AdaptivePolicy:
                 accept.append(self._predicted[j])
         self.accept = accept
 
-    def _drafted_rate(self, b: int, rows: list[int] | None = None) -> float:
+    def _drafted_rate(self, b: int, rows: list[int] | None = None, bound: bool = False) -> float:
         """Expected committed tokens per second of a drafted round of ``b`` rows (requests ``rows``: each at its own
         running acceptance, or the population's before it has one; else all at the running acceptance) at its best
-        width (kept until an acceptance or the rows change: plain rounds ask it every round)."""
-        key = (b, tuple(self.accept), None if rows is None else (tuple(rows), self._row_version, self._round // 4))
-        if self._rate_memo.get("key") != key:
+        width (kept until an acceptance or the rows change: plain rounds ask it every round). ``bound``: an upper
+        bound that holds however many rounds pass, each request's slot at the higher of its own acceptance and the
+        population's (the drift moves a request's acceptance between the two; committed tokens grow with every
+        slot's acceptance), kept until an acceptance or the rows change."""
+        which = "bound" if bound else "rate"
+        drift = None if rows is None else (tuple(rows), self._row_version, None if bound else self._round // 4)
+        key = (b, tuple(self.accept), drift)
+        if self._rate_memo.get(which) is None or self._rate_memo[which][0] != key:
             K = max(self.costs.tokens) - 1
             if rows is None:
                 committed = expected_committed(self._accept(K)[None])[0] * b  # [K + 1]
             else:
-                counts = self._row_counts(rows, self._prior(K))  # [b, 2, K]
-                committed = expected_committed(counts[:, 0] / counts[:, 1]).sum(0)  # [K + 1]
+                prior = self._prior(K)  # [K]
+                counts = self._row_counts(rows, prior, drifted=not bound)  # [b, 2, K]
+                accept = counts[:, 0] / counts[:, 1]  # [b, K]
+                committed = expected_committed(accept.maximum(prior) if bound else accept).sum(0)  # [K + 1]
             rate = max(c / s for c, s in zip(committed.tolist()[1:], self._round_seconds(b, K)))
-            self._rate_memo.update(key=key, rate=rate)
-        return self._rate_memo["rate"]
+            self._rate_memo[which] = (key, rate)
+        return self._rate_memo[which][1]
 
     def _round_seconds(self, b: int, K: int) -> list[float]:
         """``[K]``: modelled seconds of a drafted round of ``b`` rows verifying ``k = 1..K`` drafts."""
@@ -408,15 +421,17 @@ class AdaptivePolicy:
             self._seconds_memo[b, K] = [self.costs.drafter(b) + self.costs.target(b, k + 1) for k in range(1, K + 1)]
         return self._seconds_memo[b, K]
 
-    def _row_counts(self, rows: list[int], prior: torch.Tensor) -> torch.Tensor:
+    def _row_counts(self, rows: list[int], prior: torch.Tensor, drifted: bool = True) -> torch.Tensor:
         """``[m, 2, K]``: each request's own accepted and reached counts per slot, drifted toward one round's worth of
-        ``prior`` by the rounds since it last drafted; one round's worth of ``prior`` for a request that has not
-        drafted."""
+        ``prior`` by the rounds since it last drafted (``drifted=False``: as they were when it last drafted); one
+        round's worth of ``prior`` for a request that has not drafted."""
         start = torch.stack([prior, torch.ones_like(prior)])  # [2, K]
         counts = start.repeat(len(rows), 1, 1)  # [m, 2, K]
         entries = [self._row_accept.get(r) for r in rows]
         have = [i for i, e in enumerate(entries) if e is not None]
-        if have:
+        if have and not drifted:
+            counts[have] = torch.stack([entries[i][0] for i in have])
+        elif have:
             own = torch.stack([entries[i][0] for i in have])  # [h, 2, K]
             age = torch.tensor([max(self._round - entries[i][1] - 1, 0) for i in have], dtype=torch.float64)
             w = (self.drift ** age).float()[:, None, None]  # [h, 1, 1]

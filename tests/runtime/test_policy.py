@@ -192,6 +192,47 @@ def test_a_request_that_stopped_drafting_drifts_back_to_the_population():
         assert plan.index(True) in back and (policy._exploring is False) == (drift < 1)  # drift: a paying round
 
 
+class _ExactPolicy(AdaptivePolicy):
+    """The policy deciding every round on the exact drifted rate (no bound first)."""
+
+    def _drafted_rate(self, b, rows=None, bound=False):
+        return super()._drafted_rate(b, rows)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_plain_rounds_decided_on_the_drift_bound_decide_as_the_exact_rate(seed):
+    """A plain round first asks an upper bound of the drafted rate that holds however far the requests' acceptance
+    drifts (kept while the acceptance and the rows stand); only where the bound could pay is the exact rate computed.
+    Over random requests, acceptances and arrivals, the bound is never below the exact rate and the decisions are
+    the exact rate's, round for round, including the rounds where drift alone brings drafting back."""
+    g = torch.Generator().manual_seed(seed)
+    plans, flips = [], 0
+    for kind in (AdaptivePolicy, _ExactPolicy):
+        g.manual_seed(seed)
+        policy = kind(costs(per_token=0.3, drafter=0.3), measured=False)
+        skill = (torch.rand(40, generator=g) < 0.5).float() * 0.9 + 0.05  # each request's chance per draft
+        rows, plan = [0, 1, 2], []
+        for _ in range(400):
+            if torch.rand(1, generator=g) < 0.1:  # a request ends, the next arrives
+                rows = rows[1:] + [max(rows) + 1] if max(rows) < 39 else rows
+            m = policy.draft_rows(len(rows), 0, rows)
+            plan.append(m)
+            if kind is AdaptivePolicy and policy.accept:
+                exact = policy._drafted_rate(len(rows), rows)
+                assert policy._drafted_rate(len(rows), rows, bound=True) >= exact * (1 - 1e-12)
+            if m:
+                drafting = rows[:m]
+                k = policy.verify_len(torch.full((m, 3), 0.7), rows=len(rows))
+                p = skill[drafting]
+                n = (torch.rand(m, 3, generator=g) < p[:, None]).long().cumprod(1).sum(1).clamp(max=k)
+                if k:
+                    policy.observe(n, drafting)
+        plans.append(plan)
+        flips = sum(a > 0 and b == 0 for a, b in zip(plan[1:], plan))
+    assert plans[0] == plans[1]
+    assert flips >= 2  # drafting stopped and came back: the plans are not trivially all-plain or all-drafting
+
+
 def test_measured_round_seconds_rescale_the_cost_model():
     """The cost model times the target's and drafter's passes; a round also samples, verifies, commits and feeds
     the drafter. Where measured drafted rounds cost three times what the model says (plain ones as modelled),
