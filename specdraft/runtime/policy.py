@@ -31,6 +31,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from specdraft.runtime.phase_clock import wall_seconds
@@ -141,12 +142,17 @@ class Calibration:
 
     def __call__(self, confidence: torch.Tensor) -> torch.Tensor:
         """Acceptance probabilities ``[b, K]`` of confidences ``[b, K]``."""
-        if not self.table:
+        out = self.predict(confidence.detach().cpu().double().numpy())
+        return torch.as_tensor(out, dtype=confidence.dtype, device=confidence.device)
+
+    def predict(self, confidence: np.ndarray) -> np.ndarray:
+        """:meth:`__call__` on the host (the policy's per-round arithmetic: a few small arrays)."""
+        if not self.table or confidence.shape[1] > len(self.table):
             return confidence
-        table = torch.tensor(self.table, device=confidence.device, dtype=confidence.dtype)  # [K, bins]
-        k = confidence.shape[1]
-        idx = (confidence * self.bins).long().clamp(0, self.bins - 1)  # [b, K]
-        return table[:k].T.gather(0, idx) if k <= table.shape[0] else confidence
+        if getattr(self, "_array", None) is None:
+            self._array = np.asarray(self.table, dtype=np.float64)  # [K, bins]
+        idx = np.clip((confidence * self.bins).astype(np.int64), 0, self.bins - 1)  # [b, K]
+        return self._array[np.arange(confidence.shape[1]), idx]
 
     @classmethod
     def fit(cls, confidences: torch.Tensor, accepted: torch.Tensor, bins: int = 10,
@@ -170,19 +176,19 @@ class Calibration:
         return cls(bins, table)
 
 
-def conditional_acceptance(accept: torch.Tensor) -> torch.Tensor:
+def conditional_acceptance(accept: np.ndarray) -> np.ndarray:
     """``[K]``: the chance slot ``j`` is accepted given the slots before it were, over a round's rows with per-slot
     acceptance probabilities ``accept`` ``[b, K]`` (rows weighted by their chance of reaching the slot)."""
-    accept = accept.float()
-    reach = torch.cumprod(torch.cat([torch.ones_like(accept[:, :1]), accept[:, :-1]], dim=1), dim=1)  # [b, K]
-    return (reach * accept).sum(0) / reach.sum(0).clamp_min(1e-12)
+    accept = np.asarray(accept, dtype=np.float64)
+    reach = np.cumprod(np.concatenate([np.ones_like(accept[:, :1]), accept[:, :-1]], axis=1), axis=1)  # [b, K]
+    return (reach * accept).sum(0) / np.maximum(reach.sum(0), 1e-12)
 
 
-def expected_committed(accept: torch.Tensor) -> torch.Tensor:
+def expected_committed(accept: np.ndarray) -> np.ndarray:
     """``[b, K + 1]``: expected tokens a round commits per row when it verifies ``k = 0..K`` drafts, from per-slot
     acceptance probabilities ``accept`` ``[b, K]`` (the bonus / correction token included)."""
-    run = torch.cumprod(accept.float(), dim=1)  # [b, K] chance the first j drafts are all accepted
-    return torch.cat([torch.ones_like(run[:, :1]), 1 + run.cumsum(1)], dim=1)
+    run = np.cumprod(np.asarray(accept, dtype=np.float64), axis=1)  # [b, K] chance the first j drafts are all accepted
+    return np.concatenate([np.ones_like(run[:, :1]), 1 + run.cumsum(1)], axis=1)
 
 
 @dataclass
@@ -235,7 +241,7 @@ class AdaptivePolicy:
 
     def __post_init__(self):
         self._rate_memo: dict = {}
-        self._seconds_memo: dict[tuple[int, int], list[float]] = {}
+        self._seconds_memo: dict[tuple, list[float] | np.ndarray] = {}  # (rows, K) or (drafting, rows, K + 1)
         self._exploring = True  # the last drafted round was a first round, a retry or a probe (not known to pay)
         self._predicted: list[float] = []  # the last drafted round's predicted acceptance per slot (conditional)
         self._credit = 0.0  # seconds of exploring the plain rounds have earned (explore_share), not yet spent
@@ -276,9 +282,11 @@ class AdaptivePolicy:
         plain = self.costs.target(b, 1) * self._scaled("plain", b)
         margin = self.margin if self.width > 0 else 0.0
         scale = self._scaled("drafted", b)
-        # the requests' acceptance drifts with every round: bounded by the drift's end points, a round that cannot pay
-        # at the bound is decided without the exact rate (the decision of a plain round stays a few dict lookups)
-        if rows is None or self._drafted_rate(b, rows, bound=True) / scale * (1 + margin) >= b / plain:
+        # the requests' acceptance drifts with every round: bounded by the drift's end points, a round after a plain
+        # one that cannot pay at the bound is decided without the exact rate (a plain round's decision stays a few
+        # dict lookups; after a drafted round, which changed the acceptance, the exact rate is computed at once)
+        if (rows is None or self.skipped == 0
+                or self._drafted_rate(b, rows, bound=True) / scale * (1 + margin) >= b / plain):
             spec = self._drafted_rate(b, rows) / scale
         else:
             spec = 0.0
@@ -370,10 +378,12 @@ class AdaptivePolicy:
         of deep slots cannot keep narrow rounds drafting."""
         m = confidence.shape[0]
         b = rows or m
-        accept = self.calibration(confidence)  # [m, K]
+        accept = self.calibration.predict(confidence.cpu().double().numpy())  # [m, K]
         tokens = expected_committed(accept).sum(0) + (b - m)  # [K + 1]
-        seconds = torch.tensor([self.costs.drafter(m) + self.costs.target(b, k + 1) for k in range(len(tokens))])
-        rate = tokens.cpu() / seconds  # [K + 1] expected committed tokens per second
+        if (m, b, len(tokens)) not in self._seconds_memo:
+            self._seconds_memo[m, b, len(tokens)] = np.array(
+                [self.costs.drafter(m) + self.costs.target(b, k + 1) for k in range(len(tokens))])
+        rate = tokens / self._seconds_memo[m, b, len(tokens)]  # [K + 1] expected committed tokens per second
         best = int(rate.argmax())
         self.width = best if rate[best] > (1 + self.margin) * rate[-1] else len(rate) - 1
         self._predicted = conditional_acceptance(accept).tolist()  # [K]
@@ -410,7 +420,7 @@ class AdaptivePolicy:
                 prior = self._prior(K)  # [K]
                 counts = self._row_counts(rows, prior, drifted=not bound)  # [b, 2, K]
                 accept = counts[:, 0] / counts[:, 1]  # [b, K]
-                committed = expected_committed(accept.maximum(prior) if bound else accept).sum(0)  # [K + 1]
+                committed = expected_committed(np.maximum(accept, prior) if bound else accept).sum(0)  # [K + 1]
             rate = max(c / s for c, s in zip(committed.tolist()[1:], self._round_seconds(b, K)))
             self._rate_memo[which] = (key, rate)
         return self._rate_memo[which][1]
@@ -421,31 +431,31 @@ class AdaptivePolicy:
             self._seconds_memo[b, K] = [self.costs.drafter(b) + self.costs.target(b, k + 1) for k in range(1, K + 1)]
         return self._seconds_memo[b, K]
 
-    def _row_counts(self, rows: list[int], prior: torch.Tensor, drifted: bool = True) -> torch.Tensor:
+    def _row_counts(self, rows: list[int], prior: np.ndarray, drifted: bool = True) -> np.ndarray:
         """``[m, 2, K]``: each request's own accepted and reached counts per slot, drifted toward one round's worth of
         ``prior`` by the rounds since it last drafted (``drifted=False``: as they were when it last drafted); one
         round's worth of ``prior`` for a request that has not drafted."""
-        start = torch.stack([prior, torch.ones_like(prior)])  # [2, K]
-        counts = start.repeat(len(rows), 1, 1)  # [m, 2, K]
+        start = np.stack([prior, np.ones_like(prior)])  # [2, K]
+        counts = np.repeat(start[None], len(rows), axis=0)  # [m, 2, K]
         entries = [self._row_accept.get(r) for r in rows]
         have = [i for i, e in enumerate(entries) if e is not None]
         if have and not drifted:
-            counts[have] = torch.stack([entries[i][0] for i in have])
+            counts[have] = np.stack([entries[i][0] for i in have])
         elif have:
-            own = torch.stack([entries[i][0] for i in have])  # [h, 2, K]
-            age = torch.tensor([max(self._round - entries[i][1] - 1, 0) for i in have], dtype=torch.float64)
-            w = (self.drift ** age).float()[:, None, None]  # [h, 1, 1]
+            own = np.stack([entries[i][0] for i in have])  # [h, 2, K]
+            age = np.array([max(self._round - entries[i][1] - 1, 0) for i in have], dtype=np.float64)
+            w = (self.drift ** age)[:, None, None]  # [h, 1, 1]
             counts[have] = w * own + (1 - w) * start
         return counts
 
-    def _accept(self, K: int) -> torch.Tensor:
+    def _accept(self, K: int) -> np.ndarray:
         """``[K]``: the running acceptance, slots never verified taking the last verified slot's."""
-        return torch.tensor(self.accept[:K] + [self.accept[-1]] * (K - len(self.accept)))
+        return np.array(self.accept[:K] + [self.accept[-1]] * (K - len(self.accept)))
 
-    def _prior(self, K: int) -> torch.Tensor:
+    def _prior(self, K: int) -> np.ndarray:
         """``[K]``: what a request that has not drafted yet starts from: the population's acceptance of the slots it
         verified, the running acceptance (calibrated predictions past the verified slots) of the others."""
-        return torch.cat([torch.tensor(self.population[:K]), self._accept(K)[len(self.population):]])
+        return np.concatenate([np.array(self.population[:K], dtype=np.float64), self._accept(K)[len(self.population):]])
 
     def observe(self, num_accepted: torch.Tensor, rows: list[int] | None = None) -> None:
         """Update the running per-slot acceptance with a drafted round's accepted drafts ``[b]``: the ``self.width``
@@ -455,24 +465,25 @@ class AdaptivePolicy:
         acceptance of the verified slots too (accepted over reached, older rounds weighted down by ``1 - smoothing``
         per round), starting from one round's worth of the population's: the requests that remain are not the
         average of those that drafted before (easy ones end first)."""
-        n = num_accepted.cpu()
+        n = num_accepted.cpu().numpy()
         if rows is not None and self.width > 0 and (self.population or self.accept):
             K = max(self.costs.tokens) - 1
             own = self._row_counts(rows, self._prior(K))  # [m, 2, K]
-            slot = torch.arange(1, K + 1)
+            slot = np.arange(1, K + 1)
             reached = (n[:, None] >= slot - 1) & (slot <= self.width)  # [m, K]
             hit = reached & (n[:, None] >= slot)
-            decay = torch.where(reached, 1 - self.smoothing, 1.0)[:, None]  # [m, 1, K]: older rounds count less
-            own = own * decay + torch.stack([hit, reached], dim=1).float()
-            self._row_accept.update((r, (c, self._round)) for r, c in zip(rows, own.unbind(0)))
+            decay = np.where(reached, 1 - self.smoothing, 1.0)[:, None]  # [m, 1, K]: older rounds count less
+            own = own * decay + np.stack([hit, reached], axis=1)
+            self._row_accept.update((r, (c, self._round)) for r, c in zip(rows, own))
             self._row_version += 1
         accept = list(self.accept)  # new lists: copies of a policy (dataclasses.replace) must not share them
         counts = [[c * self.population_decay for c in slot] for slot in self._population_counts]
+        at_least = np.bincount(np.clip(n, 0, None), minlength=self.width + 1)[::-1].cumsum()[::-1].tolist()  # n >= j
         for j in range(1, self.width + 1):
-            reached = int((n >= j - 1).sum())
+            reached = at_least[j - 1]
             if reached == 0:
                 break
-            hits = int((n >= j).sum())
+            hits = at_least[j] if j < len(at_least) else 0
             if j > len(accept):
                 accept.append(hits / reached)
             else:
