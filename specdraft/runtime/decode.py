@@ -100,20 +100,22 @@ class _Backlog:
         self.rows: list[list[torch.Tensor]] = []  # per batch row, its deferred features in order: [t, F] pieces
         self.tokens = 0  # deferred entries, all rows
 
-    def add(self, features: torch.Tensor, counts: torch.Tensor | None = None) -> None:
+    def add(self, features: torch.Tensor | tuple[torch.Tensor, ...], counts: torch.Tensor | None = None) -> None:
         """Defer ``features`` ``[b, t, F]``, of which row ``i`` holds its first ``counts[i]`` (default all; given
-        counts mark a padded prefill chunk, whose pieces are copied so the padding is not kept alive)."""
+        counts mark a padded prefill chunk, whose pieces are copied so the padding is not kept alive; its features
+        may come as the layers' ``[b, t, D]`` outputs, not yet concatenated: each row's piece is then the one copy)."""
+        layers = features if isinstance(features, tuple) else (features,)
         if not self.rows:
-            self.rows = [[] for _ in range(features.shape[0])]
+            self.rows = [[] for _ in range(layers[0].shape[0])]
         if counts is None:  # a plain round: every row's [t, F] as it is (unbind: one call for all rows)
             for row, x in zip(self.rows, features.unbind(0)):
                 row.append(x)
             self.tokens += features.shape[0] * features.shape[1]
             return
         counts = counts.tolist()
-        for row, x, c in zip(self.rows, features, counts):
+        for i, (row, c) in enumerate(zip(self.rows, counts)):
             if c:
-                row.append(x[:c].clone())  # [c, F]
+                row.append(torch.cat([x[i, :c] for x in layers], dim=-1))  # [c, F], a copy
         self.tokens += sum(counts)
 
     def select(self, keep: torch.Tensor) -> None:
@@ -181,8 +183,11 @@ class _Prefill:
         lo, hi = self.done, min(self.done + chunk, self.tokens.shape[1])
         counts = (self.lens - lo).clamp(0, hi - lo)  # [n] real tokens of each row in this chunk
         before = self.tcache.lengths
+        # deferred: the layers' outputs as they are (the backlog copies each row's real tokens once, not the padded
+        # concatenation and then the rows)
+        split = {"concat_features": False} if self.backlog is not None and isinstance(self.target, TargetLM) else {}
         out = self.target(self.tokens[:, lo:hi], cache=self.tcache, feature_layers=self.feature_layers,
-                          logits_at=(counts - 1).clamp(min=0)[:, None])  # logits [n, 1, V]
+                          logits_at=(counts - 1).clamp(min=0)[:, None], **split)  # logits [n, 1, V]
         self.tcache.crop(before + counts)  # padding past a prompt's end was written to scratch only
         if self.backlog is not None:
             self.backlog.add(out.features, counts)

@@ -39,6 +39,9 @@ def test_full_forward_logits_and_features_match_transformers(pair):
     # (transformers 5 returns the final layer post-norm in hidden_states[-1]; DFlash never uses the last layer)
     torch.testing.assert_close(out.features[..., :64], ref.hidden_states[2], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.features[..., 64:], ref.hidden_states[1], atol=1e-5, rtol=1e-5)
+    split = ours(ids, feature_layers=(1, 0), concat_features=False).features  # the layers' outputs, not concatenated
+    assert isinstance(split, tuple) and [f.shape for f in split] == [(2, 90, 64)] * 2
+    assert torch.equal(torch.cat(split, dim=-1), out.features)
 
 
 def test_the_last_layers_feature_is_transformers_post_norm_hidden_state(pair):

@@ -89,7 +89,8 @@ class TargetArgs:
 
 class TargetOutput(NamedTuple):
     logits: torch.Tensor  # [B, T or P, V] (empty when return_logits=False)
-    features: torch.Tensor | None  # [B, T, n_layers * D] (outputs of the requested layers, concatenated)
+    features: torch.Tensor | tuple[torch.Tensor, ...] | None  # [B, T, n_layers * D] (the requested layers'
+    # outputs, concatenated), or one [B, T, D] per layer with concat_features=False
     hidden: torch.Tensor | None = None  # [B, T, D] final-normed hidden states (when return_logits=False)
 
 
@@ -149,7 +150,7 @@ class TargetLM(nn.Module):
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, positions: torch.Tensor | None = None,
                 new_mask: torch.Tensor | None = None, feature_layers: tuple[int, ...] = (),
                 logits_at: torch.Tensor | None = None, return_logits: bool = True,
-                visible_prefix: torch.Tensor | None = None) -> TargetOutput:
+                visible_prefix: torch.Tensor | None = None, concat_features: bool = True) -> TargetOutput:
         """Run the target on new tokens.
 
         Args:
@@ -163,6 +164,8 @@ class TargetLM(nn.Module):
             return_logits: False skips the LM head and returns the final-normed hidden states instead (training
                 computes logits only where it needs them: a 150k-vocabulary ``[B, T, V]`` would not fit).
             visible_prefix: ``[B, T]`` cached entries each new token may see (default all committed ones).
+            concat_features: False returns the feature layers' outputs as they are, one ``[B, T, D]`` each in
+                ``feature_layers`` order (a caller keeping a few rows or tokens of them copies only those).
         """
         if visible_prefix is not None and cache is None:
             raise ValueError("visible_prefix limits what new tokens see of a KV cache: pass the cache too")
@@ -195,7 +198,9 @@ class TargetLM(nn.Module):
             x = layer(x, cos, sin, i, cache, slots, used, mask, plan)
             if i in feature_layers:
                 outputs[i] = self.model.norm(x) if i == last else x  # transformers' hidden_states[N] is normed
-        features = torch.cat([outputs[i] for i in feature_layers], dim=-1) if feature_layers else None
+        features = tuple(outputs[i] for i in feature_layers) if feature_layers else None
+        if features is not None and concat_features:
+            features = torch.cat(features, dim=-1)
         if not return_logits:
             return TargetOutput(logits=torch.empty(0, device=dev), features=features, hidden=self.model.norm(x))
         if logits_at is not None:
