@@ -241,7 +241,8 @@ class AdaptivePolicy:
 
     def __post_init__(self):
         self._rate_memo: dict = {}
-        self._seconds_memo: dict[tuple, list[float] | np.ndarray] = {}  # (rows, K) or (drafting, rows, K + 1)
+        self._seconds_memo: dict[tuple[int, int], list[float]] = {}  # (rows, K) -> a drafted round's seconds
+        self._verify_memo: dict[tuple[int, int, int], np.ndarray] = {}  # (drafting, rows, K + 1) -> seconds by width
         self._exploring = True  # the last drafted round was a first round, a retry or a probe (not known to pay)
         self._predicted: list[float] = []  # the last drafted round's predicted acceptance per slot (conditional)
         self._credit = 0.0  # seconds of exploring the plain rounds have earned (explore_share), not yet spent
@@ -380,10 +381,10 @@ class AdaptivePolicy:
         b = rows or m
         accept = self.calibration.predict(confidence.cpu().double().numpy())  # [m, K]
         tokens = expected_committed(accept).sum(0) + (b - m)  # [K + 1]
-        if (m, b, len(tokens)) not in self._seconds_memo:
-            self._seconds_memo[m, b, len(tokens)] = np.array(
+        if (m, b, len(tokens)) not in self._verify_memo:
+            self._verify_memo[m, b, len(tokens)] = np.array(
                 [self.costs.drafter(m) + self.costs.target(b, k + 1) for k in range(len(tokens))])
-        rate = tokens / self._seconds_memo[m, b, len(tokens)]  # [K + 1] expected committed tokens per second
+        rate = tokens / self._verify_memo[m, b, len(tokens)]  # [K + 1] expected committed tokens per second
         best = int(rate.argmax())
         self.width = best if rate[best] > (1 + self.margin) * rate[-1] else len(rate) - 1
         self._predicted = conditional_acceptance(accept).tolist()  # [K]
