@@ -241,8 +241,7 @@ class AdaptivePolicy:
 
     def __post_init__(self):
         self._rate_memo: dict = {}
-        self._seconds_memo: dict[tuple[int, int], list[float]] = {}  # (rows, K) -> a drafted round's seconds
-        self._verify_memo: dict[tuple[int, int, int], np.ndarray] = {}  # (drafting, rows, K + 1) -> seconds by width
+        self._seconds_memo: dict[tuple[int, int, int], np.ndarray] = {}  # (drafting, rows, K) -> seconds by width
         self._exploring = True  # the last drafted round was a first round, a retry or a probe (not known to pay)
         self._predicted: list[float] = []  # the last drafted round's predicted acceptance per slot (conditional)
         self._credit = 0.0  # seconds of exploring the plain rounds have earned (explore_share), not yet spent
@@ -381,10 +380,7 @@ class AdaptivePolicy:
         b = rows or m
         accept = self.calibration.predict(confidence.cpu().double().numpy())  # [m, K]
         tokens = expected_committed(accept).sum(0) + (b - m)  # [K + 1]
-        if (m, b, len(tokens)) not in self._verify_memo:
-            self._verify_memo[m, b, len(tokens)] = np.array(
-                [self.costs.drafter(m) + self.costs.target(b, k + 1) for k in range(len(tokens))])
-        rate = tokens / self._verify_memo[m, b, len(tokens)]  # [K + 1] expected committed tokens per second
+        rate = tokens / self._round_seconds(m, b, len(tokens) - 1)  # [K + 1] expected committed tokens per second
         best = int(rate.argmax())
         self.width = best if rate[best] > (1 + self.margin) * rate[-1] else len(rate) - 1
         self._predicted = conditional_acceptance(accept).tolist()  # [K]
@@ -422,15 +418,17 @@ class AdaptivePolicy:
                 counts = self._row_counts(rows, prior, drifted=not bound)  # [b, 2, K]
                 accept = counts[:, 0] / counts[:, 1]  # [b, K]
                 committed = expected_committed(np.maximum(accept, prior) if bound else accept).sum(0)  # [K + 1]
-            rate = max(c / s for c, s in zip(committed.tolist()[1:], self._round_seconds(b, K)))
+            rate = float((committed[1:] / self._round_seconds(b, b, K)[1:]).max())
             self._rate_memo[which] = (key, rate)
         return self._rate_memo[which][1]
 
-    def _round_seconds(self, b: int, K: int) -> list[float]:
-        """``[K]``: modelled seconds of a drafted round of ``b`` rows verifying ``k = 1..K`` drafts."""
-        if (b, K) not in self._seconds_memo:
-            self._seconds_memo[b, K] = [self.costs.drafter(b) + self.costs.target(b, k + 1) for k in range(1, K + 1)]
-        return self._seconds_memo[b, K]
+    def _round_seconds(self, m: int, b: int, K: int) -> np.ndarray:
+        """``[K + 1]``: modelled seconds of a round of ``b`` rows, ``m`` of them drafting, verifying ``k = 0..K``
+        drafts (memoised: plain rounds ask it every round)."""
+        if (m, b, K) not in self._seconds_memo:
+            self._seconds_memo[m, b, K] = np.array(
+                [self.costs.drafter(m) + self.costs.target(b, k + 1) for k in range(K + 1)])
+        return self._seconds_memo[m, b, K]
 
     def _row_counts(self, rows: list[int], prior: np.ndarray, drifted: bool = True) -> np.ndarray:
         """``[m, 2, K]``: each request's own accepted and reached counts per slot, drifted toward one round's worth of
