@@ -94,35 +94,39 @@ of several target layers take more memory per token than the drafter's own K/V."
 class _Backlog:
     """Target features not yet fed to the drafter: under an adaptive policy, plain rounds and the prefill of admitted
     prompts defer the drafter's ingest, and the whole backlog goes in one batched pass when drafting resumes (a row
-    that never drafts again never pays for it). Kept per row, as views: admissions and compactions move no data."""
+    that never drafts again never pays for it). Kept per row, as views: deferring, admissions and compactions copy no
+    features; a flush copies each piece once, into the batch it feeds."""
 
     def __init__(self):
-        self.rows: list[list[torch.Tensor]] = []  # per batch row, its deferred features in order: [t, F] pieces
+        self.rows: list[list[_Piece]] = []  # per batch row, its deferred features in order
         self.tokens = 0  # deferred entries, all rows
 
     def add(self, features: torch.Tensor | tuple[torch.Tensor, ...], counts: torch.Tensor | None = None) -> None:
-        """Defer ``features`` ``[b, t, F]``, of which row ``i`` holds its first ``counts[i]`` (default all; given
-        counts mark a padded prefill chunk, whose pieces are copied so the padding is not kept alive; its features
-        may come as the layers' ``[b, t, D]`` outputs, not yet concatenated: each row's piece is then the one copy)."""
+        """Defer ``features`` ``[b, t, F]`` (or the feature layers' outputs ``[b, t, D]`` each, in order, not yet
+        concatenated), of which row ``i`` holds its first ``counts[i]`` (default all). Split layers' outputs are kept as
+        views (a padded prefill chunk stays alive until its rows are fed or finished); a concatenated tensor's rows
+        with counts are copied."""
         layers = features if isinstance(features, tuple) else (features,)
         if not self.rows:
             self.rows = [[] for _ in range(layers[0].shape[0])]
-        if counts is None:  # a plain round: every row's [t, F] as it is (unbind: one call for all rows)
-            for row, x in zip(self.rows, features.unbind(0)):
+        if counts is None and len(layers) == 1:  # a plain round: every row's [t, F] as it is (one call for all rows)
+            for row, x in zip(self.rows, layers[0].unbind(0)):
                 row.append(x)
-            self.tokens += features.shape[0] * features.shape[1]
+            self.tokens += layers[0].shape[0] * layers[0].shape[1]
             return
-        counts = counts.tolist()
+        counts = [layers[0].shape[1]] * len(self.rows) if counts is None else counts.tolist()
         for i, (row, c) in enumerate(zip(self.rows, counts)):
             if c:
-                row.append(torch.cat([x[i, :c] for x in layers], dim=-1))  # [c, F], a copy
+                # the layers' outputs as views (the padded chunk is kept, nothing copied); of a concatenated
+                # tensor, each row's piece is a copy (a verify pass's [b, T, F] is not kept for its first tokens)
+                row.append(tuple(x[i, :c] for x in layers) if len(layers) > 1 else layers[0][i, :c].clone())
         self.tokens += sum(counts)
 
     def select(self, keep: torch.Tensor) -> None:
         """Keep only rows ``keep``."""
         order = keep.tolist()
         kept = set(order)
-        self.tokens -= sum(x.shape[0] for i, row in enumerate(self.rows) if i not in kept for x in row)
+        self.tokens -= sum(_piece_len(x) for i, row in enumerate(self.rows) if i not in kept for x in row)
         self.rows = [self.rows[i] for i in order] if self.rows else []
 
     def cat_rows(self, other: "_Backlog", rows: int, other_rows: int) -> None:
@@ -135,21 +139,62 @@ class _Backlog:
         """Feed rows their deferred features in order: every row (``ingest`` of ``[b, n, F]``, each row's entries
         first), or only ``rows`` (the drafter's ``ingest_rows`` of ``[m, n, F]``; the other rows keep theirs)."""
         fed = list(range(len(self.rows))) if rows is None else rows.tolist()
-        counts = [sum(x.shape[0] for x in self.rows[i]) for i in fed]
+        counts = [sum(_piece_len(x) for x in self.rows[i]) for i in fed]
         self.tokens -= sum(counts)
         if max(counts, default=0) == 0:
             return
-        piece = next(x for i in fed for x in self.rows[i])
-        feats = piece.new_zeros(len(fed), max(counts), piece.shape[-1])  # [b or m, n, F]
+        parts = next(x for i in fed for x in self.rows[i])
+        parts = parts if isinstance(parts, tuple) else (parts,)
+        feats = parts[0].new_zeros(len(fed), max(counts), sum(x.shape[-1] for x in parts))  # [b or m, n, F]
         for j, i in enumerate(fed):
-            if self.rows[i]:
-                feats[j, : counts[j]] = torch.cat(self.rows[i])
-                self.rows[i] = []
+            _write_row(feats[j], self.rows[i])
+            self.rows[i] = []
         counts = torch.tensor(counts, device=feats.device)
         if rows is None:
             drafter.ingest(cache, feats, counts)
         else:
             drafter.ingest_rows(cache, feats, counts, rows)
+
+
+_Piece = torch.Tensor | tuple[torch.Tensor, ...]
+"""One deferred stretch of a row: ``[t, F]``, or the feature layers' ``[t, D]`` each (to be concatenated)."""
+
+
+def _piece_len(piece: _Piece) -> int:
+    return (piece[0] if isinstance(piece, tuple) else piece).shape[0]
+
+
+def _write_row(out: torch.Tensor, pieces: list[_Piece]) -> None:
+    """Copy a row's pieces in order into ``out`` ``[n, F]`` (consecutive ``[t, F]`` pieces in one concatenation,
+    split pieces layer by layer into their column ranges)."""
+    at, run = 0, []
+    for piece in [*pieces, None]:
+        if isinstance(piece, torch.Tensor):
+            run.append(piece)
+            continue
+        if run:  # the plain rounds' [1, F] pieces since the last split one
+            n = sum(x.shape[0] for x in run)
+            out[at:at + n] = run[0] if len(run) == 1 else torch.cat(run)
+            at, run = at + n, []
+        if piece is not None:
+            n, col = piece[0].shape[0], 0
+            for x in piece:  # [t, D]
+                out[at:at + n, col:col + x.shape[-1]] = x
+                col += x.shape[-1]
+            at += n
+
+
+def _drafter_cache(drafter, rows: int, length: int, deferred: bool):
+    """The drafter's context cache for ``rows`` requests being admitted, room for ``length`` slots: allocated now, or,
+    when the ingest is deferred and the cache can grow (:attr:`KVCache.grow_to`), one slot growing up to ``length``
+    when the drafter first catches up (a job that never drafts holds no drafter context; one that does, the slots its
+    catch-up and rounds need)."""
+    if deferred:
+        cache = drafter.new_cache(rows, 1)
+        if hasattr(cache, "grow_to"):
+            cache.grow_to = length
+            return cache
+    return drafter.new_cache(rows, length)
 
 
 def _pad(prompts: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,7 +218,7 @@ class _Prefill:
         self.target, self.drafter, self.second, self.feature_layers = target, drafter, second, feature_layers
         n = len(rows)
         self.tcache = target.new_cache(n, max_len)
-        self.dcache = drafter.new_cache(n, drafter_len) if drafter is not None else None
+        self.dcache = _drafter_cache(drafter, n, drafter_len, defer) if drafter is not None else None
         self.scache = second.new_cache(n, drafter_len) if second is not None else None
         self.done = 0  # prompt tokens prefilled (per row: min(done, lens[b]))
         self.last_logits: torch.Tensor | None = None  # [n, V] each row's logits after its last prompt token

@@ -27,6 +27,10 @@ class KVCache:
         self.fixed_shape = False
         """True inside a static-shape (CUDA-graph) round: the caller sized the cache for the whole decode, and
         nothing may read device values on the host (no room checks, no ``lengths.max()``)."""
+        self.grow_to = 0
+        """Past ``max_len``, up to this many slots, a write grows the buffers (to the need, at least doubling, at
+        most ``grow_to``) instead of raising. A drafter cache whose ingest an adaptive policy defers starts with one
+        slot: most rows of a large batch never draft, and what a prompt's catch-up needs is known when it comes."""
 
     @property
     def batch_size(self) -> int:
@@ -68,8 +72,24 @@ class KVCache:
 
     def check_room(self, new_tokens: int) -> None:
         need = int(self.lengths.max()) + new_tokens if self.batch_size else 0
-        if need > self.max_len:
-            raise ValueError(f"KV cache overflow: need {need} slots, have {self.max_len}")
+        self._make_room(need)
+
+    def _make_room(self, need: int) -> None:
+        if need <= self.max_len:
+            return
+        if need > max(self.grow_to, self.max_len):
+            raise ValueError(f"KV cache overflow: need {need} slots, have {max(self.grow_to, self.max_len)}")
+        length = min(max(need, 2 * self.max_len), self.grow_to)
+        n = self.batch_size
+        used = int(self.lengths.max()) if n else 0
+        bufs = []
+        for b in (*self._kb, *self._vb):
+            new = b.new_zeros(b.shape[0], b.shape[1], length, b.shape[3])  # [rows, H_kv, length, D]
+            new[:n, :, :used] = b[:n, :, :used]  # the committed entries (spare rows hold none)
+            bufs.append(new)
+        self._kb, self._vb = bufs[: len(self._kb)], bufs[len(self._kb):]
+        self.k, self.v = [b[:n] for b in self._kb], [b[:n] for b in self._vb]
+        self.max_len = length
 
     def crop(self, lengths: torch.Tensor) -> None:
         """Set each row's committed length (must not grow past what was written)."""
@@ -106,10 +126,16 @@ class KVCache:
         longest (a few rows' drafts against their own context, leaving this cache as it is)."""
         lengths = self.lengths.index_select(0, rows)  # [m]
         used = int(lengths.max()) + room
+        have = min(used, self.max_len)  # a growing cache may not yet hold the scratch room
+
+        def take(b: torch.Tensor) -> torch.Tensor:  # [m, H_kv, used, D] (only used copied)
+            x = b[:, :, :have].index_select(0, rows)
+            return x if have == used else torch.cat([x, x.new_zeros(*x.shape[:2], used - have, x.shape[3])], 2)
+
         out = KVCache.__new__(KVCache)
-        out.k = [b[:, :, :used].index_select(0, rows) for b in self.k]  # [m, H_kv, used, D] each (only used copied)
-        out.v = [b[:, :, :used].index_select(0, rows) for b in self.v]
+        out.k, out.v = [take(b) for b in self.k], [take(b) for b in self.v]
         out._kb, out._vb, out.lengths, out.max_len, out.fixed_shape = out.k, out.v, lengths, used, False
+        out.grow_to = 0
         return out
 
     def reserve(self, rows: int) -> None:
@@ -131,8 +157,9 @@ class KVCache:
         own may be shorter, e.g. one slot for rows with nothing committed): requests admitted by continuous batching,
         copied into spare rows (made when there are none; only their committed entries)."""
         n, m = self.batch_size, other.batch_size
-        self.reserve(n + m)
         used = int(other.lengths.max()) if m else 0
+        self._make_room(used)
+        self.reserve(n + m)
         for buf, new in zip((*self._kb, *self._vb), (*other.k, *other.v)):
             buf[n:n + m, :, :used] = new[:, :, :used]
         self.k, self.v = [b[: n + m] for b in self._kb], [b[: n + m] for b in self._vb]

@@ -55,6 +55,7 @@ def _rows(cache: KVCache, n: int) -> KVCache:
     view.lengths = cache.lengths[:n]
     view.max_len = cache.max_len
     view.fixed_shape = True
+    view.grow_to = 0
     return view
 
 

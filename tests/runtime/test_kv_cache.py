@@ -89,3 +89,61 @@ def test_uneven_ingest_projects_only_real_tokens_and_equals_ingesting_each_row_a
                                        rtol=1e-5, atol=1e-6)
             one = drafter.draft_hidden(alone, drafter.block_embeds(blk[r:r + 1], None))
             torch.testing.assert_close(hidden[r], one[0], rtol=1e-4, atol=1e-5)
+
+
+def test_a_growing_drafter_cache_drafts_as_one_allocated_at_full_length():
+    """A drafter cache of one slot that grows on demand (a deferred ingest sizes it when the drafter first catches
+    up) holds the same context and drafts the same blocks as one allocated for the whole job, through a prompt's
+    catch-up, rounds, an admission, a compaction and a few rows' gathered copy; past ``grow_to`` it refuses in one
+    line."""
+    drafter = make_drafter(make_target())
+    g = torch.Generator().manual_seed(0)
+    F = drafter.fc.in_features
+    with torch.no_grad():
+        full, grown = drafter.new_cache(3, 64), drafter.new_cache(3, 1)
+        grown.grow_to = 64
+        blk = torch.full((3, drafter.block_size), drafter.config.mask_token_id)
+        blk[:, 0] = torch.tensor([1, 2, 3])
+
+        def same(rows: int) -> None:
+            assert full.lengths.tolist() == grown.lengths.tolist()
+            for a, b in zip(full.k + full.v, grown.k + grown.v):
+                for r, n in enumerate(full.lengths.tolist()):
+                    torch.testing.assert_close(a[r, :, :n], b[r, :, :n], rtol=0, atol=0)
+            x = drafter.block_embeds(blk[:rows], None)
+            torch.testing.assert_close(drafter.draft_hidden(full, x), drafter.draft_hidden(grown, x), rtol=0, atol=0)
+
+        few = torch.tensor([0, 2])
+        a, b = full.gather_rows(few, drafter.block_size), grown.gather_rows(few, drafter.block_size)
+        x = drafter.block_embeds(blk[:2], None)  # nothing committed yet: the growing cache lends its room as zeros
+        torch.testing.assert_close(drafter.draft_hidden(a, x), drafter.draft_hidden(b, x), rtol=0, atol=0)
+        prompt = torch.randn(3, 11, F, generator=g)
+        for c in (full, grown):
+            drafter.ingest(c, prompt, torch.tensor([11, 4, 7]))  # a prompt's catch-up: 1 -> 11 slots
+        assert grown.max_len == 11
+        same(3)
+        for t in range(3):  # rounds: the block's scratch and each commit grow it, at least doubling
+            step = torch.randn(3, drafter.block_size, F, generator=g)
+            for c in (full, grown):
+                drafter.ingest(c, step, torch.tensor([t + 1, 1, drafter.block_size]))
+            same(3)
+        assert grown.max_len == 44 and grown.grow_to == 64  # 11 -> 22 (the first block's scratch) -> 44
+        keep = torch.tensor([2, 0])
+        for c in (full, grown):
+            c.select_rows(keep)
+        joining = drafter.new_cache(1, 50)
+        drafter.ingest(joining, torch.randn(1, 50, F, generator=g), torch.tensor([50]))
+        for c in (full, grown):
+            c.cat_rows(joining)  # longer than the growing cache's room: it grows first (doubling, capped at grow_to)
+        assert grown.max_len == 64
+        blk = blk[[2, 0, 1]]
+        same(3)
+        a, b = full.gather_rows(few, drafter.block_size), grown.gather_rows(few, drafter.block_size)
+        x = drafter.block_embeds(blk[few], None)
+        torch.testing.assert_close(drafter.draft_hidden(a, x), drafter.draft_hidden(b, x), rtol=0, atol=0)
+        try:
+            drafter.ingest(grown, torch.randn(3, 40, F, generator=g), torch.full((3,), 40))
+        except ValueError as e:
+            assert "need 90 slots, have 64" in str(e)
+        else:
+            raise AssertionError("grew past grow_to")

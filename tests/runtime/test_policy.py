@@ -456,10 +456,14 @@ def test_measured_costs_grow_with_rows_and_tokens():
 @torch.inference_mode()
 def test_deferred_ingest_fills_the_drafter_context_as_ingesting_every_round():
     """Prompts' and plain rounds' features wait in the backlog through an admission and a compaction; one flush
-    leaves the drafter's context cache as ingesting them pass by pass would."""
-    target = make_target(seed=0, vocab=64)
+    leaves the drafter's context cache as ingesting them pass by pass would (a prompt's features concatenated, or
+    the layers' outputs as views, followed by plain rounds' pieces)."""
+    target = make_target(seed=0, vocab=64, layers=6)
     drafter = make_drafter(target, block_size=4)
-    feats = target(torch.randint(0, 64, (3, 8)), feature_layers=drafter.target_layer_ids).features  # [3, 8, F]
+    assert len(set(drafter.target_layer_ids)) == 2  # distinct layers: a split piece's columns in the wrong order show
+    tokens = torch.randint(0, 64, (3, 8))
+    feats = target(tokens, feature_layers=drafter.target_layer_ids).features  # [3, 8, F]
+    split = target(tokens, feature_layers=drafter.target_layer_ids, concat_features=False).features  # [3, 8, D] each
     ref, got = drafter.new_cache(2, 40), drafter.new_cache(2, 40)  # ingested pass by pass / deferred
     drafter.ingest(ref, feats[:2, :3], torch.tensor([3, 2]))  # two prompts (3 and 2 tokens)
     backlog = _Backlog()
@@ -471,7 +475,7 @@ def test_deferred_ingest_fills_the_drafter_context_as_ingesting_every_round():
     new_ref, new_got = drafter.new_cache(1, 40), drafter.new_cache(1, 40)  # a third request joins with its prompt
     drafter.ingest(new_ref, feats[2:, :4], torch.tensor([4]))
     joining = _Backlog()
-    joining.add(feats[2:, :4], torch.tensor([4]))
+    joining.add(tuple(x[2:, :6] for x in split), torch.tensor([4]))  # the layers' outputs, padded past 4: views
     ref.cat_rows(new_ref)
     got.cat_rows(new_got)
     backlog.cat_rows(joining, 2, 1)
