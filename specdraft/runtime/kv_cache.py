@@ -79,13 +79,17 @@ class KVCache:
             return
         if need > max(self.grow_to, self.max_len):
             raise ValueError(f"KV cache overflow: need {need} slots, have {max(self.grow_to, self.max_len)}")
-        length = min(max(need, 2 * self.max_len), self.grow_to)
+        self._reallocate(self._kb[0].shape[0], min(max(need, 2 * self.max_len), self.grow_to))
+
+    def _reallocate(self, rows: int, length: int) -> None:
+        """New zeroed buffers of ``rows`` rows and ``length`` slots, into which only the rows' committed entries are
+        copied (spare rows hold none)."""
         n = self.batch_size
         used = int(self.lengths.max()) if n else 0
         bufs = []
         for b in (*self._kb, *self._vb):
-            new = b.new_zeros(b.shape[0], b.shape[1], length, b.shape[3])  # [rows, H_kv, length, D]
-            new[:n, :, :used] = b[:n, :, :used]  # the committed entries (spare rows hold none)
+            new = b.new_zeros(rows, b.shape[1], length, b.shape[3])  # [rows, H_kv, length, D]
+            new[:n, :, :used] = b[:n, :, :used]
             bufs.append(new)
         self._kb, self._vb = bufs[: len(self._kb)], bufs[len(self._kb):]
         self.k, self.v = [b[:n] for b in self._kb], [b[:n] for b in self._vb]
@@ -141,16 +145,8 @@ class KVCache:
     def reserve(self, rows: int) -> None:
         """Make room for ``rows`` rows in all (continuous batching reserves its slots once): new zeroed buffers into
         which only the rows' committed entries are copied (a drafter cache whose ingest is deferred copies nothing)."""
-        n = self.batch_size
         if rows > self._kb[0].shape[0]:
-            used = int(self.lengths.max()) if n else 0
-            bufs = []
-            for b in (*self._kb, *self._vb):
-                new = b.new_zeros(rows, *b.shape[1:])  # [rows, H_kv, S, D]
-                new[:n, :, :used] = b[:n, :, :used]
-                bufs.append(new)
-            self._kb, self._vb = bufs[: len(self._kb)], bufs[len(self._kb):]
-            self.k, self.v = [b[:n] for b in self._kb], [b[:n] for b in self._vb]
+            self._reallocate(rows, self._kb[0].shape[2])
 
     def cat_rows(self, other: "KVCache") -> None:
         """Append ``other``'s rows (same layers and heads; its committed entries must fit this cache's ``max_len``, its
