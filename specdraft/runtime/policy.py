@@ -284,9 +284,11 @@ class AdaptivePolicy:
         scale = self._scaled("drafted", b)
         # the requests' acceptance drifts with every round: bounded by the drift's end points, a round after a plain
         # one that cannot pay at the bound is decided without the exact rate (a plain round's decision stays a few
-        # dict lookups; after a drafted round, which changed the acceptance, the exact rate is computed at once)
+        # dict lookups; after a drafted round, which changed the acceptance, the exact rate is computed at once); the
+        # bound over these rows is asked only where one over any rows (kept while requests end) could pay
         if (rows is None or self.skipped == 0
-                or self._drafted_rate(b, rows, bound=True) / scale * (1 + margin) >= b / plain):
+                or (self._ceiling_rate(b) / scale * (1 + margin) >= b / plain
+                    and self._drafted_rate(b, rows, bound=True) / scale * (1 + margin) >= b / plain)):
             spec = self._drafted_rate(b, rows) / scale
         else:
             spec = 0.0
@@ -421,6 +423,24 @@ class AdaptivePolicy:
             rate = float((committed[1:] / self._round_seconds(b, b, K)[1:]).max())
             self._rate_memo[which] = (key, rate)
         return self._rate_memo[which][1]
+
+    def _ceiling_rate(self, b: int) -> float:
+        """An upper bound of :meth:`_drafted_rate` ``(b, rows, bound=True)`` for any ``b`` running requests: every
+        slot of every row at the highest acceptance any known request or the population has (kept until an
+        acceptance changes, not when requests end: a plain round of many rows, some ending in most rounds, decides
+        on it without a pass over its rows)."""
+        K = max(self.costs.tokens) - 1
+        key = (tuple(self.accept), tuple(self.population), self._row_version)
+        if self._rate_memo.get("ceiling") is None or self._rate_memo["ceiling"][0] != key:
+            top = self._prior(K)  # [K]
+            if self._row_accept:
+                own = np.stack([c for c, _ in self._row_accept.values()])  # [r, 2, K] accepted, reached
+                top = np.maximum(top, (own[:, 0] / own[:, 1]).max(0))
+            self._rate_memo["ceiling"] = (key, expected_committed(top[None])[0], {})  # [K + 1] a row, rate by rows
+        _, committed, rates = self._rate_memo["ceiling"]
+        if b not in rates:
+            rates[b] = float((committed[1:] * b / self._round_seconds(b, b, K)[1:]).max())
+        return rates[b]
 
     def _round_seconds(self, m: int, b: int, K: int) -> np.ndarray:
         """``[K + 1]``: modelled seconds of a round of ``b`` rows, ``m`` of them drafting, verifying ``k = 0..K``

@@ -2,6 +2,7 @@
 whole block when acceptance is near certain), its calibration, and the engine under it: greedy output is the
 target's and sampled output fits the target's distribution, through a real DFlash drafter with pinned acceptance."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -198,13 +199,17 @@ class _ExactPolicy(AdaptivePolicy):
     def _drafted_rate(self, b, rows=None, bound=False):
         return super()._drafted_rate(b, rows)
 
+    def _ceiling_rate(self, b):
+        return float("inf")
+
 
 @pytest.mark.parametrize("seed", range(4))
 def test_plain_rounds_decided_on_the_drift_bound_decide_as_the_exact_rate(seed):
     """A plain round first asks an upper bound of the drafted rate that holds however far the requests' acceptance
-    drifts (kept while the acceptance and the rows stand); only where the bound could pay is the exact rate computed.
-    Over random requests, acceptances and arrivals, the bound is never below the exact rate and the decisions are
-    the exact rate's, round for round, including the rounds where drift alone brings drafting back."""
+    drifts (kept while the acceptance and the rows stand), and before it one that holds for any rows (kept while
+    requests end); only where the bounds could pay is the exact rate computed. Over random requests, acceptances and
+    arrivals, the bounds are never below the exact rate and the decisions are the exact rate's, round for round,
+    including the rounds where drift alone brings drafting back."""
     g = torch.Generator().manual_seed(seed)
     plans, flips = [], 0
     for kind in (AdaptivePolicy, _ExactPolicy):
@@ -219,7 +224,8 @@ def test_plain_rounds_decided_on_the_drift_bound_decide_as_the_exact_rate(seed):
             plan.append(m)
             if kind is AdaptivePolicy and policy.accept:
                 exact = policy._drafted_rate(len(rows), rows)
-                assert policy._drafted_rate(len(rows), rows, bound=True) >= exact * (1 - 1e-12)
+                bound = policy._drafted_rate(len(rows), rows, bound=True)
+                assert policy._ceiling_rate(len(rows)) >= bound * (1 - 1e-12) and bound >= exact * (1 - 1e-12)
             if m:
                 drafting = rows[:m]
                 k = policy.verify_len(torch.full((m, 3), 0.7), rows=len(rows))
@@ -231,6 +237,42 @@ def test_plain_rounds_decided_on_the_drift_bound_decide_as_the_exact_rate(seed):
         flips = sum(a > 0 and b == 0 for a, b in zip(plan[1:], plan))
     assert plans[0] == plans[1]
     assert flips >= 2  # drafting stopped and came back: the plans are not trivially all-plain or all-drafting
+
+
+def test_plain_rounds_of_poor_requests_ending_one_by_one_are_decided_without_a_pass_over_the_rows():
+    """Many rows whose requests all drafted poorly, one ending every round (a static batch's tail): the bound over
+    any rows says no round can pay, so plain rounds are decided without the per-row bound (whose memo every ending
+    request breaks) and exactly as on the exact rate; once a request that drafts well is known, the per-row bound is
+    asked again."""
+    asked = []
+
+    class Counting(AdaptivePolicy):
+        def _drafted_rate(self, b, rows=None, bound=False):
+            asked.append(bound)
+            return super()._drafted_rate(b, rows, bound)
+
+    plans = []
+    for kind in (Counting, _ExactPolicy):
+        policy = kind(costs(per_token=0.3, drafter=0.3), measured=False)
+        rows = list(range(64))
+        while m := policy.draft_rows(len(rows), 0, rows):  # rounds that draft accept nothing, until drafting stops
+            if policy.verify_len(torch.full((m, 3), 0.7), rows=len(rows)):
+                policy.observe(torch.zeros(m, dtype=torch.long), rows[:m])
+            rows = rows[1:]
+        asked.clear()
+        plan = []
+        for _ in range(20):
+            rows = rows[1:]  # a request ends every round
+            plan.append(policy.draft_rows(len(rows), 0, rows))
+        plans.append(plan)
+        if kind is Counting:
+            assert plan[0] == 0 and True not in asked  # decided on the bound over any rows alone
+            ceiling = policy._ceiling_rate(len(rows))
+            assert ceiling >= policy._drafted_rate(len(rows), rows, bound=True) >= policy._drafted_rate(len(rows), rows)
+            policy._row_accept[rows[0]] = (np.array([[9.0, 9.0, 9.0], [9.0, 9.0, 9.0]]), policy._round)
+            policy._row_version += 1  # a request known to accept every draft
+            assert policy._ceiling_rate(len(rows)) > ceiling
+    assert plans[0] == plans[1]
 
 
 def test_measured_round_seconds_rescale_the_cost_model():
