@@ -420,7 +420,7 @@ class AdaptivePolicy:
                 counts = self._row_counts(rows, prior, drifted=not bound)  # [b, 2, K]
                 accept = counts[:, 0] / counts[:, 1]  # [b, K]
                 committed = expected_committed(np.maximum(accept, prior) if bound else accept).sum(0)  # [K + 1]
-            rate = float((committed[1:] / self._round_seconds(b, b, K)[1:]).max())
+            rate = self._best_rate(committed, b)
             self._rate_memo[which] = (key, rate)
         return self._rate_memo[which][1]
 
@@ -429,18 +429,22 @@ class AdaptivePolicy:
         slot of every row at the highest acceptance any known request or the population has (kept until an
         acceptance changes, not when requests end: a plain round of many rows, some ending in most rounds, decides
         on it without a pass over its rows)."""
-        K = max(self.costs.tokens) - 1
         key = (tuple(self.accept), tuple(self.population), self._row_version)
         if self._rate_memo.get("ceiling") is None or self._rate_memo["ceiling"][0] != key:
-            top = self._prior(K)  # [K]
+            top = self._prior(max(self.costs.tokens) - 1)  # [K]
             if self._row_accept:
                 own = np.stack([c for c, _ in self._row_accept.values()])  # [r, 2, K] accepted, reached
                 top = np.maximum(top, (own[:, 0] / own[:, 1]).max(0))
             self._rate_memo["ceiling"] = (key, expected_committed(top[None])[0], {})  # [K + 1] a row, rate by rows
         _, committed, rates = self._rate_memo["ceiling"]
         if b not in rates:
-            rates[b] = float((committed[1:] * b / self._round_seconds(b, b, K)[1:]).max())
+            rates[b] = self._best_rate(committed * b, b)
         return rates[b]
+
+    def _best_rate(self, committed: np.ndarray, b: int) -> float:
+        """Committed tokens per second of a drafted round of ``b`` rows at its best width 1..K, given the round's
+        expected committed tokens by width ``[K + 1]``."""
+        return float((committed[1:] / self._round_seconds(b, b, len(committed) - 1)[1:]).max())
 
     def _round_seconds(self, m: int, b: int, K: int) -> np.ndarray:
         """``[K + 1]``: modelled seconds of a round of ``b`` rows, ``m`` of them drafting, verifying ``k = 0..K``
