@@ -25,6 +25,7 @@ import torch
 from transformers import AutoTokenizer
 
 from specdraft.pipeline.bench import length_caps
+from specdraft.pipeline.policy import sampling_key
 from specdraft.pipeline.tokenizer import stop_token_ids
 from specdraft.runtime.batch_job import encode_requests, read_requests
 from specdraft.runtime.decode import GenerationConfig, generate
@@ -45,7 +46,11 @@ def load_job(args) -> tuple:
     gen = GenerationConfig(max_new_tokens=length_caps(len(prompts), args.max_new_tokens, args.spread, 0),
                            stop_token_ids=stop_token_ids(tok), sampling=SamplingParams(args.temperature))
     saved = json.loads(open(args.policy).read())
-    policy = AdaptivePolicy(CostModel(**saved["costs"]), Calibration(**saved["calibration"]))
+    calibrations = saved.get("calibrations", {"greedy": saved.get("calibration", {})})
+    name = sampling_key(gen.sampling)
+    if name not in calibrations:
+        raise SystemExit(f"{args.policy} holds no calibration for {name} (a bench or decode run at it adds one)")
+    policy = AdaptivePolicy(CostModel(**saved["costs"]), Calibration(**calibrations[name]))
     return target, drafter, prompts, gen, policy
 
 

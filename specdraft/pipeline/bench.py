@@ -165,7 +165,8 @@ class _Entry:
     tree: object  # TreeDrafting or None
     target: object
     backend: str  # torch, onnx, trt
-    policy: object = None  # an AdaptivePolicy (copied fresh for each suite, temperature and batch size), or None
+    policy: object = None  # temperature -> an AdaptivePolicy calibrated under it (copied fresh for each suite and
+    #   batch size), or None
 
 
 def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
@@ -194,7 +195,10 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
                                                                    b_tgt, backend)
         if adaptive:
             heldin = heldin_prompts(world, tok, cfg.data.enable_thinking)
-            policy = adaptive_policy(cfg.work_path, tgt, drafter, d, heldin, stops, tuple(b.batch_sizes), log)
+            dec = cfg.decode
+            policy = {temp: adaptive_policy(cfg.work_path, tgt, drafter, d, heldin, stops, tuple(b.batch_sizes), log,
+                                            SamplingParams(temp, dec.top_k, dec.top_p), dec.draft_sampling)
+                      for temp in b.temperatures}
             loaded[f"{drafter.arch_name}:{st}+adaptive"] = _Entry(drafter, drafter.arch_name, st, str(d), None, tgt,
                                                                   "torch", policy)
         trees = {}  # the second drafter is loaded once per first drafter
@@ -232,8 +236,8 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
                 modes = sorted(b.batching, key=lambda m: m != "static")  # static first: the ratios need it
                 accs = {m: defaultdict(lambda: {"tokens": 0, "seconds": 0.0, "results": [], "repeats": []})
                         for m in modes}
-                policies = {mode: {m: {"policy": replace(e.policy)} for m, e in loaded.items() if e.policy is not None}
-                            for mode in modes}
+                policies = {mode: {m: {"policy": replace(e.policy[temp])} for m, e in loaded.items()
+                                   if e.policy is not None} for mode in modes}
                 for rep in range(b.repeats):
                     # the batchings take turns, whole suite by whole suite, so drifts in machine speed hit both
                     for mode in (modes if rep % 2 == 0 else modes[::-1]):

@@ -1,6 +1,6 @@
-"""``decode.policy=adaptive``: the speculation policy's costs and calibration for this machine and these models,
-measured once and cached under ``<work_dir>/policy/`` (keyed by device, threads, dtype, torch, the target and the
-drafter), then reused by ``decode`` and ``bench``."""
+"""``decode.policy=adaptive``: the speculation policy's costs for this machine and these models, and its calibration
+for each sampling setting a job decodes with, measured once and cached under ``<work_dir>/policy/`` (keyed by device,
+threads, dtype, torch, the target and the drafter), then reused by ``decode`` and ``bench``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 from specdraft.runtime.batch_job import encode_requests, read_requests
 from specdraft.runtime.decode import GenerationConfig, draft_confidence, generate
 from specdraft.runtime.policy import AdaptivePolicy, Calibration, CostModel, measure_costs
+from specdraft.runtime.sampling import SamplingParams, logits_to_probs
 
 CALIBRATION_PROMPTS = 16
 
@@ -27,38 +28,71 @@ def _key(target, drafter, drafter_dir: str | Path | None) -> dict:
             "drafter": hashlib.sha256(weights.read_bytes()).hexdigest()[:16] if weights and weights.is_file() else ""}
 
 
-def calibrate(target, drafter, prompts: list[list[int]], stop_token_ids=(), max_new_tokens: int = 64) -> Calibration:
-    """Fit the confidence -> acceptance map on greedy rounds of ``prompts`` decoded with the whole block."""
+def calibrate(target, drafter, prompts: list[list[int]], stop_token_ids=(), max_new_tokens: int = 64,
+              sampling: SamplingParams | None = None, draft_sampling: str = "sample", seed: int = 0) -> Calibration:
+    """Fit the confidence -> acceptance map on rounds of ``prompts`` decoded with the whole block under ``sampling``
+    (default greedy) and ``draft_sampling``, the confidences taken as the engine takes them (its probability of its
+    draft under the distribution the draft was drawn from): how often a draft is accepted depends on the sampling
+    (greedy verification accepts the target's argmax, speculative sampling ``min(1, p / q)``), so a job is priced on
+    rounds decoded as it decodes."""
+    sampling = sampling or SamplingParams()
+    sampled = not sampling.greedy and draft_sampling != "greedy"
     conf, acc = [], []
 
     def observe(rec):
-        conf.append(draft_confidence(rec.draft_logits, rec.draft_tokens, None).cpu())
+        q = logits_to_probs(rec.draft_logits, sampling) if sampled else None
+        conf.append(draft_confidence(rec.draft_logits, rec.draft_tokens, q).cpu())
         acc.append(rec.num_accepted.cpu())
 
+    g = torch.Generator(device=target.lm_head.weight.device).manual_seed(seed)
     for i in range(0, len(prompts), 8):
-        generate(target, prompts[i:i + 8], GenerationConfig(max_new_tokens=max_new_tokens,
-                                                            stop_token_ids=tuple(stop_token_ids)),
-                 drafter=drafter, observer=observe)
+        generate(target, prompts[i:i + 8], GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling,
+                                                            stop_token_ids=tuple(stop_token_ids),
+                                                            draft_sampling=draft_sampling),
+                 drafter=drafter, observer=observe, generator=g)
     return Calibration.fit(torch.cat(conf), torch.cat(acc)) if conf else Calibration()
 
 
+def sampling_key(sampling: SamplingParams, draft_sampling: str = "sample") -> str:
+    """The name a calibration is cached under: ``greedy``, or the sampling settings and how drafts are drawn."""
+    if sampling.greedy:
+        return "greedy"
+    return f"T={sampling.temperature:g},top_k={sampling.top_k},top_p={sampling.top_p:g},drafts={draft_sampling}"
+
+
 def adaptive_policy(work_dir: Path, target, drafter, drafter_dir, calibration_prompts: list[list[int]],
-                    stop_token_ids=(), batch_sizes=(1, 8, 32, 64), log=print) -> AdaptivePolicy:
-    """A fresh :class:`AdaptivePolicy` from the cached costs and calibration (measured first when missing)."""
+                    stop_token_ids=(), batch_sizes=(1, 8, 32, 64), log=print, sampling: SamplingParams | None = None,
+                    draft_sampling: str = "sample") -> AdaptivePolicy:
+    """A fresh :class:`AdaptivePolicy` from the cached costs and the calibration for ``sampling`` (default greedy)
+    and ``draft_sampling`` (each measured first when missing, and added to the cache)."""
+    sampling = sampling or SamplingParams()
     key = _key(target, drafter, drafter_dir)
     path = work_dir / "policy" / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
-    if path.is_file():
-        saved = json.loads(path.read_text())
-        return AdaptivePolicy(CostModel(**saved["costs"]), Calibration(**saved["calibration"]))
-    rows = sorted({1, *batch_sizes})
-    log(f"policy: measuring target and drafter costs for {rows} rows on this machine (cached in {path})")
-    costs = measure_costs(target, drafter, rows=rows)
+    saved = json.loads(path.read_text()) if path.is_file() else {"key": key}
+    if "costs" in saved:
+        costs = CostModel(**saved["costs"])
+    else:
+        rows = sorted({1, *batch_sizes})
+        log(f"policy: measuring target and drafter costs for {rows} rows on this machine (cached in {path})")
+        costs = measure_costs(target, drafter, rows=rows)
+        saved["costs"] = asdict(costs)
+    calibrations = saved.setdefault("calibrations", {})
+    if "calibration" in saved:  # a cache written before calibrations were kept per sampling: its one is greedy's
+        calibrations.setdefault("greedy", saved.pop("calibration"))
+    name = sampling_key(sampling, draft_sampling)
+    if name in calibrations:
+        return AdaptivePolicy(costs, Calibration(**calibrations[name]))
     prompts = calibration_prompts[:CALIBRATION_PROMPTS]
-    calibration = calibrate(target, drafter, prompts, stop_token_ids) if prompts else Calibration()
-    if not prompts:
+    if prompts:
+        log(f"policy: calibrating drafter confidences on {len(prompts)} held-in prompts ({name})")
+        calibration = calibrate(target, drafter, prompts, stop_token_ids, sampling=sampling,
+                                draft_sampling=draft_sampling)
+    else:
+        calibration = Calibration()
         log("policy: no held-in prompts to calibrate on; drafter confidences are used as acceptance probabilities")
+    calibrations[name] = asdict(calibration)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"key": key, "costs": asdict(costs), "calibration": asdict(calibration)}))
+    path.write_text(json.dumps(saved))
     return AdaptivePolicy(costs, calibration)
 
 

@@ -132,7 +132,7 @@ def decode(cfg: RunConfig, input_path: Path, output_path: Path):
         if d.policy == "adaptive":
             policy = adaptive_policy(cfg.work_path, tgt, drafter, drafter_dir,
                                      heldin_prompts(world, tok, cfg.data.enable_thinking), stop_token_ids(tok),
-                                     (d.batch_size,), log)
+                                     (d.batch_size,), log, gen.sampling, d.draft_sampling)
         bar = tqdm(total=len(requests), desc=f"decode ({d.method})", unit="req", file=sys.stderr)
         stats = run_batch_job(requests, output_path, tok, tgt, gen, d.batch_size, drafter=drafter, generator=g,
                               enable_thinking=cfg.data.enable_thinking,

@@ -234,6 +234,11 @@ class AdaptivePolicy:
     """Each round since a request last drafted keeps this share of its own evidence's weight against one round's worth
     of the population's acceptance: a request's acceptance drifts, and where drafting pays on average a stretch of
     rejections is retried for free (a drafter that recovers, as at the end of an answer, is not missed)."""
+    own_weight_prior: float = 0.25
+    """Pseudo-evidence of full agreement that :meth:`_lean` starts from, in squared deviations of a record from the
+    population (0.25: one request whose record was 0.5 from it and whose next round went as its record said)."""
+    own_weight_decay: float = 0.98
+    """Per drafted round, the weight older rounds keep in :meth:`_lean`."""
     width: int = 0
     skipped: int = 0
     wait: int = 0
@@ -248,6 +253,9 @@ class AdaptivePolicy:
         self._row_accept: dict[int, tuple] = {}  # request -> ([accepted, reached] [2, K] per slot, round) (this job)
         self._round = 0  # draft_this_round calls
         self._row_version = 0  # bumped whenever a request's acceptance changes
+        # how far a request's own record beyond the population's foretold its next first slot: decayed sums of
+        # (outcome - population) * (own - population) and (own - population)^2 over drafted rows (a prior of agreement)
+        self._lean_sums = [self.own_weight_prior, self.own_weight_prior]
         # per slot [accepted, reached], decayed per drafted round (a given population counts as 8 rows' worth)
         self._population_counts: list[list[float]] = [[8.0 * p, 8.0] for p in self.population]
         # running measured / modelled seconds of "plain" / "drafted" rounds, over all sizes and by (kind, size)
@@ -410,7 +418,7 @@ class AdaptivePolicy:
         slot's acceptance), kept until an acceptance or the rows change."""
         which = "bound" if bound else "rate"
         drift = None if rows is None else (tuple(rows), self._row_version, None if bound else self._round // 4)
-        key = (b, tuple(self.accept), drift)
+        key = (b, tuple(self.accept), self._lean(), drift)
         if self._rate_memo.get(which) is None or self._rate_memo[which][0] != key:
             K = max(self.costs.tokens) - 1
             if rows is None:
@@ -418,8 +426,7 @@ class AdaptivePolicy:
             else:
                 prior = self._prior(K)  # [K]
                 counts = self._row_counts(rows, prior, drifted=not bound)  # [b, 2, K]
-                accept = counts[:, 0] / counts[:, 1]  # [b, K]
-                committed = expected_committed(np.maximum(accept, prior) if bound else accept).sum(0)  # [K + 1]
+                committed = expected_committed(self._own(counts, prior, bound)).sum(0)  # [K + 1]
             rate = self._best_rate(committed, b)
             self._rate_memo[which] = (key, rate)
         return self._rate_memo[which][1]
@@ -429,12 +436,12 @@ class AdaptivePolicy:
         slot of every row at the highest acceptance any known request or the population has (kept until an
         acceptance changes, not when requests end: a plain round of many rows, some ending in most rounds, decides
         on it without a pass over its rows)."""
-        key = (tuple(self.accept), tuple(self.population), self._row_version)
+        key = (tuple(self.accept), tuple(self.population), self._row_version, self._lean())
         if self._rate_memo.get("ceiling") is None or self._rate_memo["ceiling"][0] != key:
             top = self._prior(max(self.costs.tokens) - 1)  # [K]
             if self._row_accept:
                 own = np.stack([c for c, _ in self._row_accept.values()])  # [r, 2, K] accepted, reached
-                top = np.maximum(top, (own[:, 0] / own[:, 1]).max(0))
+                top = self._own(own, top, bound=True).max(0)
             self._rate_memo["ceiling"] = (key, expected_committed(top[None])[0], {})  # [K + 1] a row, rate by rows
         _, committed, rates = self._rate_memo["ceiling"]
         if b not in rates:
@@ -453,6 +460,24 @@ class AdaptivePolicy:
             self._seconds_memo[m, b, K] = np.array(
                 [self.costs.drafter(m) + self.costs.target(b, k + 1) for k in range(K + 1)])
         return self._seconds_memo[m, b, K]
+
+    def _lean(self) -> float:
+        """How much of a request's own acceptance beyond the population's to believe, in ``[0, 1]``: the regression
+        slope of drafted rows' first-slot outcomes on their own record's deviation from the population, over the
+        drafted rounds so far (decayed by :attr:`own_weight_decay`, starting from :attr:`own_weight_prior` of full
+        agreement). Where acceptance persists within a request (a greedy answer's formulaic stretches) the record
+        foretells the next round and the slope is near 1; where rounds are independent draws (sampling at T=1) a
+        lucky round foretells nothing, the slope falls toward 0, and requests are judged on the population's
+        acceptance: deciding on a record that ran high by chance would draft exactly where it does not pay."""
+        xy, xx = self._lean_sums
+        return min(max(xy / xx, 0.0), 1.0)
+
+    def _own(self, counts: np.ndarray, prior: np.ndarray, bound: bool = False) -> np.ndarray:
+        """``[m, K]``: the acceptance a decision takes for each request from its ``counts`` ``[m, 2, K]``: the
+        population's ``prior`` plus :meth:`_lean` of the record's deviation from it (``bound``: of the deviation above
+        it only, an upper bound however the record drifts)."""
+        dev = counts[:, 0] / counts[:, 1] - prior  # [m, K]
+        return prior + self._lean() * (np.maximum(dev, 0.0) if bound else dev)
 
     def _row_counts(self, rows: list[int], prior: np.ndarray, drifted: bool = True) -> np.ndarray:
         """``[m, 2, K]``: each request's own accepted and reached counts per slot, drifted toward one round's worth of
@@ -491,7 +516,12 @@ class AdaptivePolicy:
         n = num_accepted.cpu().numpy()
         if rows is not None and self.width > 0 and (self.population or self.accept):
             K = max(self.costs.tokens) - 1
-            own = self._row_counts(rows, self._prior(K))  # [m, 2, K]
+            prior = self._prior(K)
+            own = self._row_counts(rows, prior)  # [m, 2, K]
+            dev = own[:, 0, 0] / own[:, 1, 0] - prior[0]  # [m] each record's first slot beyond the population's
+            kept = self.own_weight_decay
+            self._lean_sums = [kept * self._lean_sums[0] + float(((n >= 1) - prior[0]) @ dev),
+                               kept * self._lean_sums[1] + float(dev @ dev)]
             slot = np.arange(1, K + 1)
             reached = (n[:, None] >= slot - 1) & (slot <= self.width)  # [m, K]
             hit = reached & (n[:, None] >= slot)
