@@ -536,11 +536,12 @@ def test_measured_costs_grow_with_rows_and_tokens():
 def test_deferred_ingest_fills_the_drafter_context_as_ingesting_every_round():
     """Prompts' and plain rounds' features wait in the backlog through an admission and a compaction; one flush
     leaves the drafter's context cache as ingesting them pass by pass would (a prompt's features concatenated, or
-    the layers' outputs as views, followed by plain rounds' pieces)."""
+    the layers' outputs as views, followed by plain rounds' entries, concatenated or split, kept whole for every row
+    until the rows change)."""
     target = make_target(seed=0, vocab=64, layers=6)
     drafter = make_drafter(target, block_size=4)
     assert len(set(drafter.target_layer_ids)) == 2  # distinct layers: a split piece's columns in the wrong order show
-    tokens = torch.randint(0, 64, (3, 8))
+    tokens = torch.randint(0, 64, (3, 9))
     feats = target(tokens, feature_layers=drafter.target_layer_ids).features  # [3, 8, F]
     split = target(tokens, feature_layers=drafter.target_layer_ids, concat_features=False).features  # [3, 8, D] each
     ref, got = drafter.new_cache(2, 40), drafter.new_cache(2, 40)  # ingested pass by pass / deferred
@@ -558,19 +559,25 @@ def test_deferred_ingest_fills_the_drafter_context_as_ingesting_every_round():
     ref.cat_rows(new_ref)
     got.cat_rows(new_got)
     backlog.cat_rows(joining, 2, 1)
-    for t in (5, 6):
+    for t in (5, 6):  # plain rounds of the engine: the layers' outputs, whole (a concatenated one first)
         drafter.ingest(ref, feats[:, t:t + 1], torch.ones(3, dtype=torch.long))
-        backlog.add(feats[:, t:t + 1])
+        backlog.add(feats[:, t:t + 1] if t == 5 else tuple(x[:, t:t + 1] for x in split))
     keep = torch.tensor([1, 2])  # the first request ends
     for c in (ref, got):
         c.select_rows(keep)
     backlog.select(keep)
-    drafter.ingest(ref, feats[1:, 7:8], one)
-    backlog.add(feats[1:, 7:8])
-    assert backlog.tokens == 2 + 5 + 4 + 3  # the ended row's entries are no longer counted
+    for t in (7, 8):
+        drafter.ingest(ref, feats[1:, t:t + 1], one)
+        backlog.add(tuple(x[1:, t:t + 1] for x in split))
+    assert backlog.tokens == 2 + 6 + 4 + 4  # the ended row's entries are no longer counted
     backlog.flush(drafter, got)
-    assert ref.lengths.tolist() == got.lengths.tolist() == [2 + 5, 4 + 3] and backlog.rows == [[], []]
+    assert ref.lengths.tolist() == got.lengths.tolist() == [2 + 6, 4 + 4] and backlog.rows == [[], []]
     assert backlog.tokens == 0
+    for t in (9, 10):  # plain rounds after the flush: a row's backlog that starts with a run
+        more = target(tokens[1:, :2], feature_layers=drafter.target_layer_ids, concat_features=False).features
+        drafter.ingest(ref, torch.cat(more, -1)[:, t - 9:t - 8], one)
+        backlog.add(tuple(x[:, t - 9:t - 8] for x in more))
+    backlog.flush(drafter, got)
     for row, n in enumerate(ref.lengths.tolist()):
         for a, b in zip(ref.k + ref.v, got.k + got.v):
             torch.testing.assert_close(a[row, :, :n], b[row, :, :n], rtol=1e-5, atol=1e-5)
