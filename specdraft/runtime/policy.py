@@ -253,6 +253,7 @@ class AdaptivePolicy:
         self._row_accept: dict[int, tuple] = {}  # request -> ([accepted, reached] [2, K] per slot, round) (this job)
         self._round = 0  # draft_this_round calls
         self._row_version = 0  # bumped whenever a request's acceptance changes
+        self._stretch: list | None = None  # plain rounds ahead that need no decision (see _begin_stretch)
         # how far a request's own record beyond the population's foretold its next first slot: decayed sums of
         # (outcome - population) * (own - population) and (own - population)^2 over drafted rows (a prior of agreement)
         self._lean_sums = [self.own_weight_prior, self.own_weight_prior]
@@ -278,6 +279,9 @@ class AdaptivePolicy:
         none, drafting must pay outright."""
         self._exploring = True
         self._round += 1
+        if self._still_plain(b, fresh, rows):
+            return False
+        self._stretch = None
         if not self.accept:
             return True
         if rows is None and 2 * fresh >= b and self.population:
@@ -294,9 +298,9 @@ class AdaptivePolicy:
         # one that cannot pay at the bound is decided without the exact rate (a plain round's decision stays a few
         # dict lookups; after a drafted round, which changed the acceptance, the exact rate is computed at once); the
         # bound over these rows is asked only where one over any rows (kept while requests end) could pay
-        if (rows is None or self.skipped == 0
-                or (self._ceiling_rate(b) / scale * (1 + margin) >= b / plain
-                    and self._drafted_rate(b, rows, bound=True) / scale * (1 + margin) >= b / plain)):
+        ceiling = None if rows is None or self.skipped == 0 else self._ceiling_rate(b) / scale * (1 + margin)
+        if (ceiling is None or (ceiling >= b / plain
+                                and self._drafted_rate(b, rows, bound=True) / scale * (1 + margin) >= b / plain)):
             spec = self._drafted_rate(b, rows) / scale
         else:
             spec = 0.0
@@ -316,7 +320,41 @@ class AdaptivePolicy:
             return True
         self.skipped += 1
         self._credit = min(self._credit + self.explore_share * plain, 2 * extra)
+        if ceiling is not None and ceiling < b / plain:
+            self._begin_stretch(b, fresh, ceiling * plain / b)
         return False
+
+    def _begin_stretch(self, b: int, fresh: int, reach: float) -> None:
+        """After a plain round decided on the bound over any rows at ``reach`` of plain decoding's rate (below 1): the
+        rounds after it that stay plain whatever their measured seconds, while the rows' count, the new requests and
+        the acceptance stand. Each plain round moves the ratio of plain to drafted seconds at this size by at most a
+        factor ``1 + cost_smoothing`` (none when not :attr:`measured`; a size not yet measured plainly can jump, so
+        none then), so the bound stays below plain decoding's rate for ``log(1 / reach) / log(1 + cost_smoothing)``
+        rounds; retries and probes come at the round counts :meth:`draft_this_round` checks."""
+        if self.measured and ("plain", self._size(b)) not in self._scale:
+            return
+        growth = 1 + self.cost_smoothing if self.measured else 1.0
+        rounds = 1 << 30 if growth == 1.0 or reach <= 0 else math.ceil(math.log(0.999 / reach) / math.log(growth)) - 1
+        if rounds > 0:
+            self._stretch = [b, fresh, rounds, self.accept, self.population, self._row_version, self._lean_sums]
+
+    def _still_plain(self, b: int, fresh: int, rows: list[int] | None) -> bool:
+        """A round of a stretch (:meth:`_begin_stretch`) that neither a retry nor a probe can claim: plain, decided
+        with the plain round's bookkeeping alone (what :meth:`draft_this_round` would decide, at a fraction of its
+        cost, every round of a long plain stretch)."""
+        st = self._stretch
+        if (st is None or rows is None or st[0] != b or st[1] != fresh or st[2] <= 0 or st[3] is not self.accept
+                or st[4] is not self.population or st[5] != self._row_version or st[6] is not self._lean_sums):
+            return False
+        extra = self._exploring_extra(b)
+        if self._credit >= extra * (1 - 1e-9) and (self.skipped >= (self.wait or self.retry_every)
+                                                  or 2 * fresh >= b and self.skipped >= self.retry_every):
+            return False  # a retry or a probe
+        st[2] -= 1
+        self.skipped += 1
+        plain = self.costs.target(b, 1) * self._scaled("plain", b)
+        self._credit = min(self._credit + self.explore_share * plain, 2 * extra)
+        return True
 
     def draft_rows(self, b: int, fresh: int = 0, rows: list[int] | None = None) -> int:
         """How many of the ``b`` rows draft this round: 0 (a plain round, see :meth:`draft_this_round`), all of them

@@ -276,6 +276,66 @@ def test_plain_rounds_decided_on_the_drift_bound_decide_as_the_exact_rate(seed):
     assert flips >= 2  # drafting stopped and came back: the plans are not trivially all-plain or all-drafting
 
 
+class _EveryRound(AdaptivePolicy):
+    """The policy deciding every round in full (no plain stretch)."""
+
+    def _still_plain(self, b, fresh, rows):
+        return False
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_plain_stretches_decide_as_deciding_every_round(seed):
+    """After a plain round decided on the bound over any rows, the rounds that the measured seconds cannot turn (the
+    seconds move the plain-to-drafted ratio by at most ``1 + cost_smoothing`` a round) skip the decision, until the
+    rows' count, the new requests or the acceptance change, or a retry or probe is due. With every round's seconds
+    measured (noisy, and slower at some sizes than modelled), arrivals, endings and requests of mixed skill, the plans,
+    the retry waits and the exploring budget are those of the policy deciding every round, round for round, while
+    many plain rounds are decided in a stretch (here stretches are short: the deep slots' acceptance, seldom reached
+    by the poor requests, keeps the bound within a few rounds of paying)."""
+    g = torch.Generator().manual_seed(seed)
+    plans, credits, fast = [], [], []
+    for kind in (AdaptivePolicy, _EveryRound):
+        g.manual_seed(seed)
+        policy = kind(costs(per_token=0.3, drafter=0.3), explore_share=0.02)
+        calls = [0]
+        plain_round = policy._still_plain
+
+        def counted(b, fresh, rows, plain_round=plain_round, calls=calls):
+            taken = plain_round(b, fresh, rows)
+            calls[0] += taken
+            return taken
+
+        policy._still_plain = counted
+        skill = (torch.rand(60, generator=g) < 0.1).float() * 0.9 + 0.02  # each request's chance per draft
+        rows, fresh, plan, credit = [0, 1, 2, 3], 0, [], []
+        for _ in range(600):
+            if torch.rand(1, generator=g) < 0.05:  # a request ends, and the next may arrive
+                rows = rows[1:] + ([max(rows) + 1] if torch.rand(1, generator=g) < 0.7 and max(rows) < 59 else [])
+                fresh = min(fresh + 1, len(rows))
+                rows = rows or [max(rows, default=0) + 1]
+            m = policy.draft_rows(len(rows), fresh, rows)
+            plan.append((m, policy.skipped, policy.wait))
+            credit.append(policy._credit)
+            k = 0
+            if m:
+                fresh = 0
+                drafting = rows[:m]
+                k = policy.verify_len(torch.full((m, 3), 0.7), rows=len(rows))
+                n = (torch.rand(m, 3, generator=g) < skill[drafting][:, None]).long().cumprod(1).sum(1).clamp(max=k)
+                if k:
+                    policy.observe(n, drafting)
+            model = (policy.costs.drafter(m) if m else 0.0) + policy.costs.target(len(rows), k + 1)
+            slow = 1.6 if len(rows) < 3 else 1.0  # a machine slower than modelled at few rows
+            policy.observe_seconds(len(rows), m, k, model * slow * float(0.7 + 0.7 * torch.rand(1, generator=g)))
+        plans.append(plan)
+        credits.append(credit)
+        fast.append(calls[0])
+    assert plans[0] == plans[1] and credits[0] == credits[1]
+    plain = sum(m == 0 for m, _, _ in plans[0])
+    assert fast[1] == 0 and fast[0] >= 20, (fast, plain)
+    assert 0 < sum(m > 0 for m, _, _ in plans[0]) < 600 - plain // 2  # drafting and plain stretches both occur
+
+
 def test_plain_rounds_of_poor_requests_ending_one_by_one_are_decided_without_a_pass_over_the_rows():
     """Many rows whose requests all drafted poorly, one ending every round (a static batch's tail): the bound over
     any rows says no round can pay, so plain rounds are decided without the per-row bound (whose memo every ending
