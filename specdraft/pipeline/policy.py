@@ -69,9 +69,10 @@ def adaptive_policy(work_dir: Path, target, drafter, drafter_dir, calibration_pr
     key = _key(target, drafter, drafter_dir)
     path = work_dir / "policy" / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
     saved = json.loads(path.read_text()) if path.is_file() else {"key": key}
-    if "costs" in saved:
+    changed = "context" not in saved.get("costs", {})  # costs or a calibration to add to the cache
+    if not changed:
         costs = CostModel(**saved["costs"])
-    else:
+    else:  # none yet, or measured at one context before costs were priced by the context
         rows = sorted({1, *batch_sizes})
         log(f"policy: measuring target and drafter costs for {rows} rows on this machine (cached in {path})")
         costs = measure_costs(target, drafter, rows=rows)
@@ -81,18 +82,21 @@ def adaptive_policy(work_dir: Path, target, drafter, drafter_dir, calibration_pr
         calibrations.setdefault("greedy", saved.pop("calibration"))
     name = sampling_key(sampling, draft_sampling)
     if name in calibrations:
-        return AdaptivePolicy(costs, Calibration(**calibrations[name]))
-    prompts = calibration_prompts[:CALIBRATION_PROMPTS]
-    if prompts:
-        log(f"policy: calibrating drafter confidences on {len(prompts)} held-in prompts ({name})")
-        calibration = calibrate(target, drafter, prompts, stop_token_ids, sampling=sampling,
-                                draft_sampling=draft_sampling)
+        calibration = Calibration(**calibrations[name])
     else:
-        calibration = Calibration()
-        log("policy: no held-in prompts to calibrate on; drafter confidences are used as acceptance probabilities")
-    calibrations[name] = asdict(calibration)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(saved))
+        changed = True
+        prompts = calibration_prompts[:CALIBRATION_PROMPTS]
+        if prompts:
+            log(f"policy: calibrating drafter confidences on {len(prompts)} held-in prompts ({name})")
+            calibration = calibrate(target, drafter, prompts, stop_token_ids, sampling=sampling,
+                                    draft_sampling=draft_sampling)
+        else:
+            calibration = Calibration()
+            log("policy: no held-in prompts to calibrate on; drafter confidences are used as acceptance probabilities")
+        calibrations[name] = asdict(calibration)
+    if changed:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(saved))
     return AdaptivePolicy(costs, calibration)
 
 

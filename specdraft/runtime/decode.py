@@ -363,6 +363,7 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
     verified: list[list[int]] = [[] for _ in range(B)]
     results: list[RowResult | None] = [None] * B
     admitted = [0.0] * B
+    cache_offset = [len(p) - 1 for p in prompts]  # a row's cache: its prompt and generated tokens but the anchor
 
     def finish(row: int, reason: str) -> None:
         fresh.discard(row)
@@ -472,6 +473,8 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
         tree_nodes = tree_winner = widths = None
         m = 0  # rows that drafted this round
         ids = state.rows.tolist()  # the running requests
+        if policy is not None:  # priced against the rows' mean cache length
+            policy.at_context(sum(len(generated[r]) + cache_offset[r] for r in ids) / b)
         if tree is not None:
             rnd = tree_round(target, drafter, tree, dcache, scache if second is not None else dcache, tcache,
                              state.anchor, params, feature_layers, generator, clock, config.draft_sampling)

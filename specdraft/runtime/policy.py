@@ -5,22 +5,22 @@ verifies ``k`` drafts costs a drafter round ``D(b)`` plus a target pass over ``k
 ``T(b, k + 1)`` and commits ``sum_rows E_r(k)`` tokens, ``E_r(k) = 1 + sum_{j<=k} prod_{i<=j} a_{r,i}`` with ``a_{r,i}``
 the chance that slot ``i`` is accepted given the slots before it. Plain decoding commits ``b`` tokens per ``T(b, 1)``.
 
-:class:`CostModel` holds ``T`` and ``D`` measured on the machine (:func:`measure_costs`, cached per machine and
-models); :class:`Calibration` maps the drafter's per-slot confidence (its probability of its own draft, the quantity
-D²SD branches on) to an acceptance probability, fitted on held-in rounds; :class:`AdaptivePolicy` picks, each round,
-the number of drafts to verify (the same for every row that drafted: the verify pass pads rows to one width, so a
-narrower row would save nothing) and skips drafting altogether while the recent acceptance says a round cannot beat
-plain decoding, retrying after ``retry_every`` rounds and backing off while retries fail. The model is kept honest
-by what the job measures: each round's wall seconds rescale the modelled costs of its kind (plain or drafted) and
-size, and the acceptance counts only drafts a row committed (not those past its stop token or cap). Whether drafting
-pays is judged on the running requests' own acceptance (easy requests end first: the ones left are not the average
-of those drafted for before); a request not yet drafted for starts from the acceptance averaged over every drafted
-round. Rounds that only explore (the job's first, a retry, a probe of new requests) draft for a few rows, new
-requests first, while the others verify nothing in the same pass, and together cost at most a set share of the plain
-rounds' seconds. A plain row feeds the drafter nothing: its target features wait, and the drafter ingests them in
-one pass when it next drafts for the row. Only how much is drafted and verified changes: verifying the first ``k``
-drafts of a block is speculative decoding with a block of ``k`` drafts (``k = 0``: plain decoding), so the output
-stays lossless.
+:class:`CostModel` holds ``T`` and ``D`` measured on the machine at two cache lengths (:func:`measure_costs`, cached per
+machine and models), and a round is priced at its rows' mean cache length (:meth:`AdaptivePolicy.at_context`);
+:class:`Calibration` maps the drafter's per-slot confidence (its probability of its own draft, the quantity D²SD
+branches on) to an acceptance probability, fitted on held-in rounds; :class:`AdaptivePolicy` picks, each round, the
+number of drafts to verify (the same for every row that drafted: the verify pass pads rows to one width, so a narrower
+row would save nothing) and skips drafting altogether while the recent acceptance says a round cannot beat plain
+decoding, retrying after ``retry_every`` rounds and backing off while retries fail. The model is kept honest by what the
+job measures: each round's wall seconds rescale the modelled costs of its kind (plain or drafted) and size, and the
+acceptance counts only drafts a row committed (not those past its stop token or cap). Whether drafting pays is judged on
+the running requests' own acceptance (easy requests end first: the ones left are not the average of those drafted for
+before); a request not yet drafted for starts from the acceptance averaged over every drafted round. Rounds that only
+explore (the job's first, a retry, a probe of new requests) draft for a few rows, new requests first, while the others
+verify nothing in the same pass, and together cost at most a set share of the plain rounds' seconds. A plain row feeds
+the drafter nothing: its target features wait, and the drafter ingests them in one pass when it next drafts for the row.
+Only how much is drafted and verified changes: verifying the first ``k`` drafts of a block is speculative decoding with
+a block of ``k`` drafts (``k = 0``: plain decoding), so the output stays lossless.
 """
 
 from __future__ import annotations
@@ -48,7 +48,11 @@ def _interp(xs: list[int], ys: list[float], x: float) -> float:
 
 @dataclass
 class CostModel:
-    """Seconds per target pass on a ``rows`` x ``tokens`` grid and per drafter round by ``rows``."""
+    """Seconds per target pass on a ``rows`` x ``tokens`` grid and per drafter round by ``rows``, against a cache of
+    ``context`` tokens a row; with ``short`` (the same grid measured against a shorter cache), at any context by
+    :meth:`at`. A pass's attention over the cache adds a cost that grows with the context but not with the new tokens,
+    so it weighs most on a plain pass: one model measured at one context misprices plain against drafted rounds at
+    another by more than any one factor per kind can mend."""
 
     rows: list[int]
     tokens: list[int]
@@ -58,9 +62,14 @@ class CostModel:
     """``[len(rows)]`` seconds of one drafter round (block embeds, draft pass, logits) and its context ingest."""
     key: dict = field(default_factory=dict)
     """What the costs were measured for (device, dtype, models, versions)."""
+    context: int = 0
+    """Tokens of cache a row the costs were measured against (0: not recorded; the costs then hold at any context)."""
+    short: dict = field(default_factory=dict)
+    """``{"context", "target_s", "drafter_s"}``: the same measured against a shorter cache (empty: not measured)."""
 
     def __post_init__(self):
         self._memo: dict[tuple[int, int], float] = {}  # (rows, tokens) -> seconds; (rows, 0): the drafter's round
+        self._at: dict[int, CostModel] = {}  # context -> the costs priced at it
 
     def target(self, b: int, t: int) -> float:
         if (b, t) not in self._memo:
@@ -71,6 +80,24 @@ class CostModel:
         if (b, 0) not in self._memo:
             self._memo[b, 0] = _interp(self.rows, self.drafter_s, b)
         return self._memo[b, 0]
+
+    def at(self, context: int) -> "CostModel":
+        """The costs against ``context`` tokens of cache a row: linear in the context through the two measured
+        contexts (below the shorter one, at most halving its costs); these costs where only one was measured."""
+        if not self.short or not self.context or self.short["context"] == self.context:
+            return self
+        if context not in self._at:
+            c0, c1 = self.short["context"], self.context
+            w = (context - c0) / (c1 - c0)
+
+            def line(near: float, far: float) -> float:
+                return max(near + w * (far - near), 0.5 * near)
+
+            target_s = [[line(n, f) for n, f in zip(near, far)] for near, far in zip(self.short["target_s"],
+                                                                                    self.target_s)]
+            drafter_s = [line(n, f) for n, f in zip(self.short["drafter_s"], self.drafter_s)]
+            self._at[context] = CostModel(self.rows, self.tokens, target_s, drafter_s, self.key, context)
+        return self._at[context]
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -83,12 +110,27 @@ class CostModel:
 
 @torch.inference_mode()
 def measure_costs(target, drafter, rows=(1, 8, 32, 64), tokens=(1, 2, 4, 8, 16), context: int = 256,
-                  repeats: int = 3) -> CostModel:
-    """Time target passes and drafter rounds against a ``context``-token cache (median of ``repeats``)."""
+                  repeats: int = 3, short_context: int = 64) -> CostModel:
+    """Time target passes and drafter rounds against a ``context``-token cache and, where ``short_context`` is
+    shorter, against one of ``short_context`` tokens too (median of ``repeats``)."""
+    dev = target.lm_head.weight.device
+    K = drafter.block_size - 1
+    tokens = sorted({t for t in tokens if t <= K + 1} | {1, K + 1})
+    target_s, drafter_s = _measure_at(target, drafter, rows, tokens, context, repeats)
+    short = {}
+    if 0 < short_context < context:
+        near = _measure_at(target, drafter, rows, tokens, short_context, repeats)
+        short = {"context": short_context, "target_s": near[0], "drafter_s": near[1]}
+    key = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+           "threads": torch.get_num_threads(), "dtype": str(target.lm_head.weight.dtype), "torch": torch.__version__,
+           "context": context}
+    return CostModel(list(rows), tokens, target_s, drafter_s, key, context, short)
+
+
+def _measure_at(target, drafter, rows, tokens, context: int, repeats: int) -> tuple[list[list[float]], list[float]]:
     dev = target.lm_head.weight.device
     V = target.args.vocab_size
     K = drafter.block_size - 1
-    tokens = sorted({t for t in tokens if t <= K + 1} | {1, K + 1})
 
     def timed(fn) -> float:
         out = [wall_seconds(fn, dev) for _ in range(repeats + 1)][1:]  # the first call warms up
@@ -124,10 +166,7 @@ def measure_costs(target, drafter, rows=(1, 8, 32, 64), tokens=(1, 2, 4, 8, 16),
             drafter.ingest(dcache, feats, torch.ones(b, dtype=torch.long, device=dev))  # room: repeats + 1 tokens
 
         drafter_s.append(timed(draft_round))
-    key = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-           "threads": torch.get_num_threads(), "dtype": str(target.lm_head.weight.dtype), "torch": torch.__version__,
-           "context": context}
-    return CostModel(list(rows), tokens, target_s, drafter_s, key)
+    return target_s, drafter_s
 
 
 @dataclass
@@ -262,6 +301,17 @@ class AdaptivePolicy:
         # running measured / modelled seconds of "plain" / "drafted" rounds, over all sizes and by (kind, size)
         self._scale: dict[str | tuple[str, int], float] = {}
         self._size_memo: dict[int, int] = {}  # rows -> the measured row count nearest
+        self._context = 0  # the context the rounds are priced at (0: the cost model's own)
+        self._priced = self.costs  # the cost model at that context
+
+    def at_context(self, context: float) -> None:
+        """Price the next rounds against ``context`` tokens of cache a row (the running requests' mean), rounded to
+        an eighth of an octave (at least 16 tokens): :meth:`CostModel.at`."""
+        bucket = max(16, round(2 ** (round(8 * math.log2(max(context, 1.0))) / 8)))
+        if bucket != self._context:
+            self._context, self._priced = bucket, self.costs.at(bucket)
+            self._seconds_memo.clear()
+            self._rate_memo.clear()
 
     def new_job(self) -> None:
         """Forget the requests' own acceptance (a decode call numbers its requests from 0); what was learnt of the
@@ -291,7 +341,7 @@ class AdaptivePolicy:
         if rows is not None and len(self._row_accept) > 2 * len(rows) + 64:  # ended requests: forget them
             kept = set(rows)
             self._row_accept = {r: e for r, e in self._row_accept.items() if r in kept}
-        plain = self.costs.target(b, 1) * self._scaled("plain", b)
+        plain = self._priced.target(b, 1) * self._scaled("plain", b)
         margin = self.margin if self.width > 0 else 0.0
         scale = self._scaled("drafted", b)
         # the requests' acceptance drifts with every round: bounded by the drift's end points, a round after a plain
@@ -330,13 +380,15 @@ class AdaptivePolicy:
         the acceptance stand. Each plain round moves the ratio of plain to drafted seconds at this size by at most a
         factor ``1 + cost_smoothing`` (none when not :attr:`measured`; a size not yet measured plainly can jump, so
         none then), so the bound stays below plain decoding's rate for ``log(1 / reach) / log(1 + cost_smoothing)``
-        rounds; retries and probes come at the round counts :meth:`draft_this_round` checks."""
+        rounds, at the context it was priced at (:meth:`at_context`); retries and probes come at the round counts
+        :meth:`draft_this_round` checks."""
         if self.measured and ("plain", self._size(b)) not in self._scale:
             return
         growth = 1 + self.cost_smoothing if self.measured else 1.0
         rounds = 1 << 30 if growth == 1.0 or reach <= 0 else math.ceil(math.log(0.999 / reach) / math.log(growth)) - 1
         if rounds > 0:
-            self._stretch = [b, fresh, rounds, self.accept, self.population, self._row_version, self._lean_sums]
+            self._stretch = [b, fresh, rounds, self.accept, self.population, self._row_version, self._lean_sums,
+                             self._context]
 
     def _still_plain(self, b: int, fresh: int, rows: list[int] | None) -> bool:
         """A round of a stretch (:meth:`_begin_stretch`) that neither a retry nor a probe can claim: plain, decided
@@ -344,7 +396,8 @@ class AdaptivePolicy:
         cost, every round of a long plain stretch)."""
         st = self._stretch
         if (st is None or rows is None or st[0] != b or st[1] != fresh or st[2] <= 0 or st[3] is not self.accept
-                or st[4] is not self.population or st[5] != self._row_version or st[6] is not self._lean_sums):
+                or st[4] is not self.population or st[5] != self._row_version or st[6] is not self._lean_sums
+                or st[7] != self._context):
             return False
         extra = self._exploring_extra(b)
         if self._credit >= extra * (1 - 1e-9) and (self.skipped >= (self.wait or self.retry_every)
@@ -352,7 +405,7 @@ class AdaptivePolicy:
             return False  # a retry or a probe
         st[2] -= 1
         self.skipped += 1
-        plain = self.costs.target(b, 1) * self._scaled("plain", b)
+        plain = self._priced.target(b, 1) * self._scaled("plain", b)
         self._credit = min(self._credit + self.explore_share * plain, 2 * extra)
         return True
 
@@ -369,8 +422,8 @@ class AdaptivePolicy:
     def _exploring_extra(self, b: int) -> float:
         """Seconds an exploring round costs over a plain round (it is assumed to verify the last drafted width)."""
         if self._rate_memo.get("extra_key") != (b, self.width):
-            drafted = self.costs.drafter(self._explorers(b)) + self.costs.target(b, max(self.width, 1) + 1)
-            self._rate_memo.update(extra_key=(b, self.width), extra=(drafted, self.costs.target(b, 1)))
+            drafted = self._priced.drafter(self._explorers(b)) + self._priced.target(b, max(self.width, 1) + 1)
+            self._rate_memo.update(extra_key=(b, self.width), extra=(drafted, self._priced.target(b, 1)))
         drafted, plain = self._rate_memo["extra"]
         return max(drafted * self._scaled("drafted", b) - plain * self._scaled("plain", b), 0.0)
 
@@ -408,7 +461,7 @@ class AdaptivePolicy:
             self._credit -= flushed
         if not self.measured:
             return
-        model = (self.costs.drafter(drafting) if drafting else 0.0) + self.costs.target(b, width + 1)
+        model = (self._priced.drafter(drafting) if drafting else 0.0) + self._priced.target(b, width + 1)
         kind = "drafted" if drafting else "plain"
         ratio = seconds / max(model, 1e-12)
         for key in (kind, (kind, self._size(b))):  # over all sizes, and at this round's size
@@ -496,7 +549,7 @@ class AdaptivePolicy:
         drafts (memoised: plain rounds ask it every round)."""
         if (m, b, K) not in self._seconds_memo:
             self._seconds_memo[m, b, K] = np.array(
-                [self.costs.drafter(m) + self.costs.target(b, k + 1) for k in range(K + 1)])
+                [self._priced.drafter(m) + self._priced.target(b, k + 1) for k in range(K + 1)])
         return self._seconds_memo[m, b, K]
 
     def _lean(self) -> float:

@@ -83,3 +83,25 @@ def test_a_cache_from_before_calibrations_per_sampling_keeps_its_greedy_one(tmp_
     saved = json.loads((tmp_path / "policy" / f"{name}.json").read_text())
     assert "calibration" not in saved and saved["calibrations"]["greedy"]["table"] == old["table"]
     assert sampling_key(T1) in saved["calibrations"]
+
+
+def test_costs_cached_at_one_context_are_measured_again_and_the_calibrations_kept(tmp_path, monkeypatch):
+    """Costs written before rounds were priced at their context (measured at one context, no ``context`` field) are
+    measured again, at two contexts; the calibrations cached beside them stay."""
+    target = make_target(vocab=16)
+    drafter = ControlledDrafter(target, PROMPTS, block_size=4, mode="mix", alpha=0.8)
+    key = pipeline_policy._key(target, drafter, None)
+    name = pipeline_policy.hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    old = {"bins": 1, "table": [[0.5]] * 3}
+    (tmp_path / "policy").mkdir()
+    (tmp_path / "policy" / f"{name}.json").write_text(json.dumps(
+        {"key": key, "costs": {"rows": [1], "tokens": [1, 2], "target_s": [[1.0, 1.2]], "drafter_s": [0.1],
+                               "key": {}}, "calibrations": {"greedy": old}}))
+    two = CostModel([1], [1, 2], [[2.0, 2.2]], [0.1], {}, 256, {"context": 64, "target_s": [[1.0, 1.2]],
+                                                                 "drafter_s": [0.1]})
+    measured = []
+    monkeypatch.setattr(pipeline_policy, "measure_costs", lambda *a, **k: measured.append(1) or two)
+    monkeypatch.setattr(pipeline_policy, "calibrate", lambda *a, **k: pytest.fail("a cached calibration was refitted"))
+    policy = adaptive_policy(tmp_path, target, drafter, None, PROMPTS, log=lambda m: None)
+    assert measured == [1] and policy.calibration.table == old["table"] and policy.costs.at(160).target(1, 1) == 1.5
+    assert adaptive_policy(tmp_path, target, drafter, None, PROMPTS).costs.short == two.short and measured == [1]
