@@ -288,6 +288,7 @@ class AdaptivePolicy:
         self._seconds_memo: dict[tuple[int, int, int], np.ndarray] = {}  # (drafting, rows, K) -> seconds by width
         self._exploring = True  # the last drafted round was a first round, a retry or a probe (not known to pay)
         self._predicted: list[float] = []  # the last drafted round's predicted acceptance per slot (conditional)
+        self._drafting = 0  # the rows that drafted in it
         self._credit = 0.0  # seconds of exploring the plain rounds have earned (explore_share), not yet spent
         self._row_accept: dict[int, tuple] = {}  # request -> ([accepted, reached] [2, K] per slot, round) (this job)
         self._round = 0  # draft_this_round calls
@@ -485,13 +486,17 @@ class AdaptivePolicy:
         best = int(rate.argmax())
         self.width = best if rate[best] > (1 + self.margin) * rate[-1] else len(rate) - 1
         self._predicted = conditional_acceptance(accept).tolist()  # [K]
+        self._drafting = m
         if self.width == 0:  # nothing verified: observe() will not be called
             self._blend_predicted()
         return self.width
 
     def _blend_predicted(self) -> None:
         """Move the running acceptance of the slots this round did not verify toward their predicted acceptance
-        (slots never seen before take it as it is)."""
+        (slots never seen before take it as it is), and add the prediction to the population's evidence of those
+        slots it has, a row's worth for each row that drafted: a burst's deep slots, verified once, must not stand
+        for every request that starts from the population while later rounds, predicted to fail sooner, verify fewer
+        slots."""
         accept = list(self.accept)
         for j in range(self.width, len(self._predicted)):
             if j < len(accept):
@@ -499,6 +504,12 @@ class AdaptivePolicy:
             elif j == len(accept):
                 accept.append(self._predicted[j])
         self.accept = accept
+        if self.width < len(self._population_counts):
+            counts = [list(c) for c in self._population_counts]  # new lists, as in observe()
+            for j in range(self.width, min(len(counts), len(self._predicted))):
+                counts[j] = [counts[j][0] + self._drafting * self._predicted[j], counts[j][1] + self._drafting]
+            self._population_counts = counts
+            self.population = [hit / reached for hit, reached in counts]
 
     def _drafted_rate(self, b: int, rows: list[int] | None = None, bound: bool = False) -> float:
         """Expected committed tokens per second of a drafted round of ``b`` rows (requests ``rows``: each at its own

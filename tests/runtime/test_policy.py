@@ -105,6 +105,26 @@ def test_slots_a_narrow_round_leaves_unverified_follow_its_prediction_not_a_past
     assert drafted <= 8 and not burst.draft_this_round(8)
 
 
+def test_new_requests_start_from_the_deep_slots_rounds_predict_not_a_past_burst():
+    """The same for the population new requests start from: after one request's burst verified every slot, requests
+    whose drafts are predicted to fail past the first slot verify one draft each; the deep slots' population
+    acceptance must take in those predictions (a row's worth per drafting row), or each new request, starting from
+    the burst's deep slots, is drafted for at a loss (at one row the engine meets a new request every few rounds)."""
+    policy = AdaptivePolicy(costs(per_token=0.1, drafter=0.6), explore_share=1.0)
+    assert policy.draft_this_round(1, 1, [0]) and policy.verify_len(torch.full((1, 3), 0.99)) == 3
+    policy.observe(torch.tensor([3]), [0])
+    assert policy.population[1] > 0.95
+    drafted = []
+    for request in range(1, 21):  # a request a round, each drafted for from the population
+        if policy.draft_this_round(1, 0, [request]):
+            drafted.append(request)
+            assert policy.verify_len(torch.tensor([[0.3, 0.02, 0.02]])) == 1
+            policy.observe(torch.tensor([int(request % 4 == 0)]), [request])  # the first draft at 1 in 4
+    # one draft at 1 in 4 cannot pay for a drafter round (at most 2 tokens for 1.7 s against 1 per 1 s); with the
+    # burst's deep slots (3 drafts, 1 + 3 * a tokens for 1.9 s) it seems to while the first slot's is above 0.3
+    assert len(drafted) <= 14 and not policy.draft_this_round(1, 0, [21]) and policy.population[1] < 0.5, drafted
+
+
 def test_retries_are_spread_so_their_extra_cost_stays_a_small_share():
     """Where a drafted round costs several plain ones (many rows on a CPU), a failing retry every 8 rounds would
     cost more than drafting could win back: retries wait until ``explore_share`` of the plain rounds' seconds pays
