@@ -303,12 +303,18 @@ class AdaptivePolicy:
         self._scale: dict[str | tuple[str, int], float] = {}
         self._size_memo: dict[int, int] = {}  # rows -> the measured row count nearest
         self._context = 0  # the context the rounds are priced at (0: the cost model's own)
+        self._context_range = (0.0, 0.0)  # the contexts priced at it
         self._priced = self.costs  # the cost model at that context
 
     def at_context(self, context: float) -> None:
         """Price the next rounds against ``context`` tokens of cache a row (the running requests' mean), rounded to
         an eighth of an octave (at least 16 tokens): :meth:`CostModel.at`."""
-        bucket = max(16, round(2 ** (round(8 * math.log2(max(context, 1.0))) / 8)))
+        lo, hi = self._context_range
+        if lo <= context < hi:  # the bucket of the last round (a row's context grows by a few tokens a round)
+            return
+        i = max(round(8 * math.log2(max(context, 1.0))), 32)  # 2 ** (32 / 8) = 16 tokens
+        self._context_range = (2 ** ((i - 0.5) / 8) if i > 32 else 0.0, 2 ** ((i + 0.5) / 8))
+        bucket = round(2 ** (i / 8))
         if bucket != self._context:
             self._context, self._priced = bucket, self.costs.at(bucket)
             self._seconds_memo.clear()
