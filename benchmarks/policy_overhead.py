@@ -95,12 +95,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 policy.draft_this_round = lambda b, fresh=0, plain=plain: plain(b)
             drafter_rounds = {"rounds": 0, "seconds": 0.0}  # rounds in which the drafter ran, their measured seconds
             if policy is not None:
-                def observe_seconds(b, drafting, width, sec, flushed=0.0, seen=policy.observe_seconds,
+                def observe_seconds(b, drafting, width, sec, flushed=0.0, fed=0, seen=policy.observe_seconds,
                                     tally=drafter_rounds):
                     if drafting:
                         tally["rounds"] += 1
                         tally["seconds"] += sec + flushed
-                    seen(b, drafting, width, sec, flushed)
+                    seen(b, drafting, width, sec, flushed, fed)
                 policy.observe_seconds = observe_seconds
             timings: dict[str, float] = {}
             start = time.perf_counter()

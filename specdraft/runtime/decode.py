@@ -452,13 +452,15 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
     cuda = dev.type == "cuda"
     # a plain round's features wait in the backlog as the layers' outputs (concatenated once, when a row is fed)
     plain_split = {"concat_features": False} if policy is not None and isinstance(target, TargetLM) else {}
-    flushed = 0.0  # this round's seconds feeding the drafter deferred features (not a cost of the round's kind)
+    flushed, fed = 0.0, 0  # this round's seconds feeding the drafter deferred features, and their entries
 
     def flush(rows: torch.Tensor | None = None) -> None:
-        nonlocal flushed
+        nonlocal flushed, fed
         if backlog.tokens:
             clock.lap("draft")
+            waiting = backlog.tokens
             flushed += wall_seconds(lambda: backlog.flush(drafter, caches["d"], rows), dev)
+            fed += waiting - backlog.tokens
             clock.lap("flush")
 
     admit()
@@ -469,12 +471,14 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
         if policy is not None:  # the policy prices rounds by their measured seconds
             if cuda:
                 torch.cuda.synchronize()
-            started, flushed = time.perf_counter(), 0.0
+            started, flushed, fed = time.perf_counter(), 0.0, 0
         tree_nodes = tree_winner = widths = None
         m = 0  # rows that drafted this round
         ids = state.rows.tolist()  # the running requests
-        if policy is not None:  # priced against the rows' mean cache length
-            policy.at_context(sum(len(generated[r]) + cache_offset[r] for r in ids) / b)
+        if policy is not None:  # priced against the rows' mean cache length, the tokens left, the features waiting
+            made = sum(len(generated[r]) for r in ids)
+            policy.before_round((made + sum(cache_offset[r] for r in ids)) / b, sum(max_new[r] for r in ids) - made,
+                                backlog.tokens)
         if tree is not None:
             rnd = tree_round(target, drafter, tree, dcache, scache if second is not None else dcache, tcache,
                              state.anchor, params, feature_layers, generator, clock, config.draft_sampling)
@@ -564,7 +568,7 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
             policy.observe(torch.tensor([useful[i] for i in drafting]), [ids[i] for i in drafting])
         _compact(state, caches, keep, b, backlog)
         if policy is not None:  # the round's rows, drafting rows and verified width, as the cost model prices them
-            policy.observe_seconds(b, m, draft_tokens.shape[1], time.perf_counter() - started - flushed, flushed)
+            policy.observe_seconds(b, m, draft_tokens.shape[1], time.perf_counter() - started - flushed, flushed, fed)
         clock.lap("commit")  # the round's bookkeeping is not the admission's prefill
         admit()
     clock.lap("commit")

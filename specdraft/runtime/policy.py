@@ -18,9 +18,10 @@ the running requests' own acceptance (easy requests end first: the ones left are
 before); a request not yet drafted for starts from the acceptance averaged over every drafted round. Rounds that only
 explore (the job's first, a retry, a probe of new requests) draft for a few rows, new requests first, while the others
 verify nothing in the same pass, and together cost at most a set share of the plain rounds' seconds. A plain row feeds
-the drafter nothing: its target features wait, and the drafter ingests them in one pass when it next drafts for the row.
-Only how much is drafted and verified changes: verifying the first ``k`` drafts of a block is speculative decoding with
-a block of ``k`` drafts (``k = 0``: plain decoding), so the output stays lossless.
+the drafter nothing: its target features wait, and the drafter ingests them in one pass when it next drafts for the row;
+drafting resumes only where the rows' remaining tokens win that catch-up back. Only how much is drafted and verified
+changes: verifying the first ``k`` drafts of a block is speculative decoding with a block of ``k`` drafts (``k = 0``:
+plain decoding), so the output stays lossless.
 """
 
 from __future__ import annotations
@@ -304,7 +305,16 @@ class AdaptivePolicy:
         self._size_memo: dict[int, int] = {}  # rows -> the measured row count nearest
         self._context = 0  # the context the rounds are priced at (0: the cost model's own)
         self._context_range = (0.0, 0.0)  # the contexts priced at it
+        self._remaining = self._deferred = 0  # the rows' tokens left by their caps; deferred entries (before_round)
+        self._catch_up = 0.0  # running seconds per deferred entry fed to the drafter (0: none fed yet)
         self._priced = self.costs  # the cost model at that context
+
+    def before_round(self, context: float, remaining: int = 0, deferred: int = 0) -> None:
+        """What the engine knows of the next round's rows: their mean cache length (:meth:`at_context`), the tokens
+        their caps leave them, and the target features waiting for the drafter (entries, all rows), which a drafted
+        round first feeds it (:meth:`_catch_up_pays`)."""
+        self._remaining, self._deferred = remaining, deferred
+        self.at_context(context)
 
     def at_context(self, context: float) -> None:
         """Price the next rounds against ``context`` tokens of cache a row (the running requests' mean), rounded to
@@ -361,7 +371,7 @@ class AdaptivePolicy:
             spec = self._drafted_rate(b, rows) / scale
         else:
             spec = 0.0
-        if spec * (1 + margin) >= b / plain:
+        if spec * (1 + margin) >= b / plain and self._catch_up_pays(spec * (1 + margin), b / plain):
             self.skipped, self.wait, self._exploring = 0, 0, False
             return True
         extra = self._exploring_extra(b)
@@ -380,6 +390,15 @@ class AdaptivePolicy:
         if ceiling is not None and ceiling < b / plain:
             self._begin_stretch(b, fresh, ceiling * plain / b)
         return False
+
+    def _catch_up_pays(self, spec: float, plain_rate: float) -> bool:
+        """Whether drafting at ``spec`` committed tokens a second against plain decoding's ``plain_rate`` wins back,
+        over the rows' remaining tokens (at most what their caps leave), the seconds of first feeding the drafter the
+        features that waited (at the seconds an entry took in this job's catch-ups; none measured yet: free). A batch's
+        tail, its rows near their caps, would not win back feeding the drafter every token since their prompts."""
+        if not self._deferred or not self._catch_up:
+            return True
+        return self._remaining * (1 / plain_rate - 1 / spec) >= self._catch_up * self._deferred
 
     def _begin_stretch(self, b: int, fresh: int, reach: float) -> None:
         """After a plain round decided on the bound over any rows at ``reach`` of plain decoding's rate (below 1): the
@@ -457,15 +476,20 @@ class AdaptivePolicy:
             return overall * self._scale[other, size] / self._scale[other]
         return overall
 
-    def observe_seconds(self, b: int, drafting: int, width: int, seconds: float, flushed: float = 0.0) -> None:
+    def observe_seconds(self, b: int, drafting: int, width: int, seconds: float, flushed: float = 0.0,
+                        fed: int = 0) -> None:
         """A round's measured wall seconds: ``b`` rows, of which ``drafting`` drafted (0: a plain round), verifying
-        ``width`` drafts; ``flushed``: further seconds it fed the drafter deferred features (a catch-up, not a cost
-        of the round's kind; an exploring round's is charged to the exploring budget). The running ratio to what the
+        ``width`` drafts; ``flushed``: further seconds it fed the drafter ``fed`` deferred entries (a catch-up, not a
+        cost of the round's kind, priced per entry by :meth:`_catch_up_pays`; an exploring round's is charged to the
+        exploring budget). The running ratio to what the
         cost model prices such a round at rescales the model: what it does not time (sampling, verification, commit,
         the drafter's ingest of the accepted tokens) and how far the machine runs from when it was measured. One
         slow round moves the ratio by at most a factor ``1 + cost_smoothing``."""
         if drafting and self._exploring:
             self._credit -= flushed
+        if fed:
+            per_entry = flushed / fed
+            self._catch_up += (self.cost_smoothing if self._catch_up else 1.0) * (per_entry - self._catch_up)
         if not self.measured:
             return
         model = (self._priced.drafter(drafting) if drafting else 0.0) + self._priced.target(b, width + 1)
