@@ -286,7 +286,9 @@ class AdaptivePolicy:
 
     def __post_init__(self):
         self._rate_memo: dict = {}
-        self._seconds_memo: dict[tuple[int, int, int], np.ndarray] = {}  # (drafting, rows, K) -> seconds by width
+        # (drafting, rows, K) -> seconds by width; (rows, drafting, width, "round") -> a round's modelled seconds and
+        # the ratios it updates
+        self._seconds_memo: dict[tuple, np.ndarray | tuple] = {}
         self._exploring = True  # the last drafted round was a first round, a retry or a probe (not known to pay)
         self._predicted: list[float] = []  # the last drafted round's predicted acceptance per slot (conditional)
         self._drafting = 0  # the rows that drafted in it
@@ -492,10 +494,15 @@ class AdaptivePolicy:
             self._catch_up += (self.cost_smoothing if self._catch_up else 1.0) * (per_entry - self._catch_up)
         if not self.measured:
             return
-        model = (self._priced.drafter(drafting) if drafting else 0.0) + self._priced.target(b, width + 1)
-        kind = "drafted" if drafting else "plain"
-        ratio = seconds / max(model, 1e-12)
-        for key in (kind, (kind, self._size(b))):  # over all sizes, and at this round's size
+        priced = self._seconds_memo.get((b, drafting, width, "round"))  # plain rounds of a size come every round
+        if priced is None:
+            model = (self._priced.drafter(drafting) if drafting else 0.0) + self._priced.target(b, width + 1)
+            kind = "drafted" if drafting else "plain"
+            priced = (max(model, 1e-12), (kind, (kind, self._size(b))))
+            self._seconds_memo[b, drafting, width, "round"] = priced
+        model, keys = priced
+        ratio = seconds / model
+        for key in keys:  # over all sizes, and at this round's size
             old = self._scale.get(key, 1.0)
             weight = self.cost_smoothing if key in self._scale else 1.0  # the first round of its kind: as measured
             self._scale[key] = old + weight * (min(ratio, 2 * old) - old)
