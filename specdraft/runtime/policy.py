@@ -37,6 +37,9 @@ import torch
 
 from specdraft.runtime.phase_clock import wall_seconds
 
+CATCH_UP_ENTRIES = 64
+"""Deferred entries a row that :func:`measure_costs` times a catch-up of."""
+
 
 def _interp(xs: list[int], ys: list[float], x: float) -> float:
     """Piecewise-linear through ``(xs, ys)``, extended linearly past both ends (never below 0)."""
@@ -67,6 +70,9 @@ class CostModel:
     """Tokens of cache a row the costs were measured against (0: not recorded; the costs then hold at any context)."""
     short: dict = field(default_factory=dict)
     """``{"context", "target_s", "drafter_s"}``: the same measured against a shorter cache (empty: not measured)."""
+    ingest_s: list[float] = field(default_factory=list)
+    """``[len(rows)]`` seconds of feeding the drafter :data:`CATCH_UP_ENTRIES` target features a row in one pass (a
+    catch-up on features that waited; empty: not measured)."""
 
     def __post_init__(self):
         self._memo: dict[tuple[int, int], float] = {}  # (rows, tokens) -> seconds; (rows, 0): the drafter's round
@@ -81,6 +87,14 @@ class CostModel:
         if (b, 0) not in self._memo:
             self._memo[b, 0] = _interp(self.rows, self.drafter_s, b)
         return self._memo[b, 0]
+
+    def catch_up(self, b: int) -> float:
+        """Seconds an entry of a catch-up of ``b`` rows takes (0: not measured)."""
+        if not self.ingest_s:
+            return 0.0
+        if (b, -1) not in self._memo:
+            self._memo[b, -1] = _interp(self.rows, self.ingest_s, b) / (CATCH_UP_ENTRIES * b)
+        return self._memo[b, -1]
 
     def at(self, context: int) -> "CostModel":
         """The costs against ``context`` tokens of cache a row: linear in the context through the two measured
@@ -97,7 +111,8 @@ class CostModel:
             target_s = [[line(n, f) for n, f in zip(near, far)] for near, far in zip(self.short["target_s"],
                                                                                     self.target_s)]
             drafter_s = [line(n, f) for n, f in zip(self.short["drafter_s"], self.drafter_s)]
-            self._at[context] = CostModel(self.rows, self.tokens, target_s, drafter_s, self.key, context)
+            self._at[context] = CostModel(self.rows, self.tokens, target_s, drafter_s, self.key, context,
+                                          ingest_s=self.ingest_s)
         return self._at[context]
 
     def save(self, path: Path) -> None:
@@ -117,18 +132,18 @@ def measure_costs(target, drafter, rows=(1, 8, 32, 64), tokens=(1, 2, 4, 8, 16),
     dev = target.lm_head.weight.device
     K = drafter.block_size - 1
     tokens = sorted({t for t in tokens if t <= K + 1} | {1, K + 1})
-    target_s, drafter_s = _measure_at(target, drafter, rows, tokens, context, repeats)
+    target_s, drafter_s, ingest_s = _measure_at(target, drafter, rows, tokens, context, repeats)
     short = {}
     if 0 < short_context < context:
-        near = _measure_at(target, drafter, rows, tokens, short_context, repeats)
+        near = _measure_at(target, drafter, rows, tokens, short_context, repeats)[:2]
         short = {"context": short_context, "target_s": near[0], "drafter_s": near[1]}
     key = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "threads": torch.get_num_threads(), "dtype": str(target.lm_head.weight.dtype), "torch": torch.__version__,
            "context": context}
-    return CostModel(list(rows), tokens, target_s, drafter_s, key, context, short)
+    return CostModel(list(rows), tokens, target_s, drafter_s, key, context, short, ingest_s)
 
 
-def _measure_at(target, drafter, rows, tokens, context: int, repeats: int) -> tuple[list[list[float]], list[float]]:
+def _measure_at(target, drafter, rows, tokens, context: int, repeats: int) -> tuple[list, list, list]:
     dev = target.lm_head.weight.device
     V = target.args.vocab_size
     K = drafter.block_size - 1
@@ -138,7 +153,7 @@ def _measure_at(target, drafter, rows, tokens, context: int, repeats: int) -> tu
         return sorted(out)[len(out) // 2]
 
     g = torch.Generator(device="cpu").manual_seed(0)
-    target_s, drafter_s = [], []
+    target_s, drafter_s, ingest_s = [], [], []
     for b in rows:
         ctx = torch.randint(0, V, (b, context), generator=g).to(dev)
         cache = target.new_cache(b, context + K + 2)
@@ -167,7 +182,18 @@ def _measure_at(target, drafter, rows, tokens, context: int, repeats: int) -> tu
             drafter.ingest(dcache, feats, torch.ones(b, dtype=torch.long, device=dev))  # room: repeats + 1 tokens
 
         drafter_s.append(timed(draft_round))
-    return target_s, drafter_s
+        behind = torch.cat([out.features[:, :CATCH_UP_ENTRIES]] * -(-CATCH_UP_ENTRIES // context), 1)
+        behind = behind[:, :CATCH_UP_ENTRIES]  # [b, CATCH_UP_ENTRIES, F]
+        fed = torch.full((b,), CATCH_UP_ENTRIES, device=dev)
+
+        def catch_up():
+            drafter.ingest(catch_up_cache, behind, fed)
+
+        ingest_s.append(0.0)
+        for _ in range(repeats + 1):  # a fresh cache each time (room for one catch-up), the first call warming up
+            catch_up_cache = drafter.new_cache(b, CATCH_UP_ENTRIES + 1)
+            ingest_s[-1] = wall_seconds(catch_up, dev) if _ == 0 else min(ingest_s[-1], wall_seconds(catch_up, dev))
+    return target_s, drafter_s, ingest_s
 
 
 @dataclass
@@ -308,7 +334,8 @@ class AdaptivePolicy:
         self._context = 0  # the context the rounds are priced at (0: the cost model's own)
         self._context_range = (0.0, 0.0)  # the contexts priced at it
         self._remaining = self._deferred = 0  # the rows' tokens left by their caps; deferred entries (before_round)
-        self._catch_up = 0.0  # running seconds per deferred entry fed to the drafter (0: none fed yet)
+        self._catch_up: dict[int, float] = {}  # running seconds per deferred entry fed, by the rows' size
+        self._catch_up_ratio: dict[int, float] = {}  # the same against the cost model's (0: it timed none)
         self._priced = self.costs  # the cost model at that context
 
     def before_round(self, context: float, remaining: int = 0, deferred: int = 0) -> None:
@@ -344,8 +371,9 @@ class AdaptivePolicy:
         then after twice as many while retries keep failing, and new requests are probed once ``fresh`` rows (still
         running, admitted since the last drafted round) are half the batch, after ``retry_every`` plain rounds;
         either only once :attr:`explore_share` of the plain rounds' seconds pays for its extra seconds. Drafting
-        keeps the benefit of ``margin`` only while its last round verified drafts: after a round that verified
-        none, drafting must pay outright."""
+        keeps the benefit of ``margin`` only while the last round drafted because drafting paid and verified drafts:
+        after a plain round, an exploring one or one that verified none, drafting must pay outright."""
+        paying = not self._exploring  # the last round drafted because drafting paid
         self._exploring = True
         self._round += 1
         if self._still_plain(b, fresh, rows):
@@ -361,7 +389,7 @@ class AdaptivePolicy:
             kept = set(rows)
             self._row_accept = {r: e for r, e in self._row_accept.items() if r in kept}
         plain = self._priced.target(b, 1) * self._scaled("plain", b)
-        margin = self.margin if self.width > 0 else 0.0
+        margin = self.margin if self.width > 0 and paying else 0.0
         scale = self._scaled("drafted", b)
         # the requests' acceptance drifts with every round: bounded by the drift's end points, a round after a plain
         # one that cannot pay at the bound is decided without the exact rate (a plain round's decision stays a few
@@ -373,7 +401,7 @@ class AdaptivePolicy:
             spec = self._drafted_rate(b, rows) / scale
         else:
             spec = 0.0
-        if spec * (1 + margin) >= b / plain and self._catch_up_pays(spec * (1 + margin), b / plain):
+        if spec * (1 + margin) >= b / plain and self._catch_up_pays(b, spec * (1 + margin), b / plain):
             self.skipped, self.wait, self._exploring = 0, 0, False
             return True
         extra = self._exploring_extra(b)
@@ -393,14 +421,24 @@ class AdaptivePolicy:
             self._begin_stretch(b, fresh, ceiling * plain / b)
         return False
 
-    def _catch_up_pays(self, spec: float, plain_rate: float) -> bool:
-        """Whether drafting at ``spec`` committed tokens a second against plain decoding's ``plain_rate`` wins back,
-        over the rows' remaining tokens (at most what their caps leave), the seconds of first feeding the drafter the
-        features that waited (at the seconds an entry took in this job's catch-ups; none measured yet: free). A batch's
-        tail, its rows near their caps, would not win back feeding the drafter every token since their prompts."""
-        if not self._deferred or not self._catch_up:
+    def _catch_up_pays(self, b: int, spec: float, plain_rate: float) -> bool:
+        """Whether drafting for the ``b`` rows at ``spec`` committed tokens a second against plain decoding's
+        ``plain_rate`` wins back, over their remaining tokens (at most what their caps leave), the seconds of first
+        feeding the drafter the features that waited, at the seconds an entry took in this job's catch-ups of about
+        as many rows (none at this size yet: as the cost model times a catch-up of these rows, rescaled as the
+        nearest size fed ran against it, an exploring round's few rows costing more an entry than a batch; where the
+        model timed none, the nearest size's; none fed: as timed, or free where untimed). A
+        batch's tail, its rows near their caps, would not win back feeding the drafter every token since their
+        prompts."""
+        if not self._deferred:
             return True
-        return self._remaining * (1 / plain_rate - 1 / spec) >= self._catch_up * self._deferred
+        per_entry = self._catch_up.get(self._size(b))
+        if per_entry is None:  # not fed at this size yet
+            per_entry = self._priced.catch_up(b)
+            near = min(self._catch_up, key=lambda r: abs(math.log(r / b)), default=None)
+            if near is not None:  # as the nearest size fed ran against the cost model (or as it ran, untimed)
+                per_entry = per_entry * self._catch_up_ratio[near] if per_entry else self._catch_up[near]
+        return not per_entry or self._remaining * (1 / plain_rate - 1 / spec) >= per_entry * self._deferred
 
     def _begin_stretch(self, b: int, fresh: int, reach: float) -> None:
         """After a plain round decided on the bound over any rows at ``reach`` of plain decoding's rate (below 1): the
@@ -486,13 +524,18 @@ class AdaptivePolicy:
         exploring budget). The running ratio to what the
         cost model prices such a round at rescales the model: what it does not time (sampling, verification, commit,
         the drafter's ingest of the accepted tokens) and how far the machine runs from when it was measured. One
-        slow round moves the ratio by at most a factor ``1 + cost_smoothing``."""
+        slow round moves the ratio by at most a factor ``1 + cost_smoothing``. A round where only some rows drafted
+        (an exploring one) rescales nothing: it gathers and scatters the few rows' drafter state, which a drafted
+        round of every row does not."""
         if drafting and self._exploring:
             self._credit -= flushed
-        if fed:
-            per_entry = flushed / fed
-            self._catch_up += (self.cost_smoothing if self._catch_up else 1.0) * (per_entry - self._catch_up)
-        if not self.measured:
+        if fed:  # fed to the drafting rows (a batch fed whole writes its entries in one pass: cheaper per entry)
+            size, per_entry = self._size(max(drafting, 1)), flushed / fed
+            timed = self._priced.catch_up(max(drafting, 1))
+            for seen, value in ((self._catch_up, per_entry), (self._catch_up_ratio, per_entry / timed if timed else 0)):
+                old = seen.get(size)
+                seen[size] = value if old is None else old + self.cost_smoothing * (value - old)
+        if not self.measured or 0 < drafting < b:  # a few rows explored: gathers and scatters no drafted round has
             return
         priced = self._seconds_memo.get((b, drafting, width, "round"))  # plain rounds of a size come every round
         if priced is None:

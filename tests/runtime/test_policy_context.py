@@ -36,6 +36,9 @@ def test_costs_at_a_context_are_linear_through_the_two_measured():
     assert model.at(160) is model.at(160)  # priced once per context
     one = measured_at(256)
     assert one.at(32) is one  # measured at one context: the same costs at any
+    assert one.catch_up(8) == 0.0  # a catch-up not timed
+    timed = CostModel([1, 64], TOKENS, machine(256), [DRAFTER_S] * 2, {}, 256, ingest_s=[0.064, 2.048])
+    assert timed.catch_up(1) == pytest.approx(1e-3) and timed.catch_up(64) == pytest.approx(5e-4)  # an entry
 
 
 @pytest.mark.parametrize("contexts", [(256,), (256, 64)], ids=["one-context", "two-contexts"])
@@ -95,7 +98,7 @@ def test_the_engine_tells_the_policy_each_rounds_context_tokens_left_and_feature
         want.append((sum(c for c, _ in running) / len(running), sum(left for _, left in running)))
     assert [c for c, _, _ in seen] == pytest.approx([c for c, _ in want]) and len({c for c, _, _ in seen}) > 5
     assert [left for _, left, _ in seen] == [left for _, left in want]
-    assert seen[0][2] == sum(map(len, prompts)) and policy._catch_up > 0
+    assert seen[0][2] == sum(map(len, prompts)) and policy._catch_up and min(policy._catch_up.values()) > 0
 
 
 def test_measured_costs_include_a_shorter_context():
@@ -105,24 +108,58 @@ def test_measured_costs_include_a_shorter_context():
     assert model.context == 32 and model.short["context"] == 8
     assert len(model.short["target_s"]) == 2 and len(model.short["target_s"][0]) == 2
     assert all(s > 0 for s in model.short["drafter_s"]) and model.at(16).target(2, 3) > 0
+    assert len(model.ingest_s) == 2 and model.at(16).catch_up(2) > 0
 
 
 def test_drafting_resumes_only_where_the_rows_tokens_left_win_back_the_drafters_catch_up():
-    """64 rows, drafting paying by a fifth a round (1.875 tokens a row for 1.6 s against one a second: 2.9 ms saved
-    a token), and feeding the drafter the features that waited took 1 ms an entry in this job's catch-ups: 6400
-    waiting entries (6.4 s) are won back by rows with 35 tokens each left by their caps, not by rows with 33; with
-    nothing waiting, or no catch-up measured yet, drafting goes on."""
+    """64 rows, drafting paying by a sixth a round (1.875 tokens a row for 1.6 s against one a second: 2.3 ms saved a
+    token), and feeding the drafter the features that waited took 1 ms an entry in this job's catch-ups: 6400 waiting
+    entries (6.4 s) are won back by rows with 2860 tokens left by their caps between them, not 2730 (while drafting
+    goes on, with the margin's benefit, 2250 and 2120). A size not fed yet is priced at the nearest fed size's (four
+    exploring rows: 10 ms an entry); nothing waiting, or nothing fed and no catch-up timed by the cost model: free."""
     model = CostModel([1, 64], TOKENS, [[1.0, 1.1, 1.2, 1.3]] * 2, [0.3] * 2)
     policy = AdaptivePolicy(model, accept=[0.5, 0.5, 0.5], width=3, measured=False)
     policy.before_round(100.0, remaining=64 * 4, deferred=6400)
     assert policy.draft_this_round(64)  # no catch-up measured yet
+    policy.observe_seconds(64, 4, 3, 1.6, flushed=5.0, fed=500)  # four exploring rows fed: 10 ms an entry
+    assert not policy.draft_this_round(64)  # 64 s to feed 6400, priced as four rows' entries until 64 are fed
     policy.observe_seconds(64, 64, 3, 1.6, flushed=0.5, fed=500)  # 1 ms an entry
-    assert policy._catch_up == pytest.approx(1e-3)
-    saved_a_token = 1.0 / 64 - 1.6 / (64 * 1.875 * 1.05)  # seconds drafting saves on a token (margin: kept drafting)
-    enough = int(6.4 / saved_a_token) + 64
-    policy.before_round(100.0, remaining=enough - 128, deferred=6400)
-    assert not policy.draft_this_round(64)
-    policy.before_round(100.0, remaining=enough, deferred=6400)
-    assert policy.draft_this_round(64)
+    assert policy._catch_up[64] == pytest.approx(1e-3) and policy._catch_up[1] == pytest.approx(1e-2)
+    kept = 1.0 / 64 - 1.6 / (64 * 1.875 * 1.05)  # seconds drafting saves a token, with the margin (drafting went on)
+    outright = 1.0 / 64 - 1.6 / (64 * 1.875)  # after a plain round
     policy.before_round(100.0, remaining=64, deferred=0)
+    assert policy.draft_this_round(64)  # nothing waiting
+    policy.before_round(100.0, remaining=int(6.4 / kept) + 64, deferred=6400)
     assert policy.draft_this_round(64)
+    policy.before_round(100.0, remaining=int(6.4 / kept) - 64, deferred=6400)
+    assert not policy.draft_this_round(64)
+    policy.before_round(100.0, remaining=int(6.4 / outright) - 64, deferred=6400)
+    assert not policy.draft_this_round(64)
+    policy.before_round(100.0, remaining=int(6.4 / outright) + 64, deferred=6400)
+    assert policy.draft_this_round(64)
+
+
+def test_drafting_keeps_the_margins_benefit_only_while_it_goes_on():
+    """Two drafts a row predicted to commit 1.75 tokens in 1.78 s against plain decoding's one a second (0.983): within
+    the 5 % margin. Where the last round drafted because drafting paid, drafting goes on; after a plain or an exploring
+    round it must pay outright, and does not start."""
+    going = AdaptivePolicy(costs_of(per_token=0.24), accept=[0.5, 0.5, 0.5], width=2, measured=False)
+    going._exploring = False  # the last round drafted because drafting paid
+    assert going.draft_this_round(8) and going.draft_this_round(8)
+    after = AdaptivePolicy(costs_of(per_token=0.24), accept=[0.5, 0.5, 0.5], width=2, measured=False)
+    assert not after.draft_this_round(8)
+
+
+def test_an_exploring_rounds_seconds_rescale_nothing():
+    """A round where four of 32 rows drafted gathers and scatters their drafter state, which no round of every row
+    does: its seconds do not rescale the drafted rounds' costs (nor the plain ones')."""
+    policy = AdaptivePolicy(costs_of(per_token=0.1))
+    policy.observe_seconds(32, 4, 2, 99.0, flushed=0.01, fed=100)
+    assert policy._scale == {} and policy._catch_up[1] == pytest.approx(1e-4)
+    policy.observe_seconds(32, 32, 2, 1.5)  # as modelled
+    assert policy._scaled("drafted", 32) == pytest.approx(1.0)
+
+
+def costs_of(per_token: float) -> CostModel:
+    """A target pass of ``1 + per_token * (new tokens - 1)`` seconds and a 0.3 s drafter round at any rows."""
+    return CostModel([1, 64], TOKENS, [[1.0 + per_token * (t - 1) for t in TOKENS]] * 2, [0.3] * 2)
