@@ -98,7 +98,8 @@ class CostModel:
 
     def at(self, context: int) -> "CostModel":
         """The costs against ``context`` tokens of cache a row: linear in the context through the two measured
-        contexts (below the shorter one, at most halving its costs); these costs where only one was measured."""
+        contexts (below the shorter one, at most halving its costs; past the longer one, not falling); these costs
+        where only one was measured."""
         if not self.short or not self.context or self.short["context"] == self.context:
             return self
         if context not in self._at:
@@ -106,6 +107,8 @@ class CostModel:
             w = (context - c0) / (c1 - c0)
 
             def line(near: float, far: float) -> float:
+                if w > 1 and far < near:  # timing noise: a cost falling with the context is not extended
+                    return far
                 return max(near + w * (far - near), 0.5 * near)
 
             target_s = [[line(n, f) for n, f in zip(near, far)] for near, far in zip(self.short["target_s"],
@@ -135,7 +138,7 @@ def measure_costs(target, drafter, rows=(1, 8, 32, 64), tokens=(1, 2, 4, 8, 16),
     target_s, drafter_s, ingest_s = _measure_at(target, drafter, rows, tokens, context, repeats)
     short = {}
     if 0 < short_context < context:
-        near = _measure_at(target, drafter, rows, tokens, short_context, repeats)[:2]
+        near = _measure_at(target, drafter, rows, tokens, short_context, repeats, catch_ups=False)[:2]
         short = {"context": short_context, "target_s": near[0], "drafter_s": near[1]}
     key = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "threads": torch.get_num_threads(), "dtype": str(target.lm_head.weight.dtype), "torch": torch.__version__,
@@ -143,7 +146,8 @@ def measure_costs(target, drafter, rows=(1, 8, 32, 64), tokens=(1, 2, 4, 8, 16),
     return CostModel(list(rows), tokens, target_s, drafter_s, key, context, short, ingest_s)
 
 
-def _measure_at(target, drafter, rows, tokens, context: int, repeats: int) -> tuple[list, list, list]:
+def _measure_at(target, drafter, rows, tokens, context: int, repeats: int,
+                catch_ups: bool = True) -> tuple[list, list, list]:
     dev = target.lm_head.weight.device
     V = target.args.vocab_size
     K = drafter.block_size - 1
@@ -189,10 +193,13 @@ def _measure_at(target, drafter, rows, tokens, context: int, repeats: int) -> tu
         def catch_up():
             drafter.ingest(catch_up_cache, behind, fed)
 
-        ingest_s.append(0.0)
+        if not catch_ups:
+            continue
+        runs = []
         for _ in range(repeats + 1):  # a fresh cache each time (room for one catch-up), the first call warming up
             catch_up_cache = drafter.new_cache(b, CATCH_UP_ENTRIES + 1)
-            ingest_s[-1] = wall_seconds(catch_up, dev) if _ == 0 else min(ingest_s[-1], wall_seconds(catch_up, dev))
+            runs.append(wall_seconds(catch_up, dev))
+        ingest_s.append(sorted(runs[1:])[len(runs[1:]) // 2])
     return target_s, drafter_s, ingest_s
 
 
