@@ -75,7 +75,8 @@ class CostModel:
     catch-up on features that waited; empty: not measured)."""
 
     def __post_init__(self):
-        self._memo: dict[tuple[int, int], float] = {}  # (rows, tokens) -> seconds; (rows, 0): the drafter's round
+        # (rows, tokens) -> seconds; (rows, 0): the drafter's round; (rows, -1): a catch-up's entry
+        self._memo: dict[tuple[int, int], float] = {}
         self._at: dict[int, CostModel] = {}  # context -> the costs priced at it
 
     def target(self, b: int, t: int) -> float:
@@ -319,9 +320,8 @@ class AdaptivePolicy:
 
     def __post_init__(self):
         self._rate_memo: dict = {}
-        # (drafting, rows, K) -> seconds by width; (rows, drafting, width, "round") -> a round's modelled seconds and
-        # the ratios it updates
-        self._seconds_memo: dict[tuple, np.ndarray | tuple] = {}
+        self._seconds_memo: dict[tuple[int, int, int], np.ndarray] = {}  # (drafting, rows, K) -> seconds by width
+        self._round_memo: dict[tuple[int, int, int], tuple] = {}  # (rows, drafting, width) -> model, ratios updated
         self._exploring = True  # the last drafted round was a first round, a retry or a probe (not known to pay)
         self._predicted: list[float] = []  # the last drafted round's predicted acceptance per slot (conditional)
         self._drafting = 0  # the rows that drafted in it
@@ -364,6 +364,7 @@ class AdaptivePolicy:
         if bucket != self._context:
             self._context, self._priced = bucket, self.costs.at(bucket)
             self._seconds_memo.clear()
+            self._round_memo.clear()
             self._rate_memo.clear()
 
     def new_job(self) -> None:
@@ -412,18 +413,14 @@ class AdaptivePolicy:
             self.skipped, self.wait, self._exploring = 0, 0, False
             return True
         extra = self._exploring_extra(b)
-        wait = self.wait or self.retry_every
-        earned = self._credit >= extra * (1 - 1e-9)
-        if self.skipped >= wait and earned:  # a retry; while retries fail, the next waits twice as long
-            self.skipped, self.wait = 0, min(2 * wait, max(self.max_retry_every, self.retry_every))
-            self._credit -= extra
-            return True
-        if 2 * fresh >= b and self.skipped >= self.retry_every and earned:  # a probe; the wait stays
+        due = self._exploring_due(b, fresh, extra)
+        if due is not None:
+            if due == "retry":  # while retries fail, the next waits twice as long (a probe leaves the wait)
+                self.wait = min(2 * (self.wait or self.retry_every), max(self.max_retry_every, self.retry_every))
             self.skipped = 0
             self._credit -= extra
             return True
-        self.skipped += 1
-        self._credit = min(self._credit + self.explore_share * plain, 2 * extra)
+        self._count_plain(plain, extra)
         if ceiling is not None and ceiling < b / plain:
             self._begin_stretch(b, fresh, ceiling * plain / b)
         return False
@@ -473,14 +470,27 @@ class AdaptivePolicy:
                 or st[7] != self._context):
             return False
         extra = self._exploring_extra(b)
-        if self._credit >= extra * (1 - 1e-9) and (self.skipped >= (self.wait or self.retry_every)
-                                                  or 2 * fresh >= b and self.skipped >= self.retry_every):
-            return False  # a retry or a probe
+        if self._exploring_due(b, fresh, extra) is not None:
+            return False
         st[2] -= 1
-        self.skipped += 1
-        plain = self._priced.target(b, 1) * self._scaled("plain", b)
-        self._credit = min(self._credit + self.explore_share * plain, 2 * extra)
+        self._count_plain(self._priced.target(b, 1) * self._scaled("plain", b), extra)
         return True
+
+    def _exploring_due(self, b: int, fresh: int, extra: float) -> str | None:
+        """``"retry"`` or ``"probe"`` where one is due (after ``wait`` plain rounds, or ``retry_every`` once new
+        requests are half the batch) and the plain rounds have earned its ``extra`` seconds; else None."""
+        if self._credit < extra * (1 - 1e-9):
+            return None
+        if self.skipped >= (self.wait or self.retry_every):
+            return "retry"
+        if 2 * fresh >= b and self.skipped >= self.retry_every:
+            return "probe"
+        return None
+
+    def _count_plain(self, plain: float, extra: float) -> None:
+        """A plain round of ``plain`` seconds: one more skipped, and its share of exploring credit earned."""
+        self.skipped += 1
+        self._credit = min(self._credit + self.explore_share * plain, 2 * extra)
 
     def draft_rows(self, b: int, fresh: int = 0, rows: list[int] | None = None) -> int:
         """How many of the ``b`` rows draft this round: 0 (a plain round, see :meth:`draft_this_round`), all of them
@@ -544,12 +554,12 @@ class AdaptivePolicy:
                 seen[size] = value if old is None else old + self.cost_smoothing * (value - old)
         if not self.measured or 0 < drafting < b:  # a few rows explored: gathers and scatters no drafted round has
             return
-        priced = self._seconds_memo.get((b, drafting, width, "round"))  # plain rounds of a size come every round
+        priced = self._round_memo.get((b, drafting, width))  # plain rounds of a size come every round
         if priced is None:
             model = (self._priced.drafter(drafting) if drafting else 0.0) + self._priced.target(b, width + 1)
             kind = "drafted" if drafting else "plain"
             priced = (max(model, 1e-12), (kind, (kind, self._size(b))))
-            self._seconds_memo[b, drafting, width, "round"] = priced
+            self._round_memo[b, drafting, width] = priced
         model, keys = priced
         ratio = seconds / model
         for key in keys:  # over all sizes, and at this round's size
