@@ -37,6 +37,9 @@ import torch
 
 from specdraft.runtime.phase_clock import wall_seconds
 
+MEMO_LIMIT = 4096
+"""Entries a memo of prices keeps across context buckets before it starts again."""
+
 CATCH_UP_ENTRIES = 64
 """Deferred entries a row that :func:`measure_costs` times a catch-up of."""
 
@@ -319,9 +322,12 @@ class AdaptivePolicy:
     """Plain rounds before the next retry (0: ``retry_every``)."""
 
     def __post_init__(self):
+        # memos of prices, keyed by the context they were priced at (a job's rows sweep the same contexts request
+        # after request: a new context bucket every few rounds at one row must not price every width again)
         self._rate_memo: dict = {}
-        self._seconds_memo: dict[tuple[int, int, int], np.ndarray] = {}  # (drafting, rows, K) -> seconds by width
-        self._round_memo: dict[tuple[int, int, int], tuple] = {}  # (rows, drafting, width) -> model, ratios updated
+        self._seconds_memo: dict[tuple[int, int, int, int], np.ndarray] = {}  # (context, drafting, rows, K) -> by width
+        self._round_memo: dict[tuple[int, int, int, int], tuple] = {}  # (context, rows, drafting, width) -> model, keys
+        self._extra_memo: dict[tuple[int, int, int], tuple[float, float]] = {}  # (context, rows, width) -> seconds
         self._exploring = True  # the last drafted round was a first round, a retry or a probe (not known to pay)
         self._predicted: list[float] = []  # the last drafted round's predicted acceptance per slot (conditional)
         self._drafting = 0  # the rows that drafted in it
@@ -329,7 +335,7 @@ class AdaptivePolicy:
         self._row_accept: dict[int, tuple] = {}  # request -> ([accepted, reached] [2, K] per slot, round) (this job)
         self._round = 0  # draft_this_round calls
         self._row_version = 0  # bumped whenever a request's acceptance changes
-        self._stretch: list | None = None  # plain rounds ahead that need no decision (see _begin_stretch)
+        self._stretch: list | None = None  # what a plain stretch holds while it goes on (see _still_plain)
         # how far a request's own record beyond the population's foretold its next first slot: decayed sums of
         # (outcome - population) * (own - population) and (own - population)^2 over drafted rows (a prior of agreement)
         self._lean_sums = [self.own_weight_prior, self.own_weight_prior]
@@ -363,9 +369,9 @@ class AdaptivePolicy:
         bucket = round(2 ** (i / 8))
         if bucket != self._context:
             self._context, self._priced = bucket, self.costs.at(bucket)
-            self._seconds_memo.clear()
-            self._round_memo.clear()
-            self._rate_memo.clear()
+            for memo in (self._seconds_memo, self._round_memo, self._extra_memo):
+                if len(memo) > MEMO_LIMIT:
+                    memo.clear()
 
     def new_job(self) -> None:
         """Forget the requests' own acceptance (a decode call numbers its requests from 0); what was learnt of the
@@ -384,6 +390,9 @@ class AdaptivePolicy:
         paying = not self._exploring  # the last round drafted because drafting paid
         self._exploring = True
         self._round += 1
+        if rows is not None and len(self._row_accept) > 2 * len(rows) + 64:  # ended requests: forget them
+            kept = set(rows)
+            self._row_accept = {r: e for r, e in self._row_accept.items() if r in kept}
         if self._still_plain(b, fresh, rows):
             return False
         self._stretch = None
@@ -393,9 +402,6 @@ class AdaptivePolicy:
             # new requests are half the batch: they start from the acceptance drafted requests had on average, not
             # from the last rounds of the ones before them (with ``rows``, each request without its own does)
             self.accept = list(self.population)
-        if rows is not None and len(self._row_accept) > 2 * len(rows) + 64:  # ended requests: forget them
-            kept = set(rows)
-            self._row_accept = {r: e for r, e in self._row_accept.items() if r in kept}
         plain = self._priced.target(b, 1) * self._scaled("plain", b)
         margin = self.margin if self.width > 0 and paying else 0.0
         scale = self._scaled("drafted", b)
@@ -422,7 +428,7 @@ class AdaptivePolicy:
             return True
         self._count_plain(plain, extra)
         if ceiling is not None and ceiling < b / plain:
-            self._begin_stretch(b, fresh, ceiling * plain / b)
+            self._stretch = [b, fresh, self.accept, self.population, self._row_version, self._lean_sums, {}]
         return False
 
     def _catch_up_pays(self, b: int, spec: float, plain_rate: float) -> bool:
@@ -444,36 +450,27 @@ class AdaptivePolicy:
                 per_entry = per_entry * self._catch_up_ratio[near] if per_entry else self._catch_up[near]
         return not per_entry or self._remaining * (1 / plain_rate - 1 / spec) >= per_entry * self._deferred
 
-    def _begin_stretch(self, b: int, fresh: int, reach: float) -> None:
-        """After a plain round decided on the bound over any rows at ``reach`` of plain decoding's rate (below 1): the
-        rounds after it that stay plain whatever their measured seconds, while the rows' count, the new requests and
-        the acceptance stand. Each plain round moves the ratio of plain to drafted seconds at this size by at most a
-        factor ``1 + cost_smoothing`` (none when not :attr:`measured`; a size not yet measured plainly can jump, so
-        none then), so the bound stays below plain decoding's rate for ``log(1 / reach) / log(1 + cost_smoothing)``
-        rounds, at the context it was priced at (:meth:`at_context`); retries and probes come at the round counts
-        :meth:`draft_this_round` checks."""
-        if self.measured and ("plain", self._size(b)) not in self._scale:
-            return
-        growth = 1 + self.cost_smoothing if self.measured else 1.0
-        rounds = 1 << 30 if growth == 1.0 or reach <= 0 else math.ceil(math.log(0.999 / reach) / math.log(growth)) - 1
-        if rounds > 0:
-            self._stretch = [b, fresh, rounds, self.accept, self.population, self._row_version, self._lean_sums,
-                             self._context]
-
     def _still_plain(self, b: int, fresh: int, rows: list[int] | None) -> bool:
-        """A round of a stretch (:meth:`_begin_stretch`) that neither a retry nor a probe can claim: plain, decided
-        with the plain round's bookkeeping alone (what :meth:`draft_this_round` would decide, at a fraction of its
-        cost, every round of a long plain stretch)."""
+        """A round of a plain stretch: begun by a plain round decided on the bound over any rows (the ceiling), and
+        going on while the rows' count, the new requests and the acceptance stand, that bound still below plain
+        decoding's rate at the round's context and measured costs, and neither a retry nor a probe is due. Plain, as
+        :meth:`draft_this_round` would decide, without its pass over the acceptance (the ceiling is memoised by rows
+        and context): a plain round's decision stays a few lookups."""
         st = self._stretch
-        if (st is None or rows is None or st[0] != b or st[1] != fresh or st[2] <= 0 or st[3] is not self.accept
-                or st[4] is not self.population or st[5] != self._row_version or st[6] is not self._lean_sums
-                or st[7] != self._context):
+        if (st is None or rows is None or st[0] != b or st[1] != fresh or st[2] is not self.accept
+                or st[3] is not self.population or st[4] != self._row_version or st[5] is not self._lean_sums):
             return False
-        extra = self._exploring_extra(b)
+        ceiling = st[6].get(self._context)  # by context: the acceptance, hence the ceiling's key, stands
+        if ceiling is None:
+            ceiling = st[6][self._context] = self._ceiling_rate(b)
+        plain_scale, drafted_scale = self._scaled("plain", b), self._scaled("drafted", b)
+        plain = self._priced.target(b, 1) * plain_scale
+        if ceiling / drafted_scale >= b / plain:
+            return False
+        extra = self._exploring_extra(b, plain_scale, drafted_scale)
         if self._exploring_due(b, fresh, extra) is not None:
             return False
-        st[2] -= 1
-        self._count_plain(self._priced.target(b, 1) * self._scaled("plain", b), extra)
+        self._count_plain(plain, extra)
         return True
 
     def _exploring_due(self, b: int, fresh: int, extra: float) -> str | None:
@@ -502,13 +499,17 @@ class AdaptivePolicy:
     def _explorers(self, b: int) -> int:
         return min(b, self.explore_rows) if self.explore_rows > 0 else b
 
-    def _exploring_extra(self, b: int) -> float:
-        """Seconds an exploring round costs over a plain round (it is assumed to verify the last drafted width)."""
-        if self._rate_memo.get("extra_key") != (b, self.width):
+    def _exploring_extra(self, b: int, plain_scale: float | None = None, drafted_scale: float | None = None) -> float:
+        """Seconds an exploring round costs over a plain round (it is assumed to verify the last drafted width), at
+        the measured ratios of plain and drafted rounds of ``b`` rows (given: as the caller just read them)."""
+        key = (self._context, b, self.width)
+        if key not in self._extra_memo:
             drafted = self._priced.drafter(self._explorers(b)) + self._priced.target(b, max(self.width, 1) + 1)
-            self._rate_memo.update(extra_key=(b, self.width), extra=(drafted, self._priced.target(b, 1)))
-        drafted, plain = self._rate_memo["extra"]
-        return max(drafted * self._scaled("drafted", b) - plain * self._scaled("plain", b), 0.0)
+            self._extra_memo[key] = (drafted, self._priced.target(b, 1))
+        drafted, plain = self._extra_memo[key]
+        plain_scale = self._scaled("plain", b) if plain_scale is None else plain_scale
+        drafted_scale = self._scaled("drafted", b) if drafted_scale is None else drafted_scale
+        return max(drafted * drafted_scale - plain * plain_scale, 0.0)
 
     def _size(self, b: int) -> int:
         """The measured row count nearest ``b`` (by ratio), memoised: rounds of about that size share a ratio."""
@@ -522,13 +523,15 @@ class AdaptivePolicy:
         that size against its own ratio over all sizes; a kind not measured at all: as the other, or as modelled. A
         model priced on a few row counts is off by different factors at different sizes (at one row a round's fixed
         costs weigh most), and the tail of a job, where few rows are left, decides on its own size's ratios."""
+        if b is not None:
+            size = self._size_memo.get(b) or self._size(b)
+            at_size = self._scale.get((kind, size))
+            if at_size is not None:  # (every round asks: the common case first)
+                return at_size
         other = "plain" if kind == "drafted" else "drafted"
         overall = self._scale.get(kind) or self._scale.get(other, 1.0)
         if b is None:
             return overall
-        size = self._size(b)
-        if (kind, size) in self._scale:
-            return self._scale[kind, size]
         if (other, size) in self._scale and other in self._scale:
             return overall * self._scale[other, size] / self._scale[other]
         return overall
@@ -554,12 +557,12 @@ class AdaptivePolicy:
                 seen[size] = value if old is None else old + self.cost_smoothing * (value - old)
         if not self.measured or 0 < drafting < b:  # a few rows explored: gathers and scatters no drafted round has
             return
-        priced = self._round_memo.get((b, drafting, width))  # plain rounds of a size come every round
+        priced = self._round_memo.get((self._context, b, drafting, width))  # plain rounds of a size: every round
         if priced is None:
             model = (self._priced.drafter(drafting) if drafting else 0.0) + self._priced.target(b, width + 1)
             kind = "drafted" if drafting else "plain"
             priced = (max(model, 1e-12), (kind, (kind, self._size(b))))
-            self._round_memo[b, drafting, width] = priced
+            self._round_memo[self._context, b, drafting, width] = priced
         model, keys = priced
         ratio = seconds / model
         for key in keys:  # over all sizes, and at this round's size
@@ -617,7 +620,7 @@ class AdaptivePolicy:
         slot's acceptance), kept until an acceptance or the rows change."""
         which = "bound" if bound else "rate"
         drift = None if rows is None else (tuple(rows), self._row_version, None if bound else self._round // 4)
-        key = (b, tuple(self.accept), self._lean(), drift)
+        key = (b, tuple(self.accept), self._lean(), drift, self._context)
         if self._rate_memo.get(which) is None or self._rate_memo[which][0] != key:
             K = max(self.costs.tokens) - 1
             if rows is None:
@@ -641,11 +644,12 @@ class AdaptivePolicy:
             if self._row_accept:
                 own = np.stack([c for c, _ in self._row_accept.values()])  # [r, 2, K] accepted, reached
                 top = self._own(own, top, bound=True).max(0)
-            self._rate_memo["ceiling"] = (key, expected_committed(top[None])[0], {})  # [K + 1] a row, rate by rows
+            # [K + 1] a row; rates by rows and context
+            self._rate_memo["ceiling"] = (key, expected_committed(top[None])[0], {})
         _, committed, rates = self._rate_memo["ceiling"]
-        if b not in rates:
-            rates[b] = self._best_rate(committed * b, b)
-        return rates[b]
+        if (b, self._context) not in rates:
+            rates[b, self._context] = self._best_rate(committed * b, b)
+        return rates[b, self._context]
 
     def _best_rate(self, committed: np.ndarray, b: int) -> float:
         """Committed tokens per second of a drafted round of ``b`` rows at its best width 1..K, given the round's
@@ -655,10 +659,11 @@ class AdaptivePolicy:
     def _round_seconds(self, m: int, b: int, K: int) -> np.ndarray:
         """``[K + 1]``: modelled seconds of a round of ``b`` rows, ``m`` of them drafting, verifying ``k = 0..K``
         drafts (memoised: plain rounds ask it every round)."""
-        if (m, b, K) not in self._seconds_memo:
-            self._seconds_memo[m, b, K] = np.array(
+        key = (self._context, m, b, K)
+        if key not in self._seconds_memo:
+            self._seconds_memo[key] = np.array(
                 [self._priced.drafter(m) + self._priced.target(b, k + 1) for k in range(K + 1)])
-        return self._seconds_memo[m, b, K]
+        return self._seconds_memo[key]
 
     def _lean(self) -> float:
         """How much of a request's own acceptance beyond the population's to believe, in ``[0, 1]``: the regression

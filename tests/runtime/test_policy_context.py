@@ -69,18 +69,34 @@ def test_plain_passes_are_priced_at_the_rows_context_not_from_the_drafted_rounds
         assert policy._context == bucket
 
 
-def test_a_plain_stretch_ends_when_the_context_moves():
-    """A stretch of plain rounds holds at the context it was priced at: where the context grows into the range where
-    drafting pays, the next round is decided again (here decided from the model alone, a stretch is unbounded)."""
+def test_a_plain_stretch_is_priced_at_each_rounds_context():
+    """A stretch of plain rounds goes on through context buckets where drafting still cannot pay, each round priced at
+    its own context: where the context grows into the range where drafting pays, that round drafts (decided from the
+    model alone here)."""
     policy = AdaptivePolicy(measured_at(256, 64), accept=[0.5, 0.5, 0.5], width=2, measured=False, retry_every=1000)
     rows = list(range(8))
+    in_stretch = []
+    still_plain = policy._still_plain
+    policy._still_plain = lambda b, fresh, rows: in_stretch.append(still_plain(b, fresh, rows)) or in_stretch[-1]
     policy.at_context(32)
-    assert [policy.draft_rows(8, 0, rows) for _ in range(5)] == [0] * 5 and policy._stretch is not None
-    policy.at_context(33)  # the same price bucket: the stretch goes on
-    left = policy._stretch[2]
-    assert policy.draft_rows(8, 0, rows) == 0 and policy._stretch[2] == left - 1
+    assert [policy.draft_rows(8, 0, rows) for _ in range(5)] == [0] * 5 and in_stretch[2:] == [True] * 3
+    for context in (33, 40):  # the same bucket, then the next: drafting still cannot pay, the stretch goes on
+        policy.at_context(context)
+        assert policy.draft_rows(8, 0, rows) == 0 and in_stretch[-1]
     policy.at_context(256)
-    assert policy.draft_rows(8, 0, rows) == 8
+    assert policy.draft_rows(8, 0, rows) == 8 and not in_stretch[-1]
+
+
+def test_prices_are_kept_for_each_context_a_job_comes_back_to():
+    """A job's rows sweep the same contexts request after request: a round's modelled seconds are priced once per
+    context bucket and kept, each context's its own."""
+    policy = AdaptivePolicy(measured_at(256, 64), accept=[0.5, 0.5, 0.5], width=2)
+    policy.at_context(32)
+    short = policy._round_seconds(8, 8, 3)
+    policy.at_context(256)
+    long = policy._round_seconds(8, 8, 3)
+    policy.at_context(32)
+    assert policy._round_seconds(8, 8, 3) is short and (long > short).all()
 
 
 def test_the_engine_tells_the_policy_each_rounds_context_tokens_left_and_features_waiting():
