@@ -327,7 +327,7 @@ class AdaptivePolicy:
         self._rate_memo: dict = {}
         self._seconds_memo: dict[tuple[int, int, int, int], np.ndarray] = {}  # (context, drafting, rows, K) -> by width
         self._round_memo: dict[tuple[int, int, int, int], tuple] = {}  # (context, rows, drafting, width) -> model, keys
-        self._extra_memo: dict[tuple[int, int, int], tuple[float, float]] = {}  # (context, rows, width) -> seconds
+        self._extra_memo: dict[tuple, tuple[float, float]] = {}  # (context, rows, width, explore_rows) -> seconds
         self._exploring = True  # the last drafted round was a first round, a retry or a probe (not known to pay)
         self._predicted: list[float] = []  # the last drafted round's predicted acceptance per slot (conditional)
         self._drafting = 0  # the rows that drafted in it
@@ -369,7 +369,8 @@ class AdaptivePolicy:
         bucket = round(2 ** (i / 8))
         if bucket != self._context:
             self._context, self._priced = bucket, self.costs.at(bucket)
-            for memo in (self._seconds_memo, self._round_memo, self._extra_memo):
+            ceiling = self._rate_memo.get("ceiling")
+            for memo in (self._seconds_memo, self._round_memo, self._extra_memo, ceiling[2] if ceiling else {}):
                 if len(memo) > MEMO_LIMIT:
                     memo.clear()
 
@@ -454,8 +455,8 @@ class AdaptivePolicy:
         """A round of a plain stretch: begun by a plain round decided on the bound over any rows (the ceiling), and
         going on while the rows' count, the new requests and the acceptance stand, that bound still below plain
         decoding's rate at the round's context and measured costs, and neither a retry nor a probe is due. Plain, as
-        :meth:`draft_this_round` would decide, without its pass over the acceptance (the ceiling is memoised by rows
-        and context): a plain round's decision stays a few lookups."""
+        :meth:`draft_this_round` would decide, without its pass over the acceptance (the ceiling is memoised by the
+        rows' count and context): a plain round's decision stays a few lookups."""
         st = self._stretch
         if (st is None or rows is None or st[0] != b or st[1] != fresh or st[2] is not self.accept
                 or st[3] is not self.population or st[4] != self._row_version or st[5] is not self._lean_sums):
@@ -502,7 +503,7 @@ class AdaptivePolicy:
     def _exploring_extra(self, b: int, plain_scale: float | None = None, drafted_scale: float | None = None) -> float:
         """Seconds an exploring round costs over a plain round (it is assumed to verify the last drafted width), at
         the measured ratios of plain and drafted rounds of ``b`` rows (given: as the caller just read them)."""
-        key = (self._context, b, self.width)
+        key = (self._context, b, self.width, self.explore_rows)
         if key not in self._extra_memo:
             drafted = self._priced.drafter(self._explorers(b)) + self._priced.target(b, max(self.width, 1) + 1)
             self._extra_memo[key] = (drafted, self._priced.target(b, 1))

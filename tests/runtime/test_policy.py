@@ -303,20 +303,31 @@ class _EveryRound(AdaptivePolicy):
         return False
 
 
+def _costs_by_context(per_token: float, drafter: float) -> CostModel:
+    """:func:`costs` measured at 256 tokens of cache a row, and at 64 with the plain pass 60 % cheaper (attention over
+    the cache weighs most on it): drafting pays better at longer contexts."""
+    model = costs(per_token=per_token, drafter=drafter)
+    short = [[c - 0.6 * model.target_s[0][0] for c in row] for row in model.target_s]
+    return CostModel(model.rows, model.tokens, model.target_s, model.drafter_s, {}, 256,
+                     {"context": 64, "target_s": short, "drafter_s": model.drafter_s})
+
+
+@pytest.mark.parametrize("by_context", [False, True])
 @pytest.mark.parametrize("seed", range(3))
-def test_plain_stretches_decide_as_deciding_every_round(seed):
-    """After a plain round decided on the bound over any rows, the rounds that the measured seconds cannot turn (the
-    seconds move the plain-to-drafted ratio by at most ``1 + cost_smoothing`` a round) skip the decision, until the
-    rows' count, the new requests or the acceptance change, or a retry or probe is due. With every round's seconds
-    measured (noisy, and slower at some sizes than modelled), arrivals, endings and requests of mixed skill, the plans,
+def test_plain_stretches_decide_as_deciding_every_round(seed, by_context):
+    """After a plain round decided on the bound over any rows (the ceiling), the rounds after it are decided on that
+    bound alone, re-priced at each round's context and measured seconds, until the rows' count, the new requests or the
+    acceptance change, the bound reaches plain decoding's rate, or a retry or probe is due. With every round's seconds
+    measured (noisy, and slower at some sizes than modelled), arrivals, endings, requests of mixed skill and (with
+    ``by_context``) costs priced at a context that grows a token a round and falls as requests are replaced, the plans,
     the retry waits and the exploring budget are those of the policy deciding every round, round for round, while
-    many plain rounds are decided in a stretch (here stretches are short: the deep slots' acceptance, seldom reached
-    by the poor requests, keeps the bound within a few rounds of paying)."""
+    many plain rounds are decided in a stretch."""
     g = torch.Generator().manual_seed(seed)
     plans, credits, fast = [], [], []
     for kind in (AdaptivePolicy, _EveryRound):
         g.manual_seed(seed)
-        policy = kind(costs(per_token=0.3, drafter=0.3), explore_share=0.02)
+        policy = kind(_costs_by_context(0.3, 0.3) if by_context else costs(per_token=0.3, drafter=0.3),
+                      explore_share=0.02)
         calls = [0]
         plain_round = policy._still_plain
 
@@ -327,12 +338,16 @@ def test_plain_stretches_decide_as_deciding_every_round(seed):
 
         policy._still_plain = counted
         skill = (torch.rand(60, generator=g) < 0.1).float() * 0.9 + 0.02  # each request's chance per draft
-        rows, fresh, plan, credit = [0, 1, 2, 3], 0, [], []
+        rows, fresh, plan, credit, context = [0, 1, 2, 3], 0, [], [], 40.0
         for _ in range(600):
             if torch.rand(1, generator=g) < 0.05:  # a request ends, and the next may arrive
                 rows = rows[1:] + ([max(rows) + 1] if torch.rand(1, generator=g) < 0.7 and max(rows) < 59 else [])
                 fresh = min(fresh + 1, len(rows))
                 rows = rows or [max(rows, default=0) + 1]
+                context = 40 + (context - 40) / 2
+            if by_context:
+                policy.before_round(context)
+            context += 1
             m = policy.draft_rows(len(rows), fresh, rows)
             plan.append((m, policy.skipped, policy.wait))
             credit.append(policy._credit)
