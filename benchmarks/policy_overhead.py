@@ -4,9 +4,12 @@ Decodes a held-out suite of the tiny world (or any world with ``bench/<suite>.js
 AR and the adaptive policy side by side (alternating, ``--repeats`` each), with the engine's phase clock
 (``generate(timings=...)``: prefill, draft, verify, compaction, commit; ``drafted_rounds``: rows that verified
 drafts, ``drafter_rounds``: rounds in which the drafter ran, with their measured seconds). ``--no-probes`` turns off
-the retry that newly admitted requests bring forward, to price it. Kind ``plain`` is the adaptive engine with a
-policy that never drafts (a drafter attached, its caches, the target's features and their backlog kept, every round
-plain): what the engine's plain path costs over AR's, exploring left out. Besides each job's line, each kind's tokens/s
+the retry that newly admitted requests bring forward, to price it. ``--time-calls`` times each of the policy's calls
+where the engine makes them (between two target passes a call runs several times slower than the same call in a
+loop: its code and data are out of the caches), per job: seconds, calls, µs a call and share of the job. Kind
+``plain`` is the adaptive engine with a policy that never drafts (a drafter attached, its caches, the target's
+features and their backlog kept, every round plain): what the engine's plain path costs over AR's, exploring left
+out. Besides each job's line, each kind's tokens/s
 over AR's in the same repeat (median and range over repeats: slow drifts of the machine cancel within a repeat).
 
     python benchmarks/policy_overhead.py artifacts/tiny/world-f8d6f235a11e artifacts/tiny/drafter/sft \\
@@ -78,11 +81,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--spread", type=float, default=10.0)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-probes", action="store_true")
+    ap.add_argument("--time-calls", action="store_true", help="time each policy call in place (see the module doc)")
     ap.add_argument("--kinds", default="ar,adaptive",
                     help="comma-separated: ar, adaptive, fixed (the whole block), plain (adaptive, never drafting); "
                          "adaptive@FIELD=VALUE: adaptive with one policy field set (e.g. adaptive@explore_share=0)")
     args = ap.parse_args(argv)
     target, drafter, prompts, gen, base = load_job(args)
+    calls: dict[str, list] = {}  # policy method -> [seconds, calls] in the current job
+    if args.time_calls:
+        for name in ("before_round", "draft_rows", "observe_seconds", "observe", "verify_len"):
+            setattr(AdaptivePolicy, name, _timed(getattr(AdaptivePolicy, name), calls.setdefault(name, [0.0, 0])))
     rows = []
     kinds = args.kinds.split(",")
     for rep in range(args.repeats):
@@ -103,6 +111,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     seen(b, drafting, width, sec, flushed, fed)
                 policy.observe_seconds = observe_seconds
             timings: dict[str, float] = {}
+            for tally in calls.values():
+                tally[:] = [0.0, 0]
             start = time.perf_counter()
             res = generate(target, prompts, gen, generator=torch.Generator().manual_seed(rep), slots=args.slots,
                            timings=timings, **({"drafter": drafter} if kind != "ar" else {}), policy=policy)
@@ -116,6 +126,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          **({f"measured_{k}": v for k, v in policy._scale.items() if isinstance(k, str)}
                             if policy else {})})
             print(" ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in rows[-1].items()))
+            for name, (sec, n) in calls.items():
+                if n:
+                    print(f"  {name}: {sec * 1e3:.1f} ms, {n} calls, {sec / n * 1e6:.1f} us a call, "
+                          f"{sec / seconds:.2%} of the job")
     if "ar" in kinds:
         ar = {r["repeat"]: r["tokens_per_s"] for r in rows if r["kind"] == "ar"}
         for kind in (k for k in kinds if k != "ar"):
@@ -123,6 +137,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print(f"{kind} / ar over {len(ratios)} repeats: median {statistics.median(ratios):.3f}, "
                   f"{ratios[0]:.3f}-{ratios[-1]:.3f}")
     return rows
+
+
+def _timed(method, tally: list):
+    """``method`` adding its wall seconds and one call to ``tally`` ``[seconds, calls]`` each time it runs."""
+    def timed(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            tally[0] += time.perf_counter() - start
+            tally[1] += 1
+    return timed
 
 
 if __name__ == "__main__":
