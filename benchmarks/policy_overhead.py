@@ -88,9 +88,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = ap.parse_args(argv)
     target, drafter, prompts, gen, base = load_job(args)
     calls: dict[str, list] = {}  # policy method -> [seconds, calls] in the current job
-    if args.time_calls:
-        for name in ("before_round", "draft_rows", "observe_seconds", "observe", "verify_len"):
-            setattr(AdaptivePolicy, name, _timed(getattr(AdaptivePolicy, name), calls.setdefault(name, [0.0, 0])))
+    timed = ("before_round", "draft_rows", "observe_seconds", "observe", "verify_len") if args.time_calls else ()
+    originals = {name: getattr(AdaptivePolicy, name) for name in timed}
+    for name, method in originals.items():
+        setattr(AdaptivePolicy, name, _timed(method, calls.setdefault(name, [0.0, 0])))
+    try:
+        return _run(args, target, drafter, prompts, gen, base, calls)
+    finally:  # the class as it was, for a caller in the same process
+        for name, method in originals.items():
+            setattr(AdaptivePolicy, name, method)
+
+
+def _run(args, target, drafter, prompts, gen, base, calls: dict[str, list]) -> list[dict]:
+    """Decode the job once per kind and repeat (see :func:`main`); prints a line per job, returns the rows."""
     rows = []
     kinds = args.kinds.split(",")
     for rep in range(args.repeats):

@@ -190,6 +190,8 @@ def _measure_at(target, drafter, rows, tokens, context: int, repeats: int,
             drafter.ingest(dcache, feats, torch.ones(b, dtype=torch.long, device=dev))  # room: repeats + 1 tokens
 
         drafter_s.append(timed(draft_round))
+        if not catch_ups:
+            continue
         behind = torch.cat([out.features[:, :CATCH_UP_ENTRIES]] * -(-CATCH_UP_ENTRIES // context), 1)
         behind = behind[:, :CATCH_UP_ENTRIES]  # [b, CATCH_UP_ENTRIES, F]
         fed = torch.full((b,), CATCH_UP_ENTRIES, device=dev)
@@ -197,8 +199,6 @@ def _measure_at(target, drafter, rows, tokens, context: int, repeats: int,
         def catch_up():
             drafter.ingest(catch_up_cache, behind, fed)
 
-        if not catch_ups:
-            continue
         runs = []
         for _ in range(repeats + 1):  # a fresh cache each time (room for one catch-up), the first call warming up
             catch_up_cache = drafter.new_cache(b, CATCH_UP_ENTRIES + 1)
@@ -525,7 +525,7 @@ class AdaptivePolicy:
         model priced on a few row counts is off by different factors at different sizes (at one row a round's fixed
         costs weigh most), and the tail of a job, where few rows are left, decides on its own size's ratios."""
         if b is not None:
-            size = self._size_memo.get(b) or self._size(b)
+            size = self._size(b)
             at_size = self._scale.get((kind, size))
             if at_size is not None:  # (every round asks: the common case first)
                 return at_size
