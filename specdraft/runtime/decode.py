@@ -21,7 +21,7 @@ import torch
 
 from specdraft.runtime.d2sd import TreeDrafting, tree_round
 from specdraft.runtime.drafter import Drafter, RoundRecord
-from specdraft.runtime.models.target import TargetLM
+from specdraft.runtime.models.target import TargetLM, TargetOutput
 from specdraft.runtime.phase_clock import PhaseClock, wall_seconds
 from specdraft.runtime.policy import AdaptivePolicy
 from specdraft.runtime.sampling import SamplingParams, logits_to_probs, sample, sample_from_probs
@@ -473,6 +473,7 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
                 torch.cuda.synchronize()
             started, flushed, fed = time.perf_counter(), 0.0, 0
         tree_nodes = tree_winner = widths = None
+        apart = False  # an exploring round's explorers verify in a pass of their own rows
         m = 0  # rows that drafted this round
         ids = state.rows.tolist()  # the running requests
         if policy is not None:  # priced against the rows' mean cache length, the tokens left, the features waiting
@@ -498,7 +499,9 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
                 flush(few)
                 part = _draft(drafter, dcache.gather_rows(few, block), state.anchor[few], None, params,
                               config.draft_sampling, generator)
-                k = policy.verify_len(draft_confidence(*part[1:]), rows=b)
+                conf = draft_confidence(*part[1:])  # [m, K]
+                k, apart = (policy.explore_len(conf, rows=b) if _verifies_apart(tcache)
+                            else (policy.verify_len(conf, rows=b), False))
                 widths = torch.zeros(b, dtype=torch.long, device=dev)
                 widths[few] = k
                 hidden, draft_logits, draft_tokens, draft_probs = (
@@ -513,8 +516,11 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
                     draft_tokens, draft_logits = draft_tokens[:, :k], draft_logits[:, :k]
                     draft_probs = draft_probs[:, :k] if draft_probs is not None else None
             clock.lap("draft")
-            out = target(torch.cat([state.anchor[:, None], draft_tokens], dim=1), cache=tcache,
-                         feature_layers=feature_layers)  # verify [anchor, d_1..d_K]
+            if apart:  # the explorers' drafts in a pass of their own rows, after every row's plain pass
+                out = _verify_apart(target, tcache, state.anchor, few, draft_tokens[few], feature_layers)
+            else:
+                out = target(torch.cat([state.anchor[:, None], draft_tokens], dim=1), cache=tcache,
+                             feature_layers=feature_layers)  # verify [anchor, d_1..d_K]
             n_acc, nxt = verify_round(draft_tokens, draft_probs, out.logits, params, generator, widths)  # [b], [b]
             features, target_logits = out.features, out.logits
             clock.lap("verify")
@@ -592,6 +598,36 @@ def _explores_rows(drafter, cache) -> bool:
     ingests for a subset of rows (``ingest_rows``), and its cache lends copies of rows (``gather_rows``)."""
     return (not getattr(drafter, "carries_state", True) and getattr(drafter, "ingest_rows", None) is not None
             and getattr(cache, "gather_rows", None) is not None)
+
+
+def _verifies_apart(cache) -> bool:
+    """Whether a few rows can verify in a target pass of their own: the target's cache lends copies of rows
+    (``gather_rows``) and takes their new entries back (``put_rows``)."""
+    return getattr(cache, "gather_rows", None) is not None and getattr(cache, "put_rows", None) is not None
+
+
+def _verify_apart(target, cache, anchor: torch.Tensor, rows: torch.Tensor, drafts: torch.Tensor,
+                  feature_layers) -> TargetOutput:
+    """Verify ``drafts`` ``[m, k]`` of rows ``rows`` ``[m]`` in a pass of those rows alone, after a plain pass of every
+    row's ``anchor`` ``[b]``: the pass over ``[anchor, d_1..d_k]`` that :func:`generate` verifies, as ``logits``
+    ``[b, k + 1, V]`` and ``features`` ``[b, k + 1, F]`` (zeros past the first token of the other rows, which verify
+    nothing), at the cost of ``[b, 1]`` and ``[m, k]`` passes rather than ``[b, k + 1]``. The explorers' rows are
+    copied (:meth:`KVCache.gather_rows`, with their anchors), extended by their drafts, and the drafts' entries
+    written back (:meth:`KVCache.put_rows`); the cache's lengths are left as they were, as a verify pass leaves
+    them."""
+    first = target(anchor[:, None], cache=cache, feature_layers=feature_layers)  # [b, 1, V], [b, 1, F]
+    lengths = cache.lengths  # [b]
+    cache.crop(lengths + 1)  # the anchors' entries are the explorers' context
+    own = cache.gather_rows(rows, drafts.shape[1])
+    cache.crop(lengths)
+    rest = target(drafts, cache=own, feature_layers=feature_layers)  # [m, k, V], [m, k, F]
+    cache.put_rows(own, rows, lengths[rows] + 1, drafts.shape[1])
+    b, k = anchor.shape[0], drafts.shape[1]
+    logits = first.logits.new_zeros(b, k + 1, first.logits.shape[-1])  # [b, k + 1, V]
+    features = first.features.new_zeros(b, k + 1, first.features.shape[-1])  # [b, k + 1, F]
+    logits[:, :1], features[:, :1] = first.logits, first.features
+    logits[rows, 1:], features[rows, 1:] = rest.logits, rest.features
+    return TargetOutput(logits=logits, features=features)
 
 
 def _explorers(m: int, rows: torch.Tensor, fresh: set[int], turn: int) -> torch.Tensor:

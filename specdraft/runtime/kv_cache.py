@@ -142,6 +142,17 @@ class KVCache:
         out.grow_to = 0
         return out
 
+    def put_rows(self, src: "KVCache", rows: torch.Tensor, start: torch.Tensor, count: int) -> None:
+        """Copy ``count`` slots from ``start`` ``[m]`` on of each row of ``src`` (a :meth:`gather_rows` copy that a pass
+        wrote into) back into rows ``rows`` ``[m]`` of this cache, at the same slots (lengths are left as they are)."""
+        if count == 0:
+            return
+        self._make_room(int(start.max()) + count)
+        slots = start[:, None] + torch.arange(count, device=start.device)  # [m, count]
+        own = torch.arange(rows.shape[0], device=rows.device)[:, None]  # [m, 1]
+        for dst, new in zip((*self.k, *self.v), (*src.k, *src.v)):
+            dst[rows[:, None], :, slots] = new[own, :, slots]  # [m, count, H_kv, D]
+
     def reserve(self, rows: int) -> None:
         """Make room for ``rows`` rows in all (continuous batching reserves its slots once): new zeroed buffers into
         which only the rows' committed entries are copied (a drafter cache whose ingest is deferred copies nothing)."""

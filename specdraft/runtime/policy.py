@@ -332,6 +332,7 @@ class AdaptivePolicy:
         self._predicted: list[float] = []  # the last drafted round's predicted acceptance per slot (conditional)
         self._drafting = 0  # the rows that drafted in it
         self._credit = 0.0  # seconds of exploring the plain rounds have earned (explore_share), not yet spent
+        self._charged = 0.0  # the modelled extra seconds the due exploring round was charged (0: none due)
         self._row_accept: dict[int, tuple] = {}  # request -> ([accepted, reached] [2, K] per slot, round) (this job)
         self._round = 0  # draft_this_round calls
         self._row_version = 0  # bumped whenever a request's acceptance changes
@@ -426,6 +427,7 @@ class AdaptivePolicy:
                 self.wait = min(2 * (self.wait or self.retry_every), max(self.max_retry_every, self.retry_every))
             self.skipped = 0
             self._credit -= extra
+            self._charged = extra
             return True
         self._count_plain(plain, extra)
         if ceiling is not None and ceiling < b / plain:
@@ -501,12 +503,17 @@ class AdaptivePolicy:
         return min(b, self.explore_rows) if self.explore_rows > 0 else b
 
     def _exploring_extra(self, b: int, plain_scale: float | None = None, drafted_scale: float | None = None) -> float:
-        """Seconds an exploring round costs over a plain round (it is assumed to verify the last drafted width), at
+        """Seconds an exploring round costs over a plain round (it is assumed to verify the last drafted width, padded
+        over every row or in a pass of the explorers' own rows, whichever is priced lower: :meth:`explore_len`), at
         the measured ratios of plain and drafted rounds of ``b`` rows (given: as the caller just read them)."""
         key = (self._context, b, self.width, self.explore_rows)
         if key not in self._extra_memo:
-            drafted = self._priced.drafter(self._explorers(b)) + self._priced.target(b, max(self.width, 1) + 1)
-            self._extra_memo[key] = (drafted, self._priced.target(b, 1))
+            m, width, plain = self._explorers(b), max(self.width, 1), self._priced.target(b, 1)
+            # the last width padded over every row, or (fewer explorers than rows) in a pass of their own rows
+            verify = self._priced.target(b, width + 1)
+            if m < b:
+                verify = min(verify, plain + self._priced.target(m, width))
+            self._extra_memo[key] = (self._priced.drafter(m) + verify, plain)
         drafted, plain = self._extra_memo[key]
         plain_scale = self._scaled("plain", b) if plain_scale is None else plain_scale
         drafted_scale = self._scaled("drafted", b) if drafted_scale is None else drafted_scale
@@ -542,7 +549,8 @@ class AdaptivePolicy:
         """A round's measured wall seconds: ``b`` rows, of which ``drafting`` drafted (0: a plain round), verifying
         ``width`` drafts; ``flushed``: further seconds it fed the drafter ``fed`` deferred entries (a catch-up, not a
         cost of the round's kind, priced per entry by :meth:`_catch_up_pays`; an exploring round's is charged to the
-        exploring budget). The running ratio to what the
+        exploring budget, and a retry or probe is charged what it measured over a plain round, not the extra it was
+        priced at). The running ratio to what the
         cost model prices such a round at rescales the model: what it does not time (sampling, verification, commit,
         the drafter's ingest of the accepted tokens) and how far the machine runs from when it was measured. One
         slow round moves the ratio by at most a factor ``1 + cost_smoothing``. A round where only some rows drafted
@@ -550,6 +558,10 @@ class AdaptivePolicy:
         round of every row does not."""
         if drafting and self._exploring:
             self._credit -= flushed
+            if self._charged and self.measured:  # what it took over a plain round, not what it was priced at
+                plain = self._priced.target(b, 1) * self._scaled("plain", b)
+                self._credit -= max(seconds - plain, 0.0) - self._charged
+            self._charged = 0.0
         if fed:  # fed to the drafting rows (a batch fed whole writes its entries in one pass: cheaper per entry)
             size, per_entry = self._size(max(drafting, 1)), flushed / fed
             timed = self._priced.catch_up(max(drafting, 1))
@@ -579,15 +591,39 @@ class AdaptivePolicy:
         width will not be verified: their predicted acceptance is this round's evidence for them in the running
         acceptance (realised outcomes update the verified ones in :meth:`observe`), so a burst's long-gone acceptance
         of deep slots cannot keep narrow rounds drafting."""
-        m = confidence.shape[0]
-        b = rows or m
         accept = self.calibration.predict(confidence.cpu().double().numpy())  # [m, K]
+        return self._choose(accept, self._width(accept, rows))
+
+    def explore_len(self, confidence: torch.Tensor, rows: int) -> tuple[int, bool]:
+        """An exploring round's width for its ``m`` explorers (confidences ``[m, K]``) among ``rows`` rows, and whether
+        they verify it in a target pass of their own after the plain pass of every row: where padding every row to a
+        width does not pay (:meth:`verify_len` of the ``rows`` would verify nothing, so the round would learn nothing
+        of the acceptance it explores), the explorers verify the width a round of their rows alone would (its extra
+        seconds are the exploring budget's); else ``(verify_len, False)``. The first decision to draft many rows is
+        then made on realised acceptance, not on the calibration alone."""
+        m = confidence.shape[0]
+        accept = self.calibration.predict(confidence.cpu().double().numpy())  # [m, K]
+        padded = self._width(accept, rows)
+        if padded > 0 or m >= rows:
+            return self._choose(accept, padded), False
+        own = self._choose(accept, self._width(accept))
+        return own, own > 0
+
+    def _width(self, accept: np.ndarray, rows: int | None = None) -> int:
+        """The width that maximises a pass's expected committed tokens per second for ``m`` drafting rows' predicted
+        acceptance ``accept`` ``[m, K]`` in a pass of ``rows`` rows (see :meth:`verify_len`)."""
+        m = accept.shape[0]
+        b = rows or m
         tokens = expected_committed(accept).sum(0) + (b - m)  # [K + 1]
         rate = tokens / self._round_seconds(m, b, len(tokens) - 1)  # [K + 1] expected committed tokens per second
         best = int(rate.argmax())
-        self.width = best if rate[best] > (1 + self.margin) * rate[-1] else len(rate) - 1
+        return best if rate[best] > (1 + self.margin) * rate[-1] else len(rate) - 1
+
+    def _choose(self, accept: np.ndarray, width: int) -> int:
+        """Take ``width`` as the round's width for the drafting rows' predicted acceptance ``accept`` ``[m, K]``."""
+        self.width = width
         self._predicted = conditional_acceptance(accept).tolist()  # [K]
-        self._drafting = m
+        self._drafting = accept.shape[0]
         if self.width == 0:  # nothing verified: observe() will not be called
             self._blend_predicted()
         return self.width

@@ -4,6 +4,7 @@ uneven ingests land where padded ones would."""
 
 import torch
 
+from specdraft.runtime.decode import _verify_apart
 from specdraft.runtime.kv_cache import KVCache
 from tests.helpers import make_drafter, make_target
 
@@ -147,3 +148,35 @@ def test_a_growing_drafter_cache_drafts_as_one_allocated_at_full_length():
             assert "need 90 slots, have 64" in str(e)
         else:
             raise AssertionError("grew past grow_to")
+
+
+@torch.inference_mode()
+def test_a_few_rows_verified_in_a_pass_of_their_own_equal_the_padded_pass():
+    """``_verify_apart``: a plain pass of every row's anchor, then the explorers' drafts in a pass over copies of
+    their rows (``gather_rows``), their entries written back (``put_rows``). Logits and features at every position a
+    row verifies, and every committed and drafted cache entry, must be the padded ``[anchor, d_1..d_k]`` pass's."""
+    target = make_target(seed=1, vocab=64, layers=4)
+    layers = (1, 3)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, 64, (5, 9), generator=g)
+    lengths = torch.tensor([9, 4, 7, 2, 6])
+    caches = []
+    for _ in range(2):
+        cache = target.new_cache(5, 32)
+        target(prompts, cache=cache)
+        cache.crop(lengths)  # ragged rows: scratch past each row's end
+        caches.append(cache)
+    anchor = torch.randint(0, 64, (5,), generator=g)
+    drafts = torch.randint(0, 64, (5, 3), generator=g)
+    rows = torch.tensor([3, 0])
+    padded = target(torch.cat([anchor[:, None], drafts], 1), cache=caches[0], feature_layers=layers)  # [5, 4, V]
+    apart = _verify_apart(target, caches[1], anchor, rows, drafts[rows], layers)
+    assert apart.logits.shape == padded.logits.shape and apart.features.shape == padded.features.shape
+    torch.testing.assert_close(apart.logits[:, 0], padded.logits[:, 0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(apart.logits[rows], padded.logits[rows], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(apart.features[rows], padded.features[rows], rtol=1e-4, atol=1e-5)
+    assert torch.equal(caches[1].lengths, lengths)  # a verify pass commits nothing
+    for r, n in enumerate(lengths.tolist()):
+        end = n + (4 if r in rows.tolist() else 1)  # the explorers' anchors and drafts; the others' anchors
+        for a, b in zip((*caches[0].k, *caches[0].v), (*caches[1].k, *caches[1].v)):
+            torch.testing.assert_close(b[r, :, :end], a[r, :, :end], rtol=1e-4, atol=1e-5)

@@ -142,6 +142,30 @@ def test_retries_are_spread_so_their_extra_cost_stays_a_small_share():
     assert [i for i, d in enumerate(cheap.draft_this_round(8) for _ in range(40)) if d] == [10, 27]
 
 
+def test_a_retry_is_charged_what_it_measured_over_a_plain_round():
+    """The exploring budget holds in measured seconds: a retry priced at 2 s over a plain round that took 6 s over it
+    (four explorers' pass of their own rows, say, or a drafter slower than measured) is paid for, to the second, by
+    later plain rounds before the next; one that took what it was priced at changes nothing."""
+    low = torch.full((4, 3), 0.05)
+
+    def retries(measured: float) -> list[int]:
+        policy = AdaptivePolicy(costs(per_token=1.0, drafter=1.0), explore_share=0.02)  # plain rounds of 1 s
+        assert policy.draft_this_round(8) and policy.verify_len(low, rows=8) == 0
+        policy.observe_seconds(8, 4, 0, 1.0 + measured)  # the job's first round: not a retry, charged nothing
+        at = []
+        for i in range(700):
+            if policy.draft_this_round(8):
+                at.append(i)
+                assert policy.verify_len(low, rows=8) == 0
+                policy.observe_seconds(8, 4, 0, 1.0 + measured)  # four of eight rows explored: rescales nothing
+            else:
+                policy.observe_seconds(8, 0, 0, 1.0)
+        return at
+
+    assert retries(2.0) == [100, 201, 302, 403, 504, 605]  # 2 s each, 2 % of 100 plain rounds
+    assert retries(6.0) == [100, 401]  # 6 s each: 300 plain rounds after the first
+
+
 def test_new_requests_filling_half_the_batch_bring_the_retry_forward():
     """Requests admitted while drafting does not pay have unknown acceptance: once they are half the batch's running
     rows, drafting is retried after ``retry_every`` plain rounds instead of the (long) backed-off wait, which stays;
@@ -571,6 +595,53 @@ def test_rows_drafting_alone_in_an_exploring_round_draft_what_the_fixed_engine_d
             torch.testing.assert_close(seen[key], fixed[key], rtol=1e-4, atol=1e-5)
 
 
+def test_explorers_verify_in_a_pass_of_their_own_where_padding_every_row_would_not_pay():
+    """Two explorers among nine rows, drafts accepted 9 times in 10, each new token 0.3 of a pass: padding nine rows to
+    any width costs more than the two rows' drafts commit (their verify width at nine rows is 0, and the round would
+    learn nothing), so they verify the whole block in a pass of their own rows; among three rows, padding pays."""
+    sure = Calibration(bins=1, table=[[0.9]] * 3)
+    conf = torch.full((2, 3), 0.9)
+    policy = AdaptivePolicy(costs(per_token=0.3), sure, measured=False)
+    assert AdaptivePolicy(costs(per_token=0.3), sure, measured=False).verify_len(conf, rows=9) == 0
+    assert policy.explore_len(conf, rows=9) == (3, True)
+    assert policy.width == 3 and policy.accept == []  # the padded width's 0 blended no prediction into the acceptance
+    assert AdaptivePolicy(costs(per_token=0.3), sure, measured=False).explore_len(conf, rows=3) == (3, False)
+    assert AdaptivePolicy(costs(per_token=0.3), sure, measured=False).explore_len(conf, rows=2) == (3, False)
+    # drafts that do not pay even in a pass of their own rows: nothing verified
+    unsure = AdaptivePolicy(costs(per_token=0.3), measured=False)
+    assert unsure.explore_len(torch.full((2, 3), 0.05), rows=9) == (0, False)
+
+
+@pytest.mark.parametrize("batching", [{}, {"slots": 6, "prefill_chunk": 2}], ids=["static", "continuous"])
+def test_greedy_output_is_the_targets_with_explorers_verifying_apart(batching, monkeypatch):
+    """Exploring rounds of two rows among five to nine verify their drafts in a pass of their own (the drafter right
+    on two drafts of three, predicted right 9 times in 10): the output is the
+    target's alone, token for token, with drafts accepted in those rounds."""
+    target, oracle = bigram_oracle(2)
+    apart = []
+    real = decode._verify_apart
+
+    def spy(target, cache, anchor, rows, drafts, feature_layers):
+        out = real(target, cache, anchor, rows, drafts, feature_layers)
+        apart.append((anchor.shape[0], rows.shape[0], drafts.shape[1]))
+        return out
+
+    monkeypatch.setattr(decode, "_verify_apart", spy)
+    sure = Calibration(bins=1, table=[[0.9]] * 3)
+    for stop in ((3,), ()):
+        gen = GenerationConfig(max_new_tokens=CAPS, stop_token_ids=stop)
+        want = generate(target, PROMPTS, gen)
+        # a drafter round costs five plain passes and each new token two: a drafted round of every row never pays,
+        # two rows' drafts pay for a pass of their own, not for padding five or more rows; a plain round earns ten
+        # times its seconds of exploring, so a retry follows each
+        policy = AdaptivePolicy(costs(per_token=2.0, drafter=5.0), sure, retry_every=1, max_retry_every=1,
+                                explore_share=10.0, explore_rows=2, measured=False)
+        got = generate(target, PROMPTS, gen, drafter=oracle, policy=policy, **batching)
+        assert [r.tokens for r in got] == [r.tokens for r in want]
+    assert len(apart) > 5 and all(m == 2 and b > m and k == 3 for b, m, k in apart)
+    assert sum(a for r in got for a, v in zip(r.accepted, r.verified) if v) > 2 * len(apart)
+
+
 def test_the_shared_greedy_harness_passes_with_narrower_rounds():
     target = make_target(seed=3, vocab=48)
     half = Calibration(bins=1, table=[[0.5]] * 4)  # two of the four drafts pay at these costs
@@ -589,17 +660,20 @@ def test_the_shared_greedy_harness_passes_with_narrower_rounds():
     assert set(widths) == {2} and got["partial"] > 0 and got["none"] > 0, got
 
 
-@pytest.mark.parametrize("right,explore", [(2, 0), (2, 3000), (0, 0)],
-                         ids=["narrow-rounds", "half-the-rows-explore", "plain-rounds-mixed-in-continuous"])
-def test_sampled_output_fits_the_target_distribution_under_the_policy(right, explore):
-    """Narrow rounds on one static batch; a first round where half the rows draft (one draft each) and the other half
-    decode plainly in the same pass; plain rounds mixed in under continuous batching (1024 slots for 6000 rows,
-    admitted rows prefilled a token per round)."""
+@pytest.mark.parametrize("right,explore,per_token", [(2, 0, 0.3), (2, 3000, 0.1), (2, 1500, 0.3), (0, 0, 0.3)],
+                         ids=["narrow-rounds", "half-the-rows-explore", "a-quarter-verify-apart",
+                              "plain-rounds-mixed-in-continuous"])
+def test_sampled_output_fits_the_target_distribution_under_the_policy(right, explore, per_token, monkeypatch):
+    """Narrow rounds on one static batch; a first round where half the rows draft (one draft each, cheap enough that
+    their drafts pay for the whole pass) and the other half decode plainly in the same pass; a first round where a
+    quarter of the rows draft and verify in a pass of their own (padding every row would not pay); plain rounds mixed
+    in under continuous batching (1024 slots for 6000 rows, admitted rows prefilled a token per round)."""
     target, oracle = bigram_oracle(right)
     half = Calibration(bins=1, table=[[0.5]] * 3)  # every slot accepted half the time: one draft pays, not three
-    widths, first = [], []
+    widths, first, apart = [], [], []
     batching = {} if right else {"slots": 1024, "prefill_chunk": 1}
-    per_token = 0.1 if explore > 4 else 0.3  # cheap enough that half the rows' drafts pay for the whole pass
+    real = decode._verify_apart
+    monkeypatch.setattr(decode, "_verify_apart", lambda *a: apart.append(a[3].shape[0]) or real(*a))
 
     def engine(*args, **kwargs):
         results = generate(*args, **kwargs, **batching,
@@ -614,8 +688,11 @@ def test_sampled_output_fits_the_target_distribution_under_the_policy(right, exp
     if right and not explore:  # one draft verified per round, often accepted (requests left with a poor record of
         # their own at the end may decode plainly)
         assert set(widths) <= {0, 1} and widths.count(1) > 10 * widths.count(0) and check.profile["partial"] > 0
-    elif right:  # the exploring first round: half the rows verify the block, half nothing, in one pass
-        assert first.count(0) == 3000 and first.count(3) == 3000 and check.profile["partial"] > 0
+    elif right and explore == 3000:  # the exploring first round: half the rows verify the block, half nothing, in one
+        # pass
+        assert first.count(0) == 3000 and first.count(3) == 3000 and check.profile["partial"] > 0 and not apart
+    elif right:  # the exploring first round: a quarter of the rows verify one draft in a pass of their own
+        assert first.count(0) == 4500 and first.count(1) == 1500 and apart == [1500] and check.profile["partial"] > 0
     else:  # drafts that rarely pay: plain rounds between drafted retries of every row (a budget that affords retries
         # within the job's few dozen rounds, and every row drafting: four explorers would not pay for padding 1024 rows)
         assert set(widths) == {0, 1}
