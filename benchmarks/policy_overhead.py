@@ -9,8 +9,12 @@ where the engine makes them (between two target passes a call runs several times
 loop: its code and data are out of the caches), per job: seconds, calls, µs a call and share of the job. Kind
 ``plain`` is the adaptive engine with a policy that never drafts (a drafter attached, its caches, the target's
 features and their backlog kept, every round plain): what the engine's plain path costs over AR's, exploring left
-out. Besides each job's line, each kind's tokens/s
-over AR's in the same repeat (median and range over repeats: slow drifts of the machine cancel within a repeat).
+out. Kind ``padded`` is the adaptive engine whose exploring rounds never verify the explorers' drafts in a pass of
+their own rows (only padded into the pass of every row, as before that pass existed). ``--keep-policy`` keeps each
+kind's policy from repeat to repeat, as a bench cell does (what a policy learns in one job, the next starts from).
+Besides each job's line, each kind's tokens/s over AR's in the same repeat (median and range over repeats: slow
+drifts of the machine cancel within a repeat), and with both ``adaptive`` and ``padded`` the mean of their paired
+ratios with one standard error.
 
     python benchmarks/policy_overhead.py artifacts/tiny/world-f8d6f235a11e artifacts/tiny/drafter/sft \\
         artifacts/cb-bench/policy/<key>.json --suite dialogue --slots 32 --temperature 1
@@ -30,6 +34,7 @@ from transformers import AutoTokenizer
 from specdraft.pipeline.bench import length_caps
 from specdraft.pipeline.policy import sampling_key
 from specdraft.pipeline.tokenizer import stop_token_ids
+from specdraft.runtime import decode
 from specdraft.runtime.batch_job import encode_requests, read_requests
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.drafter_io import load_drafter
@@ -60,7 +65,7 @@ def load_job(args) -> tuple:
 def policy_of(base: AdaptivePolicy, kind: str) -> AdaptivePolicy | None:
     """A fresh copy of ``base`` for ``adaptive`` and ``plain``, with one field set for ``adaptive@FIELD=VALUE``
     (a number); None for AR and fixed."""
-    if kind in ("adaptive", "plain"):
+    if kind in ("adaptive", "plain", "padded"):
         return replace(base)
     if kind.startswith("adaptive@"):
         name, value = kind.removeprefix("adaptive@").split("=")
@@ -82,8 +87,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-probes", action="store_true")
     ap.add_argument("--time-calls", action="store_true", help="time each policy call in place (see the module doc)")
+    ap.add_argument("--keep-policy", action="store_true",
+                    help="each kind keeps its policy from repeat to repeat, as a bench cell does (default: a fresh "
+                         "copy each job)")
     ap.add_argument("--kinds", default="ar,adaptive",
-                    help="comma-separated: ar, adaptive, fixed (the whole block), plain (adaptive, never drafting); "
+                    help="comma-separated: ar, adaptive, fixed (the whole block), plain (adaptive, never drafting), "
+                         "padded (adaptive, its explorers verifying in the pass of every row, never in their own); "
                          "adaptive@FIELD=VALUE: adaptive with one policy field set (e.g. adaptive@explore_share=0)")
     args = ap.parse_args(argv)
     target, drafter, prompts, gen, base = load_job(args)
@@ -103,9 +112,14 @@ def _run(args, target, drafter, prompts, gen, base, calls: dict[str, list]) -> l
     """Decode the job once per kind and repeat (see :func:`main`); prints a line per job, returns the rows."""
     rows = []
     kinds = args.kinds.split(",")
+    kept: dict[str, AdaptivePolicy | None] = {}  # --keep-policy: each kind's policy, from repeat to repeat
+    apart = decode._verifies_apart
     for rep in range(args.repeats):
         for kind in kinds if rep % 2 == 0 else kinds[::-1]:
-            policy = policy_of(base, kind)
+            policy = kept.get(kind) or policy_of(base, kind)
+            if args.keep_policy:
+                kept[kind] = policy
+            decode._verifies_apart = apart if kind != "padded" else (lambda cache: False)
             if kind == "plain":
                 policy.draft_rows = lambda b, fresh=0, rows=None: 0
             if policy is not None and args.no_probes:
@@ -113,8 +127,10 @@ def _run(args, target, drafter, prompts, gen, base, calls: dict[str, list]) -> l
                 policy.draft_this_round = lambda b, fresh=0, plain=plain: plain(b)
             drafter_rounds = {"rounds": 0, "seconds": 0.0}  # rounds in which the drafter ran, their measured seconds
             if policy is not None:
-                def observe_seconds(b, drafting, width, sec, flushed=0.0, fed=0, seen=policy.observe_seconds,
-                                    tally=drafter_rounds):
+                seen = getattr(policy, "_unwrapped_observe_seconds", policy.observe_seconds)
+                policy._unwrapped_observe_seconds = seen  # a kept policy is wrapped once, not once per repeat
+
+                def observe_seconds(b, drafting, width, sec, flushed=0.0, fed=0, seen=seen, tally=drafter_rounds):
                     if drafting:
                         tally["rounds"] += 1
                         tally["seconds"] += sec + flushed
@@ -135,6 +151,7 @@ def _run(args, target, drafter, prompts, gen, base, calls: dict[str, list]) -> l
                          **{f"{k}_s": v for k, v in sorted(timings.items())},
                          **({f"measured_{k}": v for k, v in policy._scale.items() if isinstance(k, str)}
                             if policy else {})})
+            decode._verifies_apart = apart
             print(" ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in rows[-1].items()))
             for name, (sec, n) in calls.items():
                 if n:
@@ -146,6 +163,12 @@ def _run(args, target, drafter, prompts, gen, base, calls: dict[str, list]) -> l
             ratios = sorted(r["tokens_per_s"] / ar[r["repeat"]] for r in rows if r["kind"] == kind)
             print(f"{kind} / ar over {len(ratios)} repeats: median {statistics.median(ratios):.3f}, "
                   f"{ratios[0]:.3f}-{ratios[-1]:.3f}")
+    if {"adaptive", "padded"} <= set(kinds):
+        by = {k: {r["repeat"]: r["tokens_per_s"] for r in rows if r["kind"] == k} for k in ("adaptive", "padded")}
+        pairs = [by["adaptive"][i] / by["padded"][i] for i in sorted(by["adaptive"])]
+        se = statistics.stdev(pairs) / len(pairs) ** 0.5 if len(pairs) > 1 else float("nan")
+        print(f"adaptive / padded, paired over {len(pairs)} repeats: mean {statistics.mean(pairs):.3f} ± {se:.3f} "
+              f"(one standard error)")
     return rows
 
 
