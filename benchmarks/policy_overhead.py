@@ -63,8 +63,8 @@ def load_job(args) -> tuple:
 
 
 def policy_of(base: AdaptivePolicy, kind: str) -> AdaptivePolicy | None:
-    """A fresh copy of ``base`` for ``adaptive`` and ``plain``, with one field set for ``adaptive@FIELD=VALUE``
-    (a number); None for AR and fixed."""
+    """A fresh copy of ``base`` for ``adaptive``, ``plain`` and ``padded``, with one field set for
+    ``adaptive@FIELD=VALUE`` (a number); None for AR and fixed."""
     if kind in ("adaptive", "plain", "padded"):
         return replace(base)
     if kind.startswith("adaptive@"):
@@ -97,15 +97,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = ap.parse_args(argv)
     target, drafter, prompts, gen, base = load_job(args)
     calls: dict[str, list] = {}  # policy method -> [seconds, calls] in the current job
-    timed = ("before_round", "draft_rows", "observe_seconds", "observe", "verify_len") if args.time_calls else ()
+    timed = (("before_round", "draft_rows", "observe_seconds", "observe", "verify_len", "explore_len")
+             if args.time_calls else ())
     originals = {name: getattr(AdaptivePolicy, name) for name in timed}
     for name, method in originals.items():
         setattr(AdaptivePolicy, name, _timed(method, calls.setdefault(name, [0.0, 0])))
+    apart = decode._verifies_apart
     try:
         return _run(args, target, drafter, prompts, gen, base, calls)
-    finally:  # the class as it was, for a caller in the same process
+    finally:  # the class and the engine as they were, for a caller in the same process
         for name, method in originals.items():
             setattr(AdaptivePolicy, name, method)
+        decode._verifies_apart = apart
 
 
 def _run(args, target, drafter, prompts, gen, base, calls: dict[str, list]) -> list[dict]:
@@ -122,7 +125,7 @@ def _run(args, target, drafter, prompts, gen, base, calls: dict[str, list]) -> l
             decode._verifies_apart = apart if kind != "padded" else (lambda cache: False)
             if kind == "plain":
                 policy.draft_rows = lambda b, fresh=0, rows=None: 0
-            if policy is not None and args.no_probes:
+            if policy is not None and args.no_probes and "draft_this_round" not in vars(policy):  # wrapped once
                 plain = policy.draft_this_round
                 policy.draft_this_round = lambda b, fresh=0, plain=plain: plain(b)
             drafter_rounds = {"rounds": 0, "seconds": 0.0}  # rounds in which the drafter ran, their measured seconds

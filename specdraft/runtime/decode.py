@@ -611,12 +611,15 @@ def _verify_apart(target, cache, anchor: torch.Tensor, rows: torch.Tensor, draft
     """Verify ``drafts`` ``[m, k]`` of rows ``rows`` ``[m]`` in a pass of those rows alone, after a plain pass of every
     row's ``anchor`` ``[b]``: the pass over ``[anchor, d_1..d_k]`` that :func:`generate` verifies, as ``logits``
     ``[b, k + 1, V]`` and ``features`` ``[b, k + 1, F]`` (zeros past the first token of the other rows, which verify
-    nothing), at the cost of ``[b, 1]`` and ``[m, k]`` passes rather than ``[b, k + 1]``. The explorers' rows are
-    copied (:meth:`KVCache.gather_rows`, with their anchors), extended by their drafts, and the drafts' entries
-    written back (:meth:`KVCache.put_rows`); the cache's lengths are left as they were, as a verify pass leaves
-    them."""
+    nothing), at the cost of ``[b, 1]`` and ``[m, k]`` passes and a copy of the explorers' rows rather than a
+    ``[b, k + 1]`` pass. The explorers' rows are copied (:meth:`KVCache.gather_rows`, with their anchors), extended by
+    their drafts, and the drafts' entries written back (:meth:`KVCache.put_rows`); the cache's lengths are left as
+    they were, as a verify pass leaves them. ``k >= 1``."""
+    if drafts.shape[1] == 0 or cache.fixed_shape:
+        raise ValueError("a pass apart verifies at least one draft, on a cache that may change shape")
+    cache.check_room(drafts.shape[1] + 1)  # room for the anchors and the drafts written back, before any write
     first = target(anchor[:, None], cache=cache, feature_layers=feature_layers)  # [b, 1, V], [b, 1, F]
-    lengths = cache.lengths  # [b]
+    lengths = cache.lengths.clone()  # [b]
     cache.crop(lengths + 1)  # the anchors' entries are the explorers' context
     own = cache.gather_rows(rows, drafts.shape[1])
     cache.crop(lengths)

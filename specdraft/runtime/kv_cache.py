@@ -144,10 +144,13 @@ class KVCache:
 
     def put_rows(self, src: "KVCache", rows: torch.Tensor, start: torch.Tensor, count: int) -> None:
         """Copy ``count`` slots from ``start`` ``[m]`` on of each row of ``src`` (a :meth:`gather_rows` copy that a pass
-        wrote into) back into rows ``rows`` ``[m]`` of this cache, at the same slots (lengths are left as they are)."""
+        wrote into) back into rows ``rows`` ``[m]`` of this cache, at the same slots (lengths are left as they are).
+        The slots must be within ``max_len``: the caller makes room first (:meth:`check_room`), as a growth here would
+        keep only committed entries."""
         if count == 0:
             return
-        self._make_room(int(start.max()) + count)
+        if int(start.max()) + count > self.max_len:
+            raise ValueError(f"put_rows past the cache's {self.max_len} slots: make room before the pass")
         slots = start[:, None] + torch.arange(count, device=start.device)  # [m, count]
         own = torch.arange(rows.shape[0], device=rows.device)[:, None]  # [m, 1]
         for dst, new in zip((*self.k, *self.v), (*src.k, *src.v)):

@@ -332,7 +332,7 @@ class AdaptivePolicy:
         self._predicted: list[float] = []  # the last drafted round's predicted acceptance per slot (conditional)
         self._drafting = 0  # the rows that drafted in it
         self._credit = 0.0  # seconds of exploring the plain rounds have earned (explore_share), not yet spent
-        self._charged = 0.0  # the modelled extra seconds the due exploring round was charged (0: none due)
+        self._charged: float | None = None  # the modelled extra seconds the due exploring round was charged, or None
         self._row_accept: dict[int, tuple] = {}  # request -> ([accepted, reached] [2, K] per slot, round) (this job)
         self._round = 0  # draft_this_round calls
         self._row_version = 0  # bumped whenever a request's acceptance changes
@@ -379,6 +379,7 @@ class AdaptivePolicy:
         """Forget the requests' own acceptance (a decode call numbers its requests from 0); what was learnt of the
         drafter and the machine stays."""
         self._row_accept, self._row_version = {}, self._row_version + 1
+        self._charged = None  # a round of a job that ended before it was measured is charged nothing more
 
     def draft_this_round(self, b: int, fresh: int = 0, rows: list[int] | None = None) -> bool:
         """False while the running acceptance (each request's own where ``rows``, the ``b`` running requests, are
@@ -504,8 +505,9 @@ class AdaptivePolicy:
 
     def _exploring_extra(self, b: int, plain_scale: float | None = None, drafted_scale: float | None = None) -> float:
         """Seconds an exploring round costs over a plain round (it is assumed to verify the last drafted width, padded
-        over every row or in a pass of the explorers' own rows, whichever is priced lower: :meth:`explore_len`), at
-        the measured ratios of plain and drafted rounds of ``b`` rows (given: as the caller just read them)."""
+        over every row or, with fewer explorers than rows, in a pass of their own rows (:meth:`explore_len`), at the
+        lower of the two prices: an estimate of when the next is due, the measured seconds being what it is charged),
+        at the measured ratios of plain and drafted rounds of ``b`` rows (given: as the caller just read them)."""
         key = (self._context, b, self.width, self.explore_rows)
         if key not in self._extra_memo:
             m, width, plain = self._explorers(b), max(self.width, 1), self._priced.target(b, 1)
@@ -549,8 +551,8 @@ class AdaptivePolicy:
         """A round's measured wall seconds: ``b`` rows, of which ``drafting`` drafted (0: a plain round), verifying
         ``width`` drafts; ``flushed``: further seconds it fed the drafter ``fed`` deferred entries (a catch-up, not a
         cost of the round's kind, priced per entry by :meth:`_catch_up_pays`; an exploring round's is charged to the
-        exploring budget, and a retry or probe is charged what it measured over a plain round, not the extra it was
-        priced at). The running ratio to what the
+        exploring budget, and with ``measured`` a retry or probe is charged what it measured over a plain round, not
+        the extra it was priced at). The running ratio to what the
         cost model prices such a round at rescales the model: what it does not time (sampling, verification, commit,
         the drafter's ingest of the accepted tokens) and how far the machine runs from when it was measured. One
         slow round moves the ratio by at most a factor ``1 + cost_smoothing``. A round where only some rows drafted
@@ -558,10 +560,10 @@ class AdaptivePolicy:
         round of every row does not."""
         if drafting and self._exploring:
             self._credit -= flushed
-            if self._charged and self.measured:  # what it took over a plain round, not what it was priced at
+            if self._charged is not None and self.measured:  # what it took over a plain round, not its price
                 plain = self._priced.target(b, 1) * self._scaled("plain", b)
                 self._credit -= max(seconds - plain, 0.0) - self._charged
-            self._charged = 0.0
+            self._charged = None
         if fed:  # fed to the drafting rows (a batch fed whole writes its entries in one pass: cheaper per entry)
             size, per_entry = self._size(max(drafting, 1)), flushed / fed
             timed = self._priced.catch_up(max(drafting, 1))
@@ -600,7 +602,7 @@ class AdaptivePolicy:
         width does not pay (:meth:`verify_len` of the ``rows`` would verify nothing, so the round would learn nothing
         of the acceptance it explores), the explorers verify the width a round of their rows alone would (its extra
         seconds are the exploring budget's); else ``(verify_len, False)``. The first decision to draft many rows is
-        then made on realised acceptance, not on the calibration alone."""
+        then made on realised acceptance."""
         m = confidence.shape[0]
         accept = self.calibration.predict(confidence.cpu().double().numpy())  # [m, K]
         padded = self._width(accept, rows)

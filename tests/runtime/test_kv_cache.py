@@ -173,6 +173,7 @@ def test_a_few_rows_verified_in_a_pass_of_their_own_equal_the_padded_pass():
     apart = _verify_apart(target, caches[1], anchor, rows, drafts[rows], layers)
     assert apart.logits.shape == padded.logits.shape and apart.features.shape == padded.features.shape
     torch.testing.assert_close(apart.logits[:, 0], padded.logits[:, 0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(apart.features[:, 0], padded.features[:, 0], rtol=1e-4, atol=1e-5)  # the backlog's
     torch.testing.assert_close(apart.logits[rows], padded.logits[rows], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(apart.features[rows], padded.features[rows], rtol=1e-4, atol=1e-5)
     assert torch.equal(caches[1].lengths, lengths)  # a verify pass commits nothing

@@ -614,32 +614,41 @@ def test_explorers_verify_in_a_pass_of_their_own_where_padding_every_row_would_n
 
 @pytest.mark.parametrize("batching", [{}, {"slots": 6, "prefill_chunk": 2}], ids=["static", "continuous"])
 def test_greedy_output_is_the_targets_with_explorers_verifying_apart(batching, monkeypatch):
-    """Exploring rounds of two rows among five to nine verify their drafts in a pass of their own (the drafter right
-    on two drafts of three, predicted right 9 times in 10): the output is the
-    target's alone, token for token, with drafts accepted in those rounds."""
+    """Exploring rounds of two rows among six to nine verify their drafts in a pass of their own (the drafter right on
+    two drafts of three, predicted right 9 times in 10): the output is the target's alone, token for token, with
+    drafts accepted in those rounds. (This bigram target reads no cache: the entries written back are checked in
+    ``test_a_few_rows_verified_in_a_pass_of_their_own_equal_the_padded_pass``.)"""
     target, oracle = bigram_oracle(2)
-    apart = []
     real = decode._verify_apart
-
-    def spy(target, cache, anchor, rows, drafts, feature_layers):
-        out = real(target, cache, anchor, rows, drafts, feature_layers)
-        apart.append((anchor.shape[0], rows.shape[0], drafts.shape[1]))
-        return out
-
-    monkeypatch.setattr(decode, "_verify_apart", spy)
     sure = Calibration(bins=1, table=[[0.9]] * 3)
+    totals = []  # per job: rounds verified apart, the drafts they accepted
     for stop in ((3,), ()):
+        apart = []
+
+        def spy(target, cache, anchor, rows, drafts, feature_layers):
+            out = real(target, cache, anchor, rows, drafts, feature_layers)
+            apart.append((anchor.shape[0], rows.shape[0], drafts.shape[1]))
+            return out
+
+        monkeypatch.setattr(decode, "_verify_apart", spy)
+        accepted = []
         gen = GenerationConfig(max_new_tokens=CAPS, stop_token_ids=stop)
         want = generate(target, PROMPTS, gen)
         # a drafter round costs five plain passes and each new token two: a drafted round of every row never pays,
-        # two rows' drafts pay for a pass of their own, not for padding five or more rows; a plain round earns ten
+        # two rows' drafts pay for a pass of their own, not for padding six or more rows; a plain round earns ten
         # times its seconds of exploring, so a retry follows each
         policy = AdaptivePolicy(costs(per_token=2.0, drafter=5.0), sure, retry_every=1, max_retry_every=1,
                                 explore_share=10.0, explore_rows=2, measured=False)
-        got = generate(target, PROMPTS, gen, drafter=oracle, policy=policy, **batching)
+
+        def observe(rec):  # the explorers' accepted drafts in exploring rounds of six or more rows (verified apart)
+            if rec.widths is not None and rec.rows.shape[0] >= 6:
+                accepted.append(int(rec.num_accepted[rec.widths > 0].sum()))
+
+        got = generate(target, PROMPTS, gen, drafter=oracle, policy=policy, observer=observe, **batching)
         assert [r.tokens for r in got] == [r.tokens for r in want]
-    assert len(apart) > 5 and all(m == 2 and b > m and k == 3 for b, m, k in apart)
-    assert sum(a for r in got for a, v in zip(r.accepted, r.verified) if v) > 2 * len(apart)
+        assert all(m == 2 and b >= 6 and k == 3 for b, m, k in apart) and len(accepted) == len(apart)
+        totals.append((len(apart), sum(accepted)))
+    assert sum(n for n, _ in totals) > 3 and sum(a for _, a in totals) > sum(n for n, _ in totals)
 
 
 def test_the_shared_greedy_harness_passes_with_narrower_rounds():
