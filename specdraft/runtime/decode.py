@@ -504,6 +504,7 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
                             else (policy.verify_len(conf, rows=b), False))
                 widths = torch.zeros(b, dtype=torch.long, device=dev)
                 widths[few] = k
+                own_drafts = part[2][:, :k]  # [m, k] (a pass apart verifies these, not their padded rows)
                 hidden, draft_logits, draft_tokens, draft_probs = (
                     None if x is None else _scatter_rows(x[:, :k] if i else x, few, b) for i, x in enumerate(part))
             else:
@@ -517,7 +518,7 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
                     draft_probs = draft_probs[:, :k] if draft_probs is not None else None
             clock.lap("draft")
             if apart:  # the explorers' drafts in a pass of their own rows, after every row's plain pass
-                out = _verify_apart(target, tcache, state.anchor, few, draft_tokens[few], feature_layers)
+                out = _verify_apart(target, tcache, state.anchor, few, own_drafts, feature_layers)
             else:
                 out = target(torch.cat([state.anchor[:, None], draft_tokens], dim=1), cache=tcache,
                              feature_layers=feature_layers)  # verify [anchor, d_1..d_K]
