@@ -124,10 +124,11 @@ def _run(args, target, drafter, prompts, gen, base, calls: dict[str, list]) -> l
                 kept[kind] = policy
             decode._verifies_apart = apart if kind != "padded" else (lambda cache: False)
             if kind == "plain":
-                policy.draft_rows = lambda b, fresh=0, rows=None: 0
+                policy.draft_rows = lambda b, fresh=0, rows=None, opening=(): 0
             if policy is not None and args.no_probes and "draft_this_round" not in vars(policy):  # wrapped once
                 plain = policy.draft_this_round
-                policy.draft_this_round = lambda b, fresh=0, plain=plain: plain(b)
+                policy.draft_this_round = (lambda b, fresh=0, rows=None, opening=(), plain=plain:
+                                           plain(b, 0, rows, opening))
             drafter_rounds = {"rounds": 0, "seconds": 0.0}  # rounds in which the drafter ran, their measured seconds
             if policy is not None:
                 seen = getattr(policy, "_unwrapped_observe_seconds", policy.observe_seconds)

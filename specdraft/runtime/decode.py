@@ -384,6 +384,7 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
         return len(new_tokens), None
 
     fresh: set[int] = set()  # running requests admitted since the last drafted round (an adaptive policy probes them)
+    opening: set[int] = set()  # running requests whose next round is their first (an adaptive policy prices it apart)
     explored = 0  # exploring rounds so far (the plain rows they draft for take turns)
     queue = deque(range(B))
     state = _State(rows=torch.zeros(0, dtype=torch.long, device=dev), anchor=torch.zeros(0, dtype=torch.long,
@@ -433,6 +434,7 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
                 backlog.cat_rows(group.backlog, running, len(keep))
             if policy is not None:
                 fresh.update(group.rows[i] for i in keep)
+                opening.update(group.rows[i] for i in keep)
             if not caches:
                 state.rows, state.anchor, state.draft_state = new.rows, new.anchor, new.draft_state
                 caches.update(new_caches)
@@ -486,7 +488,7 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
             draft_tokens, draft_logits, hidden = rnd.draft_tokens, rnd.draft_logits, rnd.hidden
             n_acc, nxt, target_logits = rnd.acceptance.num_accepted, rnd.acceptance.next_token, rnd.path_logits
             features, tree_nodes, tree_winner = rnd.path_features, rnd.tree.num_nodes, rnd.acceptance.winner
-        elif drafter is not None and (m := b if policy is None else policy.draft_rows(b, len(fresh), ids)) > 0:
+        elif drafter is not None and (m := b if policy is None else policy.draft_rows(b, len(fresh), ids, opening)) > 0:
             # m rows draft (fewer than b: an exploring round, when the drafter can draft for a subset of rows)
             widths = None  # [b] drafts each row verifies, when only a few rows drafted
             if m < b and not _explores_rows(drafter, dcache):
@@ -572,7 +574,8 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
                 finish(row, reason)
         if policy is not None and draft_tokens.shape[1] > 0:  # drafts past a row's end count as rejected
             drafting = [i for i, w in enumerate(row_widths) if w > 0]
-            policy.observe(torch.tensor([useful[i] for i in drafting]), [ids[i] for i in drafting])
+            policy.observe(torch.tensor([useful[i] for i in drafting]), [ids[i] for i in drafting], opening)
+        opening.clear()
         _compact(state, caches, keep, b, backlog)
         if policy is not None:  # the round's rows, drafting rows and verified width, as the cost model prices them
             policy.observe_seconds(b, m, draft_tokens.shape[1], time.perf_counter() - started - flushed, flushed, fed)

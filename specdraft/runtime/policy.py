@@ -15,7 +15,11 @@ decoding, retrying after ``retry_every`` rounds and backing off while retries fa
 job measures: each round's wall seconds rescale the modelled costs of its kind (plain or drafted) and size, and the
 acceptance counts only drafts a row committed (not those past its stop token or cap). Whether drafting pays is judged on
 the running requests' own acceptance (easy requests end first: the ones left are not the average of those drafted for
-before); a request not yet drafted for starts from the acceptance averaged over every drafted round. Rounds that only
+before); a request not yet drafted for starts from the acceptance averaged over every drafted round, except in its
+opening round (the first after its prompt), which starts from how earlier requests' opening rounds went: an answer's
+opening differs from its middle (a greedy math answer's formulaic first line is drafted almost whole, a dialogue
+turn's first tokens hardly at all), and the round-averaged acceptance is the long requests' (those still running at a
+job's tail). Rounds that only
 explore (the job's first, a retry, a probe of new requests) draft for a few rows, new requests first, while the others
 verify nothing in the same pass, and together cost at most a set share of the plain rounds' seconds. A plain row feeds
 the drafter nothing: its target features wait, and the drafter ingests them in one pass when it next drafts for the row;
@@ -29,6 +33,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -305,8 +310,10 @@ class AdaptivePolicy:
     population: list[float] = field(default_factory=list)
     """The same over every row of every drafted round (weighted by rows, the older rounds' by ``population_decay``
     per round; a slot starts from 8 rows' worth of the calibrated prediction, so the few rows of a first exploring
-    round do not decide alone): what a request starts from before it has drafted."""
+    round do not decide alone): what a request's own record starts from and drifts back to."""
     population_decay: float = 0.95
+    start_decay: float = 0.98
+    """Per request whose opening round is counted in :attr:`start`, the weight the earlier requests' keep."""
     drift: float = 0.9
     """Each round since a request last drafted keeps this share of its own evidence's weight against one round's worth
     of the population's acceptance: a request's acceptance drifts, and where drafting pays on average a stretch of
@@ -342,6 +349,10 @@ class AdaptivePolicy:
         self._lean_sums = [self.own_weight_prior, self.own_weight_prior]
         # per slot [accepted, reached], decayed per drafted round (a given population counts as 8 rows' worth)
         self._population_counts: list[list[float]] = [[8.0 * p, 8.0] for p in self.population]
+        # what a request's opening round (its first after the prompt) starts from: the acceptance per slot of
+        # requests' drafted opening rounds, [accepted, reached] decayed per request counted
+        self._start_counts: list[list[float]] = []
+        self.start: list[float] = []
         # running measured / modelled seconds of "plain" / "drafted" rounds, over all sizes and by (kind, size)
         self._scale: dict[str | tuple[str, int], float] = {}
         self._size_memo: dict[int, int] = {}  # rows -> the measured row count nearest
@@ -370,8 +381,8 @@ class AdaptivePolicy:
         bucket = round(2 ** (i / 8))
         if bucket != self._context:
             self._context, self._priced = bucket, self.costs.at(bucket)
-            ceiling = self._rate_memo.get("ceiling")
-            for memo in (self._seconds_memo, self._round_memo, self._extra_memo, ceiling[2] if ceiling else {}):
+            ceilings = [self._rate_memo[c][2] for c in ("ceiling", "ceiling+start") if self._rate_memo.get(c)]
+            for memo in (self._seconds_memo, self._round_memo, self._extra_memo, *ceilings):
                 if len(memo) > MEMO_LIMIT:
                     memo.clear()
 
@@ -381,7 +392,8 @@ class AdaptivePolicy:
         self._row_accept, self._row_version = {}, self._row_version + 1
         self._charged = None  # a round of a job that ended before it was measured is charged nothing more
 
-    def draft_this_round(self, b: int, fresh: int = 0, rows: list[int] | None = None) -> bool:
+    def draft_this_round(self, b: int, fresh: int = 0, rows: list[int] | None = None,
+                         opening: Collection[int] = ()) -> bool:
         """False while the running acceptance (each request's own where ``rows``, the ``b`` running requests, are
         given and it has one) says no width of drafted round commits more tokens per second than plain decoding, at
         the rounds' measured costs (plain rounds then run). Drafting is retried after ``retry_every`` plain rounds,
@@ -389,14 +401,15 @@ class AdaptivePolicy:
         running, admitted since the last drafted round) are half the batch, after ``retry_every`` plain rounds;
         either only once :attr:`explore_share` of the plain rounds' seconds pays for its extra seconds. Drafting
         keeps the benefit of ``margin`` only while the last round drafted because drafting paid and verified drafts:
-        after a plain round, an exploring one or one that verified none, drafting must pay outright."""
+        after a plain round, an exploring one or one that verified none, drafting must pay outright. ``opening``: the
+        requests in their opening round (the first after their prompt), which start from :attr:`start`."""
         paying = not self._exploring  # the last round drafted because drafting paid
         self._exploring = True
         self._round += 1
         if rows is not None and len(self._row_accept) > 2 * len(rows) + 64:  # ended requests: forget them
             kept = set(rows)
             self._row_accept = {r: e for r, e in self._row_accept.items() if r in kept}
-        if self._still_plain(b, fresh, rows):
+        if self._still_plain(b, fresh, rows, opening):
             return False
         self._stretch = None
         if not self.accept:
@@ -412,10 +425,11 @@ class AdaptivePolicy:
         # one that cannot pay at the bound is decided without the exact rate (a plain round's decision stays a few
         # dict lookups; after a drafted round, which changed the acceptance, the exact rate is computed at once); the
         # bound over these rows is asked only where one over any rows (kept while requests end) could pay
-        ceiling = None if rows is None or self.skipped == 0 else self._ceiling_rate(b) / scale * (1 + margin)
-        if (ceiling is None or (ceiling >= b / plain
-                                and self._drafted_rate(b, rows, bound=True) / scale * (1 + margin) >= b / plain)):
-            spec = self._drafted_rate(b, rows) / scale
+        ceiling = (None if rows is None or self.skipped == 0
+                   else self._ceiling_rate(b, bool(opening)) / scale * (1 + margin))
+        if (ceiling is None or (ceiling >= b / plain and self._drafted_rate(b, rows, True, opening) / scale
+                                * (1 + margin) >= b / plain)):
+            spec = self._drafted_rate(b, rows, opening=opening) / scale
         else:
             spec = 0.0
         if spec * (1 + margin) >= b / plain and self._catch_up_pays(b, spec * (1 + margin), b / plain):
@@ -432,7 +446,8 @@ class AdaptivePolicy:
             return True
         self._count_plain(plain, extra)
         if ceiling is not None and ceiling < b / plain:
-            self._stretch = [b, fresh, self.accept, self.population, self._row_version, self._lean_sums, {}]
+            self._stretch = [b, fresh, self.accept, self.population, self._row_version, self._lean_sums, {},
+                             bool(opening)]
         return False
 
     def _catch_up_pays(self, b: int, spec: float, plain_rate: float) -> bool:
@@ -454,19 +469,21 @@ class AdaptivePolicy:
                 per_entry = per_entry * self._catch_up_ratio[near] if per_entry else self._catch_up[near]
         return not per_entry or self._remaining * (1 / plain_rate - 1 / spec) >= per_entry * self._deferred
 
-    def _still_plain(self, b: int, fresh: int, rows: list[int] | None) -> bool:
+    def _still_plain(self, b: int, fresh: int, rows: list[int] | None, opening: Collection[int] = ()) -> bool:
         """A round of a plain stretch: begun by a plain round decided on the bound over any rows (the ceiling), and
-        going on while the rows' count, the new requests and the acceptance stand, that bound still below plain
+        going on while the rows' count, the new requests and the acceptance stand (and, begun with no request in its
+        opening round, still none is: one starts from :attr:`start`), that bound still below plain
         decoding's rate at the round's context and measured costs, and neither a retry nor a probe is due. Plain, as
         :meth:`draft_this_round` would decide, without its pass over the acceptance (the ceiling is memoised by the
         rows' count and context): a plain round's decision stays a few lookups."""
         st = self._stretch
         if (st is None or rows is None or st[0] != b or st[1] != fresh or st[2] is not self.accept
-                or st[3] is not self.population or st[4] != self._row_version or st[5] is not self._lean_sums):
+                or st[3] is not self.population or st[4] != self._row_version or st[5] is not self._lean_sums
+                or (opening and not st[7])):
             return False
         ceiling = st[6].get(self._context)  # by context: the acceptance, hence the ceiling's key, stands
         if ceiling is None:
-            ceiling = st[6][self._context] = self._ceiling_rate(b)
+            ceiling = st[6][self._context] = self._ceiling_rate(b, st[7])
         plain_scale, drafted_scale = self._scaled("plain", b), self._scaled("drafted", b)
         plain = self._priced.target(b, 1) * plain_scale
         if ceiling / drafted_scale >= b / plain:
@@ -493,10 +510,10 @@ class AdaptivePolicy:
         self.skipped += 1
         self._credit = min(self._credit + self.explore_share * plain, 2 * extra)
 
-    def draft_rows(self, b: int, fresh: int = 0, rows: list[int] | None = None) -> int:
+    def draft_rows(self, b: int, fresh: int = 0, rows: list[int] | None = None, opening: Collection[int] = ()) -> int:
         """How many of the ``b`` rows draft this round: 0 (a plain round, see :meth:`draft_this_round`), all of them
         while drafting pays, or ``explore_rows`` for the job's first round, a retry or a new-request probe."""
-        if not self.draft_this_round(b, fresh, rows):
+        if not self.draft_this_round(b, fresh, rows, opening):
             return 0
         return self._explorers(b) if self._exploring else b
 
@@ -650,15 +667,18 @@ class AdaptivePolicy:
             self._population_counts = counts
             self.population = [hit / reached for hit, reached in counts]
 
-    def _drafted_rate(self, b: int, rows: list[int] | None = None, bound: bool = False) -> float:
+    def _drafted_rate(self, b: int, rows: list[int] | None = None, bound: bool = False,
+                      opening: Collection[int] = ()) -> float:
         """Expected committed tokens per second of a drafted round of ``b`` rows (requests ``rows``: each at its own
-        running acceptance, or the population's before it has one; else all at the running acceptance) at its best
+        running acceptance, or the population's before it has one, :attr:`start` in its ``opening`` round; else all at
+        the running acceptance) at its best
         width (kept until an acceptance or the rows change: plain rounds ask it every round). ``bound``: an upper
         bound that holds however many rounds pass, each request's slot at the higher of its own acceptance and the
         population's (the drift moves a request's acceptance between the two; committed tokens grow with every
         slot's acceptance), kept until an acceptance or the rows change."""
         which = "bound" if bound else "rate"
-        drift = None if rows is None else (tuple(rows), self._row_version, None if bound else self._round // 4)
+        drift = None if rows is None else (tuple(rows), self._row_version, None if bound else self._round // 4,
+                                           frozenset(opening) if opening else None)
         key = (b, tuple(self.accept), self._lean(), drift, self._context)
         if self._rate_memo.get(which) is None or self._rate_memo[which][0] != key:
             K = max(self.costs.tokens) - 1
@@ -667,25 +687,32 @@ class AdaptivePolicy:
             else:
                 prior = self._prior(K)  # [K]
                 counts = self._row_counts(rows, prior, drifted=not bound)  # [b, 2, K]
-                committed = expected_committed(self._own(counts, prior, bound)).sum(0)  # [K + 1]
+                accept = self._own(counts, prior, bound)  # [b, K]
+                if opening:  # a request in its opening round: as earlier requests' opening rounds went
+                    accept[[r in opening for r in rows]] = self._start(K)
+                committed = expected_committed(accept).sum(0)  # [K + 1]
             rate = self._best_rate(committed, b)
             self._rate_memo[which] = (key, rate)
         return self._rate_memo[which][1]
 
-    def _ceiling_rate(self, b: int) -> float:
+    def _ceiling_rate(self, b: int, opening: bool = True) -> float:
         """An upper bound of :meth:`_drafted_rate` ``(b, rows, bound=True)`` for any ``b`` running requests: every
-        slot of every row at the highest acceptance any known request or the population has (kept until an
-        acceptance changes, not when requests end: a plain round of many rows, some ending in most rounds, decides
-        on it without a pass over its rows)."""
-        key = (tuple(self.accept), tuple(self.population), self._row_version, self._lean())
-        if self._rate_memo.get("ceiling") is None or self._rate_memo["ceiling"][0] != key:
-            top = self._prior(max(self.costs.tokens) - 1)  # [K]
+        slot of every row at the highest acceptance any known request or the population has, or (``opening``: some
+        requests are in their opening round) :attr:`start` has (kept until an acceptance changes, not when requests
+        end: a plain round of many rows, some ending in most rounds, decides on it without a pass over its rows)."""
+        which = "ceiling+start" if opening else "ceiling"
+        key = (tuple(self.accept), tuple(self.population), tuple(self.start), self._row_version, self._lean())
+        if self._rate_memo.get(which) is None or self._rate_memo[which][0] != key:
+            K = max(self.costs.tokens) - 1
+            top = self._prior(K)  # [K]
+            if opening:
+                top = np.maximum(top, self._start(K))
             if self._row_accept:
                 own = np.stack([c for c, _ in self._row_accept.values()])  # [r, 2, K] accepted, reached
                 top = self._own(own, top, bound=True).max(0)
             # [K + 1] a row; rates by rows and context
-            self._rate_memo["ceiling"] = (key, expected_committed(top[None])[0], {})
-        _, committed, rates = self._rate_memo["ceiling"]
+            self._rate_memo[which] = (key, expected_committed(top[None])[0], {})
+        _, committed, rates = self._rate_memo[which]
         if (b, self._context) not in rates:
             rates[b, self._context] = self._best_rate(committed * b, b)
         return rates[b, self._context]
@@ -740,25 +767,65 @@ class AdaptivePolicy:
         return counts
 
     def _accept(self, K: int) -> np.ndarray:
-        """``[K]``: the running acceptance, slots never verified taking the last verified slot's."""
-        return np.array(self.accept[:K] + [self.accept[-1]] * (K - len(self.accept)))
+        """``[K]``: the running acceptance, slots never verified taking the last verified slot's (before any round was
+        observed: the last drafted round's prediction)."""
+        accept = self.accept or self._predicted or [0.0]
+        return np.array(accept[:K] + [accept[-1]] * (K - len(accept)))
 
     def _prior(self, K: int) -> np.ndarray:
         """``[K]``: what a request that has not drafted yet starts from: the population's acceptance of the slots it
         verified, the running acceptance (calibrated predictions past the verified slots) of the others."""
         return np.concatenate([np.array(self.population[:K], dtype=np.float64), self._accept(K)[len(self.population):]])
 
-    def observe(self, num_accepted: torch.Tensor, rows: list[int] | None = None) -> None:
+    def _start(self, K: int) -> np.ndarray:
+        """``[K]``: what a request's opening round starts from: :attr:`start` (earlier requests' opening rounds) for
+        the slots it has, :meth:`_prior` past them."""
+        out = self._prior(K)
+        n = min(len(self.start), K)
+        out[:n] = self.start[:n]
+        return out
+
+    def _count_start(self, accepted: np.ndarray, K: int) -> None:
+        """Count the drafted opening rounds of requests that accepted ``accepted`` ``[m]`` drafts in :attr:`start`: the
+        verified slots from their outcomes, the slots past them that it has from the round's calibrated prediction
+        (a row's worth each, as :meth:`_blend_predicted` counts the population's); a slot first reached starts from 2
+        requests' worth of the population's acceptance (:meth:`_prior`: few openings are drafted while drafting does
+        not pay, an exploring round's four, and a job's first decision rests on them). Earlier requests keep
+        ``start_decay`` each."""
+        m = len(accepted)
+        if m == 0:
+            return
+        keep = self.start_decay ** m
+        counts = [[c * keep for c in slot] for slot in self._start_counts]
+        prior = self._prior(K)  # [K]
+        for j in range(1, K + 1):
+            if j <= self.width:
+                reached, hits = float((accepted >= j - 1).sum()), float((accepted >= j).sum())
+                if reached == 0:
+                    break
+            elif j <= min(len(counts), len(self._predicted)):
+                reached, hits = float(m), m * self._predicted[j - 1]
+            else:
+                break
+            if j > len(counts):
+                counts.append([2.0 * prior[j - 1], 2.0])
+            counts[j - 1] = [counts[j - 1][0] + hits, counts[j - 1][1] + reached]
+        self._start_counts = counts
+        self.start = [float(hit / reached) for hit, reached in counts]
+        self._row_version += 1
+
+    def observe(self, num_accepted: torch.Tensor, rows: list[int] | None = None, opening: Collection[int] = ()) -> None:
         """Update the running per-slot acceptance with a drafted round's accepted drafts ``[b]``: the ``self.width``
         verified slots from realised outcomes (an over-confident drafter must not talk the policy into drafting), the
         slots past them from the round's calibrated prediction (nothing else is known of them, and the width was
         chosen because they did not pay). With ``rows`` (the requests that drafted), each request's own running
         acceptance of the verified slots too (accepted over reached, older rounds weighted down by ``1 - smoothing``
         per round), starting from one round's worth of the population's: the requests that remain are not the
-        average of those that drafted before (easy ones end first)."""
+        average of those that drafted before (easy ones end first). The rows of requests in ``opening`` (their opening
+        round) count in :attr:`start` too."""
         n = num_accepted.cpu().numpy()
+        K = max(self.costs.tokens) - 1
         if rows is not None and self.width > 0 and (self.population or self.accept):
-            K = max(self.costs.tokens) - 1
             prior = self._prior(K)
             own = self._row_counts(rows, prior)  # [m, 2, K]
             dev = own[:, 0, 0] / own[:, 1, 0] - prior[0]  # [m] each record's first slot beyond the population's
@@ -772,6 +839,8 @@ class AdaptivePolicy:
             own = own * decay + np.stack([hit, reached], axis=1)
             self._row_accept.update((r, (c, self._round)) for r, c in zip(rows, own))
             self._row_version += 1
+        if opening and rows is not None and self.width > 0:
+            self._count_start(n[[r in opening for r in rows]], K)
         accept = list(self.accept)  # new lists: copies of a policy (dataclasses.replace) must not share them
         counts = [[c * self.population_decay for c in slot] for slot in self._population_counts]
         at_least = np.bincount(np.clip(n, 0, None), minlength=self.width + 1)[::-1].cumsum()[::-1].tolist()  # n >= j

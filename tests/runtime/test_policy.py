@@ -2,6 +2,7 @@
 whole block when acceptance is near certain), its calibration, and the engine under it: greedy output is the
 target's and sampled output fits the target's distribution, through a real DFlash drafter with pinned acceptance."""
 
+from copy import deepcopy
 from dataclasses import replace
 
 import numpy as np
@@ -205,6 +206,35 @@ def test_new_requests_start_from_the_acceptance_drafted_requests_had():
     assert policy.accept == policy.population
 
 
+def test_an_opening_round_starts_from_how_earlier_requests_openings_went_not_from_a_jobs_tail():
+    """Eight requests accept every draft in their opening round (the first after the prompt); two long ones then
+    fail for 30 rounds (a job's tail: the requests that end last are the hard ones). The round-weighted population
+    takes in the tail; the next job's requests start their opening round from the openings' acceptance, so they are
+    drafted for at once, where the population alone would decode them plainly; past its opening, a request that has
+    not drafted starts from the population."""
+    policy = AdaptivePolicy(costs(per_token=0.2, drafter=0.2), measured=False)
+    rows = list(range(8))
+    policy.verify_len(torch.full((8, 3), 0.9))
+    policy.observe(torch.full((8,), 3), rows, opening=set(rows))  # every opening: all three drafts accepted
+    for _ in range(30):
+        assert policy.verify_len(torch.full((2, 3), 0.9)) > 0
+        policy.observe(torch.zeros(2, dtype=torch.long), [6, 7])
+    assert policy.population[0] < 0.15 and policy.start[0] > 0.9
+    policy.new_job()
+    tail_only = deepcopy(policy)
+    tail_only.start, tail_only._start_counts = [], []
+    assert not tail_only.draft_this_round(8, 8, rows, set(rows))
+    assert not deepcopy(policy).draft_this_round(8, 8, rows)  # not in their opening round
+    assert policy.draft_rows(8, 8, rows, set(rows)) == 8  # drafting pays: every row drafts, not an exploring round
+    policy.verify_len(torch.full((8, 3), 0.9))
+    policy.observe(torch.tensor([0, 0, 0, 0, 3, 3, 3, 3]), rows, opening=set(rows))  # half the openings fail
+    assert 0.6 < policy.start[0] < 0.9
+    start = list(policy.start)
+    policy.verify_len(torch.full((8, 3), 0.9))
+    policy.observe(torch.zeros(8, dtype=torch.long), rows)  # later rounds leave the openings' acceptance alone
+    assert policy.start == start and policy.population[0] < 0.5
+
+
 def test_drafting_is_judged_on_the_requests_still_running():
     """Two of eight requests accept every draft, six none: drafting for all eight pays (14 tokens for 1.4 s against 8
     for 1 s). Once the two end, the six left must decode plainly; the batch's running acceptance (one in four at the
@@ -277,10 +307,10 @@ def test_a_requests_lucky_round_does_not_talk_the_policy_into_drafting_where_rou
 class _ExactPolicy(AdaptivePolicy):
     """The policy deciding every round on the exact drifted rate (no bound first)."""
 
-    def _drafted_rate(self, b, rows=None, bound=False):
-        return super()._drafted_rate(b, rows)
+    def _drafted_rate(self, b, rows=None, bound=False, opening=()):
+        return super()._drafted_rate(b, rows, opening=opening)
 
-    def _ceiling_rate(self, b):
+    def _ceiling_rate(self, b, opening=True):
         return float("inf")
 
 
@@ -323,7 +353,7 @@ def test_plain_rounds_decided_on_the_drift_bound_decide_as_the_exact_rate(seed):
 class _EveryRound(AdaptivePolicy):
     """The policy deciding every round in full (no plain stretch)."""
 
-    def _still_plain(self, b, fresh, rows):
+    def _still_plain(self, b, fresh, rows, opening=()):
         return False
 
 
@@ -355,24 +385,26 @@ def test_plain_stretches_decide_as_deciding_every_round(seed, by_context):
         calls = [0]
         plain_round = policy._still_plain
 
-        def counted(b, fresh, rows, plain_round=plain_round, calls=calls):
-            taken = plain_round(b, fresh, rows)
+        def counted(b, fresh, rows, opening=(), plain_round=plain_round, calls=calls):
+            taken = plain_round(b, fresh, rows, opening)
             calls[0] += taken
             return taken
 
         policy._still_plain = counted
         skill = (torch.rand(60, generator=g) < 0.1).float() * 0.9 + 0.02  # each request's chance per draft
-        rows, fresh, plan, credit, context = [0, 1, 2, 3], 0, [], [], 40.0
+        rows, fresh, plan, credit, context, opening = [0, 1, 2, 3], 0, [], [], 40.0, set()
         for _ in range(600):
-            if torch.rand(1, generator=g) < 0.05:  # a request ends, and the next may arrive
-                rows = rows[1:] + ([max(rows) + 1] if torch.rand(1, generator=g) < 0.7 and max(rows) < 59 else [])
+            if torch.rand(1, generator=g) < 0.05:  # a request ends, and the next may arrive (its opening round next)
+                arrived = [max(rows) + 1] if torch.rand(1, generator=g) < 0.7 and max(rows) < 59 else []
+                rows = rows[1:] + arrived
                 fresh = min(fresh + 1, len(rows))
                 rows = rows or [max(rows, default=0) + 1]
+                opening = set(arrived)
                 context = 40 + (context - 40) / 2
             if by_context:
                 policy.before_round(context)
             context += 1
-            m = policy.draft_rows(len(rows), fresh, rows)
+            m = policy.draft_rows(len(rows), fresh, rows, opening)
             plan.append((m, policy.skipped, policy.wait))
             credit.append(policy._credit)
             k = 0
@@ -382,7 +414,8 @@ def test_plain_stretches_decide_as_deciding_every_round(seed, by_context):
                 k = policy.verify_len(torch.full((m, 3), 0.7), rows=len(rows))
                 n = (torch.rand(m, 3, generator=g) < skill[drafting][:, None]).long().cumprod(1).sum(1).clamp(max=k)
                 if k:
-                    policy.observe(n, drafting)
+                    policy.observe(n, drafting, opening)
+            opening = set()
             model = (policy.costs.drafter(m) if m else 0.0) + policy.costs.target(len(rows), k + 1)
             slow = 1.6 if len(rows) < 3 else 1.0  # a machine slower than modelled at few rows
             policy.observe_seconds(len(rows), m, k, model * slow * float(0.7 + 0.7 * torch.rand(1, generator=g)))
@@ -403,9 +436,9 @@ def test_plain_rounds_of_poor_requests_ending_one_by_one_are_decided_without_a_p
     asked = []
 
     class Counting(AdaptivePolicy):
-        def _drafted_rate(self, b, rows=None, bound=False):
+        def _drafted_rate(self, b, rows=None, bound=False, opening=()):
             asked.append(bound)
-            return super()._drafted_rate(b, rows, bound)
+            return super()._drafted_rate(b, rows, bound, opening)
 
     plans = []
     for kind in (Counting, _ExactPolicy):
@@ -485,9 +518,9 @@ def test_the_policy_learns_from_the_drafts_rows_committed():
     seen = []
 
     class Recording(AdaptivePolicy):
-        def observe(self, num_accepted, rows=None):
+        def observe(self, num_accepted, rows=None, opening=()):
             seen.append(num_accepted.tolist())
-            super().observe(num_accepted, rows)
+            super().observe(num_accepted, rows, opening)
 
     caps = [2, 3, 5, 9]
     got = generate(target, PROMPTS[:4], GenerationConfig(max_new_tokens=caps), drafter=oracle,

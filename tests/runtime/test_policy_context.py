@@ -77,7 +77,8 @@ def test_a_plain_stretch_is_priced_at_each_rounds_context():
     rows = list(range(8))
     in_stretch = []
     still_plain = policy._still_plain
-    policy._still_plain = lambda b, fresh, rows: in_stretch.append(still_plain(b, fresh, rows)) or in_stretch[-1]
+    policy._still_plain = lambda b, fresh, rows, opening=(): (in_stretch.append(still_plain(b, fresh, rows, opening))
+                                                                       or in_stretch[-1])
     policy.at_context(32)
     assert [policy.draft_rows(8, 0, rows) for _ in range(5)] == [0] * 5 and in_stretch[2:] == [True] * 3
     for context in (33, 40):  # the same bucket, then the next: drafting still cannot pay, the stretch goes on
