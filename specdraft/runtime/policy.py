@@ -12,7 +12,8 @@ branches on) to an acceptance probability, fitted on held-in rounds; :class:`Ada
 number of drafts to verify (the same for every row that drafted: the verify pass pads rows to one width, so a narrower
 row would save nothing) and skips drafting altogether while the recent acceptance says a round cannot beat plain
 decoding, retrying after ``retry_every`` rounds and backing off while retries fail. The model is kept honest by what the
-job measures: each round's wall seconds rescale the modelled costs of its kind (plain or drafted) and size, and the
+job measures: each round's wall seconds rescale the modelled costs of its kind (plain or drafted) and size (a drafted
+round's following the plain rounds' drift while none runs), and the
 acceptance counts only drafts a row committed (not those past its stop token or cap). Whether drafting pays is judged on
 the running requests' own acceptance (easy requests end first: the ones left are not the average of those drafted for
 before); a request not yet drafted for starts from the acceptance averaged over every drafted round, except in its
@@ -355,6 +356,9 @@ class AdaptivePolicy:
         self.start: list[float] = []
         # running measured / modelled seconds of "plain" / "drafted" rounds, over all sizes and by (kind, size)
         self._scale: dict[str | tuple[str, int], float] = {}
+        # a drafted ratio's plain counterpart (over all sizes, or at its size) when it was last measured: drafted
+        # ratios follow the plain rounds' drift since (see _ratio)
+        self._anchor: dict[str | tuple[str, int], float] = {}
         self._size_memo: dict[int, int] = {}  # rows -> the measured row count nearest
         self._context = 0  # the context the rounds are priced at (0: the cost model's own)
         self._context_range = (0.0, 0.0)  # the contexts priced at it
@@ -549,19 +553,33 @@ class AdaptivePolicy:
         at that size; a kind not measured at that size yet: its ratio over all sizes, times how the other kind runs at
         that size against its own ratio over all sizes; a kind not measured at all: as the other, or as modelled. A
         model priced on a few row counts is off by different factors at different sizes (at one row a round's fixed
-        costs weigh most), and the tail of a job, where few rows are left, decides on its own size's ratios."""
+        costs weigh most), and the tail of a job, where few rows are left, decides on its own size's ratios. A drafted
+        ratio follows the plain rounds' drift since it was measured (:meth:`_ratio`)."""
         if b is not None:
             size = self._size(b)
-            at_size = self._scale.get((kind, size))
+            at_size = self._scale.get((kind, size)) if kind == "plain" else self._ratio((kind, size))
             if at_size is not None:  # (every round asks: the common case first)
                 return at_size
         other = "plain" if kind == "drafted" else "drafted"
-        overall = self._scale.get(kind) or self._scale.get(other, 1.0)
+        overall = self._ratio(kind) or self._ratio(other) or 1.0
         if b is None:
             return overall
         if (other, size) in self._scale and other in self._scale:
-            return overall * self._scale[other, size] / self._scale[other]
+            return overall * self._ratio((other, size)) / self._ratio(other)
         return overall
+
+    def _ratio(self, key: str | tuple[str, int]) -> float | None:
+        """The running measured / modelled ratio of ``key`` (None: not measured); a drafted one times how far its plain
+        counterpart (over all sizes, or at its size) moved since the drafted one was last measured. The machine's
+        speed drifts (other processes, clocks) while drafted rounds may not run for long stretches; what a drafted
+        round costs against a plain one is the models' and the machine's shape, which holds: a ratio frozen at a slow
+        moment would keep a machine that sped up from ever drafting again, one frozen at a fast moment draft where it
+        no longer pays."""
+        value = self._scale.get(key)
+        anchor = self._anchor.get(key)
+        if value is None or anchor is None:
+            return value
+        return value * self._scale["plain" if key == "drafted" else ("plain", key[1])] / anchor
 
     def observe_seconds(self, b: int, drafting: int, width: int, seconds: float, flushed: float = 0.0,
                         fed: int = 0) -> None:
@@ -598,9 +616,16 @@ class AdaptivePolicy:
         model, keys = priced
         ratio = seconds / model
         for key in keys:  # over all sizes, and at this round's size
-            old = self._scale.get(key, 1.0)
-            weight = self.cost_smoothing if key in self._scale else 1.0  # the first round of its kind: as measured
+            current = self._ratio(key)
+            old = 1.0 if current is None else current
+            weight = self.cost_smoothing if current is not None else 1.0  # the first round of its kind: as measured
             self._scale[key] = old + weight * (min(ratio, 2 * old) - old)
+            if keys[0] == "drafted":  # the plain counterpart it is measured against from now on
+                plain = self._scale.get("plain" if key == "drafted" else ("plain", key[1]))
+                if plain is None:
+                    self._anchor.pop(key, None)
+                else:
+                    self._anchor[key] = plain
 
     def verify_len(self, confidence: torch.Tensor, rows: int | None = None) -> int:
         """Drafts to verify (0..K) given the drafted block's per-slot confidences ``[m, K]`` of the ``m`` rows that

@@ -511,6 +511,31 @@ def test_round_seconds_rescale_the_cost_model_by_size():
     assert fresh._scaled("drafted", 64) > fresh._scaled("drafted", 1)
 
 
+def test_drafted_rounds_priced_as_following_the_machines_drift_while_none_runs():
+    """Rounds measured at a slow moment (every round 1.5x its model), then the machine speeds up (plain rounds at
+    0.75x) while no drafted round runs: drafted rounds are priced as having sped up with it, not frozen at 1.5x,
+    which would keep a drafter that pays at the machine's speed (0.8 a slot: 2.95 tokens a row for 2.2 s against 1
+    for 1 s) from drafting again."""
+    policy = AdaptivePolicy(costs(per_token=0.3, drafter=0.3))
+    c = policy.costs
+    for _ in range(3):
+        policy.observe_seconds(8, 0, 0, 1.5 * c.target(8, 1))
+        policy.observe_seconds(8, 8, 3, 1.5 * (c.drafter(8) + c.target(8, 4)))
+    assert policy._scaled("drafted", 8) == pytest.approx(1.5)
+    for _ in range(100):
+        policy.observe_seconds(8, 0, 0, 0.75 * c.target(8, 1))
+    assert policy._scaled("plain", 8) == pytest.approx(0.75, rel=1e-3)
+    assert policy._scaled("drafted", 8) == pytest.approx(0.75, rel=1e-3)
+    assert policy._scaled("drafted", 1) == pytest.approx(0.75, rel=1e-3)  # over all sizes too
+    policy.accept = [0.8] * 3
+    frozen = deepcopy(policy)
+    frozen._anchor.clear()
+    assert frozen._scaled("drafted", 8) == pytest.approx(1.5) and not frozen.draft_this_round(8)
+    assert policy.draft_this_round(8)
+    policy.observe_seconds(8, 8, 3, 0.9 * (c.drafter(8) + c.target(8, 4)))  # measured again: from where it was
+    assert policy._scaled("drafted", 8) == pytest.approx(0.75 + 0.1 * (0.9 - 0.75), rel=1e-3)
+
+
 def test_the_policy_learns_from_the_drafts_rows_committed():
     """Drafts accepted past a row's stop token or cap commit nothing: the policy's running acceptance counts what
     each drafting row committed, which is what a round's worth is."""
