@@ -153,7 +153,7 @@ def _run(args, target, drafter, prompts, gen, base, calls: dict[str, list]) -> l
                          "rounds": sum(len(r.accept_lengths) for r in res), "drafted_rounds": drafted,
                          "drafter_rounds": drafter_rounds["rounds"], "drafter_rounds_s": drafter_rounds["seconds"],
                          **{f"{k}_s": v for k, v in sorted(timings.items())},
-                         **({f"measured_{k}": v for k, v in policy._scale.items() if isinstance(k, str)}
+                         **({f"measured_{k}": policy._ratio(k) for k in policy._scale if isinstance(k, str)}
                             if policy else {})})
             decode._verifies_apart = apart
             print(" ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in rows[-1].items()))

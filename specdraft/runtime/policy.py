@@ -353,7 +353,7 @@ class AdaptivePolicy:
         # what a request's opening round (its first after the prompt) starts from: the acceptance per slot of
         # requests' drafted opening rounds, [accepted, reached] decayed per request counted
         self._start_counts: list[list[float]] = []
-        self.start: list[float] = []
+        self.start: list[float] = []  # (not a field: a copy starts without it, as without the requests' records)
         # running measured / modelled seconds of "plain" / "drafted" rounds, over all sizes and by (kind, size)
         self._scale: dict[str | tuple[str, int], float] = {}
         # a drafted ratio's plain counterpart (over all sizes, or at its size) when it was last measured: drafted
@@ -564,8 +564,8 @@ class AdaptivePolicy:
         overall = self._ratio(kind) or self._ratio(other) or 1.0
         if b is None:
             return overall
-        if (other, size) in self._scale and other in self._scale:
-            return overall * self._ratio((other, size)) / self._ratio(other)
+        if (other, size) in self._scale and other in self._scale:  # as measured, each against the other
+            return overall * self._scale[other, size] / self._scale[other]
         return overall
 
     def _ratio(self, key: str | tuple[str, int]) -> float | None:
@@ -577,7 +577,7 @@ class AdaptivePolicy:
         no longer pays."""
         value = self._scale.get(key)
         anchor = self._anchor.get(key)
-        if value is None or anchor is None:
+        if value is None or not anchor:
             return value
         return value * self._scale["plain" if key == "drafted" else ("plain", key[1])] / anchor
 
@@ -626,6 +626,10 @@ class AdaptivePolicy:
                     self._anchor.pop(key, None)
                 else:
                     self._anchor[key] = plain
+            elif current is None:  # a plain ratio first measured: a drafted one measured before it follows from here
+                drafted = "drafted" if key == "plain" else ("drafted", key[1])
+                if drafted in self._scale and drafted not in self._anchor:
+                    self._anchor[drafted] = self._scale[key]
 
     def verify_len(self, confidence: torch.Tensor, rows: int | None = None) -> int:
         """Drafts to verify (0..K) given the drafted block's per-slot confidences ``[m, K]`` of the ``m`` rows that

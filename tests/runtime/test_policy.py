@@ -235,6 +235,24 @@ def test_an_opening_round_starts_from_how_earlier_requests_openings_went_not_fro
     assert policy.start == start and policy.population[0] < 0.5
 
 
+def test_a_request_in_its_opening_round_ends_a_plain_stretch_where_the_rows_count_does_not_change():
+    """Two requests whose drafts fail decode in a plain stretch; one ends as a new one arrives (the rows' and new
+    requests' counts unchanged). Openings have accepted every draft: the new request's opening round, at that
+    acceptance, makes drafting for the two pay (4.7 tokens for 2.2 s against 2 for 1 s), so the stretch must end and
+    the round draft; the same arrival past its opening (no record: the population's acceptance) stays plain."""
+    policy = AdaptivePolicy(costs(per_token=0.3, drafter=0.3), measured=False)
+    policy.verify_len(torch.full((2, 3), 0.9))
+    policy.observe(torch.full((2,), 3), [0, 1], opening={0, 1})  # their openings: every draft accepted
+    for _ in range(10):
+        policy.verify_len(torch.full((2, 3), 0.9))
+        policy.observe(torch.zeros(2, dtype=torch.long), [0, 1])
+    assert policy.start[0] > 0.9 and policy.population[0] < 0.5
+    assert not any(policy.draft_this_round(2, 1, [0, 1]) for _ in range(3))
+    assert policy._stretch is not None  # the last rounds were decided in a stretch
+    assert not deepcopy(policy).draft_this_round(2, 1, [1, 2])
+    assert policy.draft_this_round(2, 1, [1, 2], {2})
+
+
 def test_drafting_is_judged_on_the_requests_still_running():
     """Two of eight requests accept every draft, six none: drafting for all eight pays (14 tokens for 1.4 s against 8
     for 1 s). Once the two end, the six left must decode plainly; the batch's running acceptance (one in four at the
@@ -534,6 +552,14 @@ def test_drafted_rounds_priced_as_following_the_machines_drift_while_none_runs()
     assert policy.draft_this_round(8)
     policy.observe_seconds(8, 8, 3, 0.9 * (c.drafter(8) + c.target(8, 4)))  # measured again: from where it was
     assert policy._scaled("drafted", 8) == pytest.approx(0.75 + 0.1 * (0.9 - 0.75), rel=1e-3)
+    early = AdaptivePolicy(costs(per_token=0.3, drafter=0.3))  # drafted rounds measured before any plain one
+    early.observe_seconds(8, 8, 3, 1.5 * (c.drafter(8) + c.target(8, 4)))
+    for _ in range(100):
+        early.observe_seconds(8, 0, 0, 0.75 * c.target(8, 1))  # the first plain ratio is 0.75: nothing drifted yet
+    assert early._scaled("drafted", 8) == pytest.approx(1.5 * early._scaled("plain", 8) / 0.75, rel=1e-3)
+    early.observe_seconds(8, 0, 0, 1.5 * c.target(8, 1))  # the machine slows
+    assert early._scaled("drafted", 8) == pytest.approx(1.5 * early._scaled("plain", 8) / 0.75, rel=1e-3)
+    assert early._scaled("drafted", 8) > 1.6
 
 
 def test_the_policy_learns_from_the_drafts_rows_committed():
