@@ -12,9 +12,10 @@ features and their backlog kept, every round plain): what the engine's plain pat
 out. Kind ``padded`` is the adaptive engine whose exploring rounds never verify the explorers' drafts in a pass of
 their own rows (only padded into the pass of every row, as before that pass existed). ``--keep-policy`` keeps each
 kind's policy from repeat to repeat, as a bench cell does (what a policy learns in one job, the next starts from).
+Kind ``old@COMMIT`` is the adaptive policy as ``policy.py`` was at a commit, beside today's in the same process.
 Besides each job's line, each kind's tokens/s over AR's in the same repeat (median and range over repeats: slow
 drifts of the machine cancel within a repeat), and with both ``adaptive`` and ``padded`` the mean of their paired
-ratios with one standard error.
+ratios with one standard error (and the same for ``adaptive`` against each ``old@COMMIT``).
 
     python benchmarks/policy_overhead.py artifacts/tiny/world-f8d6f235a11e artifacts/tiny/drafter/sft \\
         artifacts/cb-bench/policy/<key>.json --suite dialogue --slots 32 --temperature 1
@@ -23,10 +24,15 @@ ratios with one standard error.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import statistics
+import subprocess
+import sys
 import time
-from dataclasses import replace
+import types
+from dataclasses import asdict, replace
+from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer
@@ -64,13 +70,43 @@ def load_job(args) -> tuple:
 
 def policy_of(base: AdaptivePolicy, kind: str) -> AdaptivePolicy | None:
     """A fresh copy of ``base`` for ``adaptive``, ``plain`` and ``padded``, with one field set for
-    ``adaptive@FIELD=VALUE`` (a number); None for AR and fixed."""
+    ``adaptive@FIELD=VALUE`` (a number); the policy of an earlier commit for ``old@COMMIT``, with ``base``'s costs and
+    calibration; None for AR and fixed."""
     if kind in ("adaptive", "plain", "padded"):
         return replace(base)
+    if kind.startswith("old@"):
+        return old_policy(kind.removeprefix("old@"))(CostModel(**asdict(base.costs)),
+                                                       Calibration(**asdict(base.calibration)))
     if kind.startswith("adaptive@"):
         name, value = kind.removeprefix("adaptive@").split("=")
         return replace(base, **{name: type(getattr(base, name))(float(value))})
     return None
+
+
+def old_policy(commit: str) -> type:
+    """``AdaptivePolicy`` as ``specdraft/runtime/policy.py`` was at ``commit`` (read with ``git show``), taking the
+    engine's calls of today: arguments it did not take are dropped."""
+    source = subprocess.run(["git", "show", f"{commit}:specdraft/runtime/policy.py"], check=True, capture_output=True,
+                            text=True, cwd=Path(__file__).resolve().parents[1]).stdout
+    module = types.ModuleType(f"policy_{commit}")
+    sys.modules[module.__name__] = module  # dataclasses look their module up
+    exec(compile(source, f"{commit}:specdraft/runtime/policy.py", "exec"), module.__dict__)
+    old = module.AdaptivePolicy
+    takes = {name: set(inspect.signature(getattr(old, name)).parameters) for name in ("draft_rows", "observe")}
+
+    class Old(old):
+        def draft_rows(self, b, fresh=0, rows=None, opening=()):
+            return super().draft_rows(b, fresh, rows, **({"opening": opening} if "opening" in takes["draft_rows"]
+                                                          else {}))
+
+        def observe(self, num_accepted, rows=None, opening=()):
+            return super().observe(num_accepted, rows, **({"opening": opening} if "opening" in takes["observe"]
+                                                          else {}))
+
+        def _ratio(self, key):  # (the measured ratios as this commit prices them, where it has no drift to follow)
+            return super()._ratio(key) if hasattr(old, "_ratio") else self._scale.get(key)
+
+    return Old
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -93,7 +129,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--kinds", default="ar,adaptive",
                     help="comma-separated: ar, adaptive, fixed (the whole block), plain (adaptive, never drafting), "
                          "padded (adaptive, its explorers verifying in the pass of every row, never in their own); "
-                         "adaptive@FIELD=VALUE: adaptive with one policy field set (e.g. adaptive@explore_share=0)")
+                         "adaptive@FIELD=VALUE: adaptive with one policy field set (e.g. adaptive@explore_share=0); "
+                         "old@COMMIT: the adaptive policy as it was at a commit (paired with adaptive)")
     args = ap.parse_args(argv)
     target, drafter, prompts, gen, base = load_job(args)
     calls: dict[str, list] = {}  # policy method -> [seconds, calls] in the current job
@@ -167,11 +204,11 @@ def _run(args, target, drafter, prompts, gen, base, calls: dict[str, list]) -> l
             ratios = sorted(r["tokens_per_s"] / ar[r["repeat"]] for r in rows if r["kind"] == kind)
             print(f"{kind} / ar over {len(ratios)} repeats: median {statistics.median(ratios):.3f}, "
                   f"{ratios[0]:.3f}-{ratios[-1]:.3f}")
-    if {"adaptive", "padded"} <= set(kinds):
-        by = {k: {r["repeat"]: r["tokens_per_s"] for r in rows if r["kind"] == k} for k in ("adaptive", "padded")}
-        pairs = [by["adaptive"][i] / by["padded"][i] for i in sorted(by["adaptive"])]
+    for other in (k for k in kinds if "adaptive" in kinds and (k == "padded" or k.startswith("old@"))):
+        by = {k: {r["repeat"]: r["tokens_per_s"] for r in rows if r["kind"] == k} for k in ("adaptive", other)}
+        pairs = [by["adaptive"][i] / by[other][i] for i in sorted(by["adaptive"])]
         se = statistics.stdev(pairs) / len(pairs) ** 0.5 if len(pairs) > 1 else float("nan")
-        print(f"adaptive / padded, paired over {len(pairs)} repeats: mean {statistics.mean(pairs):.3f} ± {se:.3f} "
+        print(f"adaptive / {other}, paired over {len(pairs)} repeats: mean {statistics.mean(pairs):.3f} ± {se:.3f} "
               f"(one standard error)")
     return rows
 
