@@ -4,7 +4,8 @@ with the whole block (fixed DFlash) through the continuous-batching engine.
 
 An adaptive policy that prices every request from the acceptance averaged over drafted rounds prices an opening
 from the long requests' middles and tails (they make most of the rounds, and end last): this shows how far apart the
-two are, per suite and temperature.
+two are, per suite and temperature. A bucket holds only the requests that reached it (with length caps, the later
+buckets are the long requests').
 
     python benchmarks/opening_acceptance.py artifacts/tiny/world-f8d6f235a11e artifacts/tiny/drafter/sft \\
         --suites math,code,dialogue --temperatures 0,1
@@ -36,7 +37,7 @@ def by_round(accepted: list[list[int]], slots: int = 3) -> list[dict]:
     out = []
     for lo, hi in BUCKETS:
         n = np.array([a for row in accepted for a in row[lo:hi]], dtype=np.int64)  # [rounds]
-        cond = [float((n >= j).sum() / max((n >= j - 1).sum(), 1)) for j in range(1, slots + 1)]
+        cond = [float((n >= j).sum() / r) if (r := (n >= j - 1).sum()) else float("nan") for j in range(1, slots + 1)]
         out.append({"rounds": f"{lo}-{hi - 1}" if hi else f"{lo}+", "count": len(n),
                     "accepted": float(n.mean()) if len(n) else float("nan"), "slots": cond})
     return out

@@ -12,7 +12,8 @@ features and their backlog kept, every round plain): what the engine's plain pat
 out. Kind ``padded`` is the adaptive engine whose exploring rounds never verify the explorers' drafts in a pass of
 their own rows (only padded into the pass of every row, as before that pass existed). ``--keep-policy`` keeps each
 kind's policy from repeat to repeat, as a bench cell does (what a policy learns in one job, the next starts from).
-Kind ``old@COMMIT`` is the adaptive policy as ``policy.py`` was at a commit, beside today's in the same process.
+Kind ``old@COMMIT`` is the adaptive policy as ``policy.py`` was at a commit, beside today's in the same process
+(``--time-calls`` times today's policy only).
 Besides each job's line, each kind's tokens/s over AR's in the same repeat (median and range over repeats: slow
 drifts of the machine cancel within a repeat), and with both ``adaptive`` and ``padded`` the mean of their paired
 ratios with one standard error (and the same for ``adaptive`` against each ``old@COMMIT``).
@@ -24,6 +25,7 @@ ratios with one standard error (and the same for ``adaptive`` against each ``old
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import statistics
@@ -83,6 +85,7 @@ def policy_of(base: AdaptivePolicy, kind: str) -> AdaptivePolicy | None:
     return None
 
 
+@functools.cache
 def old_policy(commit: str) -> type:
     """``AdaptivePolicy`` as ``specdraft/runtime/policy.py`` was at ``commit`` (read with ``git show``), taking the
     engine's calls of today: arguments it did not take are dropped."""
@@ -92,9 +95,14 @@ def old_policy(commit: str) -> type:
     sys.modules[module.__name__] = module  # dataclasses look their module up
     exec(compile(source, f"{commit}:specdraft/runtime/policy.py", "exec"), module.__dict__)
     old = module.AdaptivePolicy
-    takes = {name: set(inspect.signature(getattr(old, name)).parameters) for name in ("draft_rows", "observe")}
+    takes = {name: set(inspect.signature(getattr(old, name)).parameters)
+             for name in ("draft_rows", "draft_this_round", "observe")}
 
     class Old(old):
+        def draft_this_round(self, b, fresh=0, rows=None, opening=()):
+            return super().draft_this_round(b, fresh, rows, **({"opening": opening}
+                                                                if "opening" in takes["draft_this_round"] else {}))
+
         def draft_rows(self, b, fresh=0, rows=None, opening=()):
             return super().draft_rows(b, fresh, rows, **({"opening": opening} if "opening" in takes["draft_rows"]
                                                           else {}))

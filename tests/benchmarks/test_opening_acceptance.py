@@ -1,5 +1,6 @@
 """benchmarks/opening_acceptance.py: drafts accepted per round by the request's round index."""
 
+import math
 import sys
 from pathlib import Path
 
@@ -17,3 +18,8 @@ def test_rounds_are_bucketed_by_the_requests_round_index():
     assert rows[0]["accepted"] == 2.0 and rows[1]["accepted"] == 1.0 and rows[3]["accepted"] == 0.5
     assert rows[0]["slots"] == [1.0, 0.5, 1.0]  # both reach slot 1; one of two reaches slot 2; it takes slot 3
     assert rows[3]["slots"][0] == pytest.approx(0.25) and rows[3]["slots"][1] == 1.0  # 2, 0, 0, 0
+
+
+def test_a_bucket_no_request_reached_has_no_rates():
+    rows = by_round([[1]])
+    assert rows[1]["count"] == 0 and all(math.isnan(p) for p in rows[1]["slots"]) and math.isnan(rows[1]["accepted"])
