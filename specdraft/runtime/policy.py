@@ -213,6 +213,12 @@ def _measure_at(target, drafter, rows, tokens, context: int, repeats: int,
     return target_s, drafter_s, ingest_s
 
 
+def _counterpart(key: str | tuple[str, int], kind: str) -> str | tuple[str, int]:
+    """The :attr:`AdaptivePolicy._scale` key of ``kind`` rounds at the same granularity as ``key``: over all sizes, or
+    at its size."""
+    return kind if isinstance(key, str) else (kind, key[1])
+
+
 @dataclass
 class Calibration:
     """Per-slot map from the drafter's confidence in its draft to the chance the target accepts it (given the
@@ -579,7 +585,7 @@ class AdaptivePolicy:
         anchor = self._anchor.get(key)
         if value is None or not anchor:
             return value
-        return value * self._scale["plain" if key == "drafted" else ("plain", key[1])] / anchor
+        return value * self._scale[_counterpart(key, "plain")] / anchor
 
     def observe_seconds(self, b: int, drafting: int, width: int, seconds: float, flushed: float = 0.0,
                         fed: int = 0) -> None:
@@ -621,13 +627,13 @@ class AdaptivePolicy:
             weight = self.cost_smoothing if current is not None else 1.0  # the first round of its kind: as measured
             self._scale[key] = old + weight * (min(ratio, 2 * old) - old)
             if keys[0] == "drafted":  # the plain counterpart it is measured against from now on
-                plain = self._scale.get("plain" if key == "drafted" else ("plain", key[1]))
+                plain = self._scale.get(_counterpart(key, "plain"))
                 if plain is None:
                     self._anchor.pop(key, None)
                 else:
                     self._anchor[key] = plain
             elif current is None:  # a plain ratio first measured: a drafted one measured before it follows from here
-                drafted = "drafted" if key == "plain" else ("drafted", key[1])
+                drafted = _counterpart(key, "drafted")
                 if drafted in self._scale and drafted not in self._anchor:
                     self._anchor[drafted] = self._scale[key]
 
