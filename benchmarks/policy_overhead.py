@@ -13,7 +13,12 @@ out. Kind ``padded`` is the adaptive engine whose exploring rounds never verify 
 their own rows (only padded into the pass of every row, as before that pass existed). ``--keep-policy`` keeps each
 kind's policy from repeat to repeat, as a bench cell does (what a policy learns in one job, the next starts from).
 Kind ``old@COMMIT`` is the adaptive policy as ``policy.py`` was at a commit, beside today's in the same process
-(``--time-calls`` times today's policy only).
+(``--time-calls`` times today's policy only). Where a kind's time goes against AR's, in measures the machine's
+speed drifts move far less than tokens/s: each job's ``host_s``, its seconds outside the models' passes (the engine's
+and the policy's code between them; on a CPU a pass's wall time is its compute), over ``engine_rounds``, the rounds
+of the decode loop; and ``step_ms``, the median of its one-token target passes (every row's decoding step, plain
+rounds' and AR's: a median over hundreds of passes is not moved by a few slow ones). The summary gives each kind's host
+time a round over AR's, as µs and as a share of AR's job, and its median step over AR's, paired by repeat.
 Besides each job's line, each kind's tokens/s over AR's in the same repeat (median and range over repeats: slow
 drifts of the machine cancel within a repeat), and with both ``adaptive`` and ``padded`` the mean of their paired
 ratios with one standard error (and the same for ``adaptive`` against each ``old@COMMIT``).
@@ -141,6 +146,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          "old@COMMIT: the adaptive policy as it was at a commit (paired with adaptive)")
     args = ap.parse_args(argv)
     target, drafter, prompts, gen, base = load_job(args)
+    verify_round = decode.verify_round
+    passes = timed_passes(target, drafter)
     calls: dict[str, list] = {}  # policy method -> [seconds, calls] in the current job
     timed = (("before_round", "draft_rows", "observe_seconds", "observe", "verify_len", "explore_len")
              if args.time_calls else ())
@@ -149,14 +156,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         setattr(AdaptivePolicy, name, _timed(method, calls.setdefault(name, [0.0, 0])))
     apart = decode._verifies_apart
     try:
-        return _run(args, target, drafter, prompts, gen, base, calls)
+        return _run(args, target, drafter, prompts, gen, base, calls, passes)
     finally:  # the class and the engine as they were, for a caller in the same process
         for name, method in originals.items():
             setattr(AdaptivePolicy, name, method)
-        decode._verifies_apart = apart
+        decode._verifies_apart, decode.verify_round = apart, verify_round
 
 
-def _run(args, target, drafter, prompts, gen, base, calls: dict[str, list]) -> list[dict]:
+def _run(args, target, drafter, prompts, gen, base, calls: dict[str, list], passes: dict) -> list[dict]:
     """Decode the job once per kind and repeat (see :func:`main`); prints a line per job, returns the rows."""
     rows = []
     kinds = args.kinds.split(",")
@@ -188,6 +195,7 @@ def _run(args, target, drafter, prompts, gen, base, calls: dict[str, list]) -> l
             timings: dict[str, float] = {}
             for tally in calls.values():
                 tally[:] = [0.0, 0]
+            passes["seconds"], passes["steps"], passes["rounds"] = 0.0, [], 0
             start = time.perf_counter()
             res = generate(target, prompts, gen, generator=torch.Generator().manual_seed(rep), slots=args.slots,
                            timings=timings, **({"drafter": drafter} if kind != "ar" else {}), policy=policy)
@@ -195,6 +203,8 @@ def _run(args, target, drafter, prompts, gen, base, calls: dict[str, list]) -> l
             tokens = sum(len(r.tokens) for r in res)
             drafted = sum(v > 0 for r in res for v in r.verified) if policy else 0
             rows.append({"kind": kind, "repeat": rep, "tokens_per_s": tokens / seconds, "seconds": seconds,
+                         "host_s": seconds - passes["seconds"], "engine_rounds": passes["rounds"],
+                         "step_ms": statistics.median(passes["steps"]) * 1e3 if passes["steps"] else float("nan"),
                          "rounds": sum(len(r.accept_lengths) for r in res), "drafted_rounds": drafted,
                          "drafter_rounds": drafter_rounds["rounds"], "drafter_rounds_s": drafter_rounds["seconds"],
                          **{f"{k}_s": v for k, v in sorted(timings.items())},
@@ -212,6 +222,17 @@ def _run(args, target, drafter, prompts, gen, base, calls: dict[str, list]) -> l
             ratios = sorted(r["tokens_per_s"] / ar[r["repeat"]] for r in rows if r["kind"] == kind)
             print(f"{kind} / ar over {len(ratios)} repeats: median {statistics.median(ratios):.3f}, "
                   f"{ratios[0]:.3f}-{ratios[-1]:.3f}")
+        by_repeat = {r["repeat"]: r for r in rows if r["kind"] == "ar"}
+        for kind in (k for k in kinds if k != "ar"):
+            mine = [(r, by_repeat[r["repeat"]]) for r in rows if r["kind"] == kind]
+            extra = sorted((r["host_s"] / r["engine_rounds"] - a["host_s"] / a["engine_rounds"]) * 1e6
+                           for r, a in mine)
+            share = sorted((r["host_s"] / r["engine_rounds"] - a["host_s"] / a["engine_rounds"]) * a["engine_rounds"]
+                           / a["seconds"] for r, a in mine)
+            step = sorted(r["step_ms"] / a["step_ms"] for r, a in mine)
+            print(f"{kind} over ar: host time a round +{statistics.median(extra):.1f} us (median; "
+                  f"{extra[0]:.1f} to {extra[-1]:.1f}), {statistics.median(share):.2%} of ar's job; one-token target "
+                  f"pass {statistics.median(step):.3f}x ({step[0]:.3f}-{step[-1]:.3f})")
     for other in (k for k in kinds if "adaptive" in kinds and (k == "padded" or k.startswith("old@"))):
         by = {k: {r["repeat"]: r["tokens_per_s"] for r in rows if r["kind"] == k} for k in ("adaptive", other)}
         pairs = [by["adaptive"][i] / by[other][i] for i in sorted(by["adaptive"])]
@@ -219,6 +240,41 @@ def _run(args, target, drafter, prompts, gen, base, calls: dict[str, list]) -> l
         print(f"adaptive / {other}, paired over {len(pairs)} repeats: mean {statistics.mean(pairs):.3f} ± {se:.3f} "
               f"(one standard error)")
     return rows
+
+
+def timed_passes(target, drafter) -> dict:
+    """Time every pass of ``target`` (``forward``) and of ``drafter`` (``draft_hidden``, ``logits``, ``ingest``,
+    ``ingest_rows``; a call inside another counts once), and count the decode loop's rounds (its ``verify_round``
+    calls). Returns the tally it adds to: ``seconds`` in passes, ``steps`` (each one-token target pass's seconds) and
+    ``rounds`` (a caller resets them per job)."""
+    tally = {"seconds": 0.0, "steps": [], "rounds": 0}
+    depth = [0]
+
+    def timed(method, step: bool = False):
+        def call(*args, **kwargs):
+            depth[0] += 1
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    took = time.perf_counter() - start
+                    tally["seconds"] += took
+                    if step and args[0].shape[1] == 1:
+                        tally["steps"].append(took)
+        return call
+
+    target.forward = timed(target.forward, step=True)
+    for name in ("draft_hidden", "logits", "ingest", "ingest_rows"):
+        setattr(drafter, name, timed(getattr(drafter, name)))
+    verify_round = decode.verify_round
+
+    def counted(*args, **kwargs):
+        tally["rounds"] += 1
+        return verify_round(*args, **kwargs)
+    decode.verify_round = counted
+    return tally
 
 
 def _timed(method, tally: list):
