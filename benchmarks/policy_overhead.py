@@ -229,10 +229,11 @@ def _run(args, target, drafter, prompts, gen, base, calls: dict[str, list], pass
                            for r, a in mine)
             share = sorted((r["host_s"] / r["engine_rounds"] - a["host_s"] / a["engine_rounds"]) * a["engine_rounds"]
                            / a["seconds"] for r, a in mine)
-            step = sorted(r["step_ms"] / a["step_ms"] for r, a in mine)
-            print(f"{kind} over ar: host time a round +{statistics.median(extra):.1f} us (median; "
-                  f"{extra[0]:.1f} to {extra[-1]:.1f}), {statistics.median(share):.2%} of ar's job; one-token target "
-                  f"pass {statistics.median(step):.3f}x ({step[0]:.3f}-{step[-1]:.3f})")
+            step = sorted(x for x in (r["step_ms"] / a["step_ms"] for r, a in mine) if x == x)  # (no steps: NaN)
+            steps = (f"{statistics.median(step):.3f}x ({step[0]:.3f}-{step[-1]:.3f})" if step else "n/a")
+            print(f"{kind} over ar: host time a round {statistics.median(extra):+.1f} us (median; "
+                  f"{extra[0]:+.1f} to {extra[-1]:+.1f}), {statistics.median(share):+.2%} of ar's job; one-token "
+                  f"target pass {steps}")
     for other in (k for k in kinds if "adaptive" in kinds and (k == "padded" or k.startswith("old@"))):
         by = {k: {r["repeat"]: r["tokens_per_s"] for r in rows if r["kind"] == k} for k in ("adaptive", other)}
         pairs = [by["adaptive"][i] / by[other][i] for i in sorted(by["adaptive"])]
@@ -245,23 +246,31 @@ def _run(args, target, drafter, prompts, gen, base, calls: dict[str, list], pass
 def timed_passes(target, drafter) -> dict:
     """Time every pass of ``target`` (``forward``) and of ``drafter`` (``draft_hidden``, ``logits``, ``ingest``,
     ``ingest_rows``; a call inside another counts once), and count the decode loop's rounds (its ``verify_round``
-    calls). Returns the tally it adds to: ``seconds`` in passes, ``steps`` (each one-token target pass's seconds) and
-    ``rounds`` (a caller resets them per job)."""
+    calls). Returns the tally it adds to: ``seconds`` in passes, ``steps`` (each one-token target pass's seconds: a
+    plain round's or AR's, or the every-row pass before explorers verify apart) and ``rounds`` (a caller resets them
+    per job). On CUDA each outermost pass synchronises before and after (its kernels counted, not their launch)."""
     tally = {"seconds": 0.0, "steps": [], "rounds": 0}
     depth = [0]
+    weight = getattr(getattr(target, "lm_head", None), "weight", None)
+    cuda = weight is not None and weight.device.type == "cuda"  # a pass's seconds are its kernels' once synchronised
 
     def timed(method, step: bool = False):
         def call(*args, **kwargs):
             depth[0] += 1
+            if cuda and depth[0] == 1:
+                torch.cuda.synchronize()
             start = time.perf_counter()
             try:
                 return method(*args, **kwargs)
             finally:
                 depth[0] -= 1
                 if depth[0] == 0:
+                    if cuda:
+                        torch.cuda.synchronize()
                     took = time.perf_counter() - start
                     tally["seconds"] += took
-                    if step and args[0].shape[1] == 1:
+                    tokens = args[0] if args else kwargs.get("tokens")
+                    if step and tokens is not None and tokens.shape[1] == 1:
                         tally["steps"].append(took)
         return call
 

@@ -9,49 +9,74 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import policy_overhead  # noqa: E402
+
 from specdraft.runtime import decode  # noqa: E402
+from specdraft.runtime.decode import GenerationConfig, generate  # noqa: E402
 
 
-def _busy(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
+class _Clock:
+    """A fake ``time`` module: passes advance it by what they say they cost (no waiting, nothing to flake)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
 
 
 class _Target:
+    def __init__(self, clock: _Clock):
+        self.clock = clock
+
     def forward(self, tokens: torch.Tensor):
-        _busy(0.002 * tokens.shape[1])
+        self.clock.now += 2.0 * tokens.shape[1]
         return tokens.shape
 
 
 class _Drafter:
-    def draft_hidden(self, ms: float):
-        _busy(ms / 1e3)
+    def __init__(self, clock: _Clock):
+        self.clock = clock
 
-    def logits(self, ms: float):
-        _busy(ms / 1e3)
+    def draft_hidden(self, cost: float):
+        self.clock.now += cost
 
-    def ingest(self, ms: float):
-        return self.ingest_rows(ms)  # a pass that calls another: counted once
+    def logits(self, cost: float):
+        self.clock.now += cost
 
-    def ingest_rows(self, ms: float):
-        _busy(ms / 1e3)
+    def ingest(self, cost: float):
+        return self.ingest_rows(cost)  # a pass that calls another: counted once
+
+    def ingest_rows(self, cost: float):
+        self.clock.now += cost
 
 
-def test_passes_are_added_up_steps_kept_apart_and_rounds_counted(monkeypatch):
+def test_passes_are_added_up_once_steps_kept_apart_and_rounds_counted(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(policy_overhead, "time", clock)
     monkeypatch.setattr(decode, "verify_round", lambda *a, **k: "verified")
-    target, drafter = _Target(), _Drafter()
+    target, drafter = _Target(clock), _Drafter(clock)
     tally = policy_overhead.timed_passes(target, drafter)
-    start = time.perf_counter()
     assert target.forward(torch.zeros(2, 1)) == (2, 1)  # the pass's own result
-    target.forward(torch.zeros(2, 3))  # not a one-token step
-    _busy(0.01)  # the host's time between passes
+    target.forward(tokens=torch.zeros(2, 3))  # not a one-token step (tokens as a keyword too)
+    clock.now += 10.0  # the host's time between passes: not counted
     drafter.ingest(4.0)
+    drafter.logits(1.0)
     assert decode.verify_round() == "verified"
-    took = time.perf_counter() - start
-    assert len(tally["steps"]) == 1 and 0.002 <= tally["steps"][0] < took
-    assert 0.002 + 0.006 + 0.004 <= tally["seconds"] <= took - 0.01
+    assert tally["steps"] == [2.0]
+    assert tally["seconds"] == 2.0 + 6.0 + 4.0 + 1.0  # the nested ingest once (twice: 17)
     assert tally["rounds"] == 1
-    tally["seconds"] = 0.0
-    drafter.ingest(50.0)
-    assert 0.05 <= tally["seconds"] < 0.09  # the nested ingest counted once (twice: 0.1)
+
+
+def test_in_the_engine_rounds_are_its_rounds_and_ar_steps_one_a_round(target, drafter, monkeypatch):
+    monkeypatch.setattr(decode, "verify_round", decode.verify_round)  # restored after the test
+    tally = policy_overhead.timed_passes(target, drafter)
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    config = GenerationConfig(max_new_tokens=[6, 9])
+    records = []
+    start = time.perf_counter()
+    generate(target, prompts, config, drafter=drafter, observer=records.append)
+    assert tally["rounds"] == len(records) > 0  # one verify a round, exploring or not
+    assert 0 < tally["seconds"] < time.perf_counter() - start
+    tally["rounds"], tally["steps"] = 0, []
+    results = generate(target, prompts, config, observer=records.append)  # AR: every round a one-token step
+    assert tally["rounds"] == len(tally["steps"]) == max(len(r.accept_lengths) for r in results)
