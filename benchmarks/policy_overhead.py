@@ -225,10 +225,9 @@ def _run(args, target, drafter, prompts, gen, base, calls: dict[str, list], pass
         by_repeat = {r["repeat"]: r for r in rows if r["kind"] == "ar"}
         for kind in (k for k in kinds if k != "ar"):
             mine = [(r, by_repeat[r["repeat"]]) for r in rows if r["kind"] == kind]
-            extra = sorted((r["host_s"] / r["engine_rounds"] - a["host_s"] / a["engine_rounds"]) * 1e6
-                           for r, a in mine)
-            share = sorted((r["host_s"] / r["engine_rounds"] - a["host_s"] / a["engine_rounds"]) * a["engine_rounds"]
-                           / a["seconds"] for r, a in mine)
+            over = [(r["host_s"] / r["engine_rounds"] - a["host_s"] / a["engine_rounds"], a) for r, a in mine]
+            extra = sorted(x * 1e6 for x, _ in over)  # µs a round
+            share = sorted(x * a["engine_rounds"] / a["seconds"] for x, a in over)  # of AR's job
             step = sorted(x for x in (r["step_ms"] / a["step_ms"] for r, a in mine) if x == x)  # (no steps: NaN)
             steps = (f"{statistics.median(step):.3f}x ({step[0]:.3f}-{step[-1]:.3f})" if step else "n/a")
             print(f"{kind} over ar: host time a round {statistics.median(extra):+.1f} us (median; "
