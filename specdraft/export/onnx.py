@@ -11,6 +11,7 @@ Layout of an export directory::
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import io
 import json
@@ -71,13 +72,15 @@ def export_graph(module: torch.nn.Module, kind: str, path: Path, flavour: str = 
 
 @torch.no_grad()
 def export_onnx(drafter: DFlashDrafter, target: TargetLM, out_dir: str | Path, target_fingerprint: str = "",
-                flavour: str = "decomposed") -> Path:
+                flavour: str = "decomposed", dtype: torch.dtype | None = None) -> Path:
     """Write the three graphs, the embedding and the manifest to ``out_dir``; returns the manifest path.
 
     ``flavour``: ``decomposed`` (standard ONNX ops only) or ``fused`` (speculative attention as ``specdraft``
     custom-op nodes, for TensorRT plugins; ONNX Runtime runs them by their references).
 
-    The drafter must be bound to ``target``; both are exported in their current dtype on the CPU. A ReTrace drafter
+    ``dtype``: the graphs' dtype (default: the modules' own); the weights' hashes are taken before the cast, so
+    an fp16 or bf16 export (what a TensorRT engine is built from) names the same drafter and target. The drafter
+    must be bound to ``target``; both are exported on the CPU. A ReTrace drafter
     (hard alignment) takes its prior as inputs of ``drafter_draft``; the backend builds the next prior from the
     draft and verify outputs, as the torch drafter does."""
     if not isinstance(drafter, DFlashDrafter):
@@ -90,6 +93,11 @@ def export_onnx(drafter: DFlashDrafter, target: TargetLM, out_dir: str | Path, t
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     drafter, target = drafter.cpu().eval(), target.cpu().eval()
+    identity = {"drafter": weights_hash(drafter), "target": weights_hash(target)}
+    if dtype is not None and dtype != drafter.fc.weight.dtype:
+        target = copy.deepcopy(target).to(dtype)
+        drafter = copy.deepcopy(drafter, {id(m): m for m in drafter.borrowed}).to(dtype)  # not the borrowed modules
+        drafter.bind_target(target.model.embed_tokens, target.lm_head)
     start = time.perf_counter()
     if flavour not in ("decomposed", "fused"):
         raise SpecdraftError(f"ONNX flavour {flavour!r} is not one of decomposed, fused")
@@ -105,13 +113,13 @@ def export_onnx(drafter: DFlashDrafter, target: TargetLM, out_dir: str | Path, t
         "format": "specdraft-onnx", "format_version": FORMAT_VERSION, "flavour": flavour,
         "graphs": graphs,
         "files": files,
-        "drafter": {"arch": c.to_hf_config()["architectures"][0], "weights_sha256": weights_hash(drafter),
+        "drafter": {"arch": c.to_hf_config()["architectures"][0], "weights_sha256": identity["drafter"],
                     "block_size": c.block_size, "mask_token_id": c.mask_token_id,
                     "target_layer_ids": list(c.target_layer_ids), "num_layers": c.num_hidden_layers,
                     "num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "hidden_size": c.hidden_size,
                     "retrace": ({"embed_drafted": c.retrace.embed_drafted, "gate_anchor": c.retrace.gate_anchor,
                                  "use_correction": c.retrace.use_correction} if retrace else None)},
-        "target": {"weights_sha256": weights_hash(target), "fingerprint": target_fingerprint,
+        "target": {"weights_sha256": identity["target"], "fingerprint": target_fingerprint,
                    "vocab_size": target.args.vocab_size, "num_layers": target.args.num_hidden_layers,
                    "num_kv_heads": target.args.num_key_value_heads, "head_dim": target.args.head_dim,
                    "hidden_size": target.args.hidden_size, "model_type": target.args.model_type},

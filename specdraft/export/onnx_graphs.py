@@ -21,6 +21,8 @@ node, ``SpeculativeAttention``, the Triton kernel's contract; a TensorRT plugin 
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -73,7 +75,11 @@ ATTENTION = {"decomposed": cached_attention, "fused": fused_cached_attention}
 
 
 class DrafterIngest(nn.Module):
-    """``(features [B, T, F], positions [B, T]) -> (k [L, B, H_kv, T, Dh], v [...], fused [B, T, D])``."""
+    """``(features [B, T, F] fp32, positions [B, T]) -> (k [L, B, H_kv, T, Dh], v [...], fused [B, T, D])``.
+
+    The feature path (``fc`` over the concatenated target layers, then ``hidden_norm``) runs in fp32 whatever the
+    export's dtype: real targets' hidden states spike above 2e4 (Qwen3-8B), and their sum over several layers
+    overflows fp16 (TensorRT Edge-LLM keeps this projection in fp32 for the same reason)."""
 
     input_names = ("features", "positions")
     output_names = ("k", "v", "fused")
@@ -81,9 +87,11 @@ class DrafterIngest(nn.Module):
     def __init__(self, drafter: DFlashDrafter):
         super().__init__()
         self.drafter = drafter
+        self.fc = copy.deepcopy(drafter.fc).float()
 
     def forward(self, features: torch.Tensor, positions: torch.Tensor):
-        fused = self.drafter.fuse_context(features)  # [B, T, D]
+        dtype = self.drafter.fc.weight.dtype
+        fused = self.drafter.hidden_norm(self.fc(features.float())).to(dtype)  # [B, T, D], normed in fp32
         kv = self.drafter.context_kv(features, positions, fused)
         return torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv]), fused
 
@@ -137,7 +145,7 @@ class DrafterDraft(nn.Module):
 
 class TargetVerify(nn.Module):
     """``(tokens [B, T], positions [B, T], new_mask [B, T, T], cache_k/v [L, B, H_kv, S, Dh], lengths [B])
-    -> (logits [B, T, V], features [B, T, F], k [L, B, H_kv, T, Dh], v [...])`` for fixed ``feature_layers``."""
+    -> (logits [B, T, V], features [B, T, F] fp32, k [L, B, H_kv, T, Dh], v [...])`` for fixed ``feature_layers``."""
 
     input_names = ("tokens", "positions", "new_mask", "cache_k", "cache_v", "lengths")
     output_names = ("logits", "features", "k", "v")
@@ -161,8 +169,8 @@ class TargetVerify(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if i in self.feature_layers:
                 feats[i] = t.model.norm(x) if i == last else x
-        features = torch.cat([feats[i] for i in self.feature_layers], dim=-1) if self.feature_layers else \
-            x.new_zeros(*x.shape[:2], 0)
+        features = torch.cat([feats[i].float() for i in self.feature_layers], dim=-1) if self.feature_layers else \
+            x.new_zeros(*x.shape[:2], 0, dtype=torch.float32)  # fp32: the drafter's feature path (DrafterIngest)
         return t.lm_head(t.model.norm(x)), features, torch.stack(ks), torch.stack(vs)
 
 
@@ -171,7 +179,7 @@ def example_inputs(kind: str, module: nn.Module, batch: int = 2, new: int = 3, c
     if kind == "drafter_ingest":
         d = module.drafter
         F = d.fc.in_features
-        return (torch.randn(batch, new, F, dtype=d.fc.weight.dtype),
+        return (torch.randn(batch, new, F),
                 torch.arange(new)[None, :].repeat(batch, 1) + context)
     g = torch.Generator().manual_seed(0)
     prior = ()

@@ -13,7 +13,9 @@ with bit ``r`` of ``new_mask[b, t]``. A query that sees nothing returns zeros.
 
 from __future__ import annotations
 
+import functools
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -103,10 +105,16 @@ if triton is not None:
     @triton.jit
     def _attend(Q, K, V, Out, Lens, Bits, T, W, Hkv, scale,
                 sqb, sqh, sqt, skb, skh, sks, svb, svh, svs, sob, soh, sot,
+                Acc, Ms, Ls, CHUNK,
                 G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, NSPLIT: tl.constexpr):
+        """One program: a tile of a KV group's (head, token) queries over split ``program_id(2)`` of the committed
+        context (all of it when ``NSPLIT == 1``) and, in the last split, the new tokens. One split normalises into
+        ``Out``; several write their unnormalised ``acc``, max and sum to ``Acc``/``Ms``/``Ls`` for
+        :func:`_combine_splits`."""
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
+        pid_s = tl.program_id(2)
         b = pid_bh // Hkv
         kvh = pid_bh % Hkv
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [M] over the group's G * T (head, token) pairs
@@ -125,9 +133,13 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         k_base = K + b * skb + kvh * skh
         v_base = V + b * svb + kvh * svh
-        for start in range(0, length, BLOCK_N):  # the committed context: read once for the whole tile
+        lo = pid_s * CHUNK
+        hi = length
+        if NSPLIT > 1:
+            hi = tl.minimum(lo + CHUNK, length)
+        for start in range(lo, hi, BLOCK_N):  # the committed context: read once for the whole tile
             n = start + tl.arange(0, BLOCK_N)
-            n_ok = n < length
+            n_ok = n < hi
             kv_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(k_base + n[:, None] * sks + d[None, :], mask=kv_mask, other=0.0)  # [N, Dp]
             v = tl.load(v_base + n[:, None] * svs + d[None, :], mask=kv_mask, other=0.0)
@@ -136,33 +148,61 @@ if triton is not None:
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [M, N]
             s = tl.where(n_ok[None, :] & row_ok[:, None], s, float("-inf"))
             m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, PRECISION, UPCAST)
-        for start in range(0, T, BLOCK_N):  # the new tokens, through the bitmask
-            r = start + tl.arange(0, BLOCK_N)
-            r_ok = r < T
-            kv_mask = r_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_base + (length + r)[:, None] * sks + d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_base + (length + r)[:, None] * svs + d[None, :], mask=kv_mask, other=0.0)
-            word = tl.load(Bits + b * T * W + t[:, None] * W + (r // 32)[None, :],
-                           mask=row_ok[:, None] & r_ok[None, :], other=0)  # [M, N]
-            seen = ((word >> (r % 32)[None, :]) & 1) != 0
-            if UPCAST:
-                k = k.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            s = tl.where(seen & r_ok[None, :] & row_ok[:, None], s, float("-inf"))
-            m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, PRECISION, UPCAST)
-        out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
-        tl.store(Out + b * sob + h[:, None] * soh + t[:, None] * sot + d[None, :], out.to(Out.dtype.element_ty),
-                 mask=row_ok[:, None] & d_ok[None, :])
+        if pid_s == NSPLIT - 1:
+            for start in range(0, T, BLOCK_N):  # the new tokens, through the bitmask
+                r = start + tl.arange(0, BLOCK_N)
+                r_ok = r < T
+                kv_mask = r_ok[:, None] & d_ok[None, :]
+                k = tl.load(k_base + (length + r)[:, None] * sks + d[None, :], mask=kv_mask, other=0.0)
+                v = tl.load(v_base + (length + r)[:, None] * svs + d[None, :], mask=kv_mask, other=0.0)
+                word = tl.load(Bits + b * T * W + t[:, None] * W + (r // 32)[None, :],
+                               mask=row_ok[:, None] & r_ok[None, :], other=0)  # [M, N]
+                seen = ((word >> (r % 32)[None, :]) & 1) != 0
+                if UPCAST:
+                    k = k.to(tl.float32)
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+                s = tl.where(seen & r_ok[None, :] & row_ok[:, None], s, float("-inf"))
+                m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, PRECISION, UPCAST)
+        if NSPLIT == 1:
+            out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+            tl.store(Out + b * sob + h[:, None] * soh + t[:, None] * sot + d[None, :], out.to(Out.dtype.element_ty),
+                     mask=row_ok[:, None] & d_ok[None, :])
+        else:
+            H = Hkv * G
+            row = ((pid_s * (tl.num_programs(1) // Hkv) + b) * H + h) * T + t  # [M] into [NSPLIT, B, H, T]
+            tl.store(Acc + row[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok[:, None])
+            tl.store(Ms + row, m_i, mask=row_ok)
+            tl.store(Ls + row, l_i, mask=row_ok)
 
+    @triton.jit
+    def _combine_splits(Acc, Ms, Ls, Out, rows_total, H, T, sob, soh, sot, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                        NSPLIT: tl.constexpr):
+        """One program per (row, head, token): the splits' partial softmaxes rescaled to their common max and
+        normalised (flash-decoding's reduction); a query that saw nothing gets zeros."""
+        r = tl.program_id(0)  # over B * H * T
+        s = tl.arange(0, NSPLIT)
+        d = tl.arange(0, BLOCK_D)
+        m = tl.load(Ms + s * rows_total + r)  # [NSPLIT]
+        l_s = tl.load(Ls + s * rows_total + r)
+        m_max = tl.max(m, 0)
+        m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+        w = tl.exp(m - m_safe)  # [NSPLIT] (0 for a split that saw nothing)
+        l_sum = tl.sum(w * l_s, 0)
+        acc = tl.load(Acc + (s * rows_total + r)[:, None] * BLOCK_D + d[None, :])  # [NSPLIT, Dp]
+        out = tl.sum(acc * w[:, None], 0) / tl.where(l_sum > 0, l_sum, 1.0)  # [Dp]
+        out = tl.where(l_sum > 0, out, 0.0)
+        b, rest = r // (H * T), r % (H * T)
+        tl.store(Out + b * sob + (rest // T) * soh + (rest % T) * sot + d, out.to(Out.dtype.element_ty), mask=d < D)
 
     @triton.jit
     def _speculative_attention_kernel(Q, K, V, Out, Lens, Bits, T, W, Hkv, scale,
                                       sqb, sqh, sqt, skb, skh, sks, svb, svh, svs, sob, soh, sot,
+                                      Acc, Ms, Ls, CHUNK,
                                       G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                                      UPCAST: tl.constexpr):
+                                      UPCAST: tl.constexpr, NSPLIT: tl.constexpr):
         _attend(Q, K, V, Out, Lens, Bits, T, W, Hkv, scale, sqb, sqh, sqt, skb, skh, sks, svb, svh, svs, sob, soh,
-                sot, G, D, BLOCK_D, BLOCK_M, BLOCK_N, PRECISION, UPCAST)
+                sot, Acc, Ms, Ls, CHUNK, G, D, BLOCK_D, BLOCK_M, BLOCK_N, PRECISION, UPCAST, NSPLIT)
 
     @triton.jit
     def _speculative_attention_aot_kernel(Q, K, V, Lens, Bits, T, W, Hkv, S, Out,
@@ -170,19 +210,41 @@ if triton is not None:
                                           BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                           PRECISION: tl.constexpr):
         """Entry point for ahead-of-time compilation (a TensorRT plugin): TensorRT's argument order (inputs, int32
-        scalars, outputs), contiguous tensors, strides from the shapes (int64), the scale a compile-time constant."""
+        scalars, outputs), contiguous tensors, strides from the shapes (int64), the scale a compile-time constant,
+        one split (an AOT plugin is one kernel: no reduction pass)."""
         t, s, w = T.to(tl.int64), S.to(tl.int64), Hkv.to(tl.int64)
         h = w * G
         _attend(Q, K, V, Out, Lens, Bits, T, W, Hkv, SCALE, h * t * D, t * D, D, w * s * D, s * D, D,
-                w * s * D, s * D, D, h * t * D, t * D, D, G, D, BLOCK_D, BLOCK_M, BLOCK_N, PRECISION, False)
+                w * s * D, s * D, D, h * t * D, t * D, D, Out, Out, Out, 0, G, D, BLOCK_D, BLOCK_M, BLOCK_N,
+                PRECISION, False, 1)
+
+
+SPLIT_MIN_SLOTS = 512
+"""Context slots a split reads at least (fewer: the reduction costs more than the parallelism gains)."""
+MAX_SPLITS = 32
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def context_splits(programs: int, slots: int, sms: int) -> int:
+    """How many ways to split the committed context (flash-decoding) when ``programs`` tiles leave ``sms``
+    multiprocessors idle: enough splits to fill them, each over at least :data:`SPLIT_MIN_SLOTS` of the ``slots``
+    (from shapes only, so a CUDA graph captures the same launch every replay)."""
+    if programs >= sms or slots < 2 * SPLIT_MIN_SLOTS:
+        return 1
+    return max(1, min(-(-sms // programs), slots // SPLIT_MIN_SLOTS, MAX_SPLITS))
 
 
 def speculative_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  lengths: torch.Tensor, mask_bits: torch.Tensor, scale: float,
-                                 block_m: int = 64, block_n: int = 64) -> torch.Tensor:
-    """The Triton kernel (same contract as :func:`speculative_attention_reference`)."""
+                                 block_m: int = 64, block_n: int = 64, splits: int | None = None) -> torch.Tensor:
+    """The Triton kernel (same contract as :func:`speculative_attention_reference`). ``splits``: ways to split the
+    committed context (default: :func:`context_splits` on CUDA, none elsewhere)."""
     B, H, T, D = q.shape
-    Hkv = k_cache.shape[1]
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
     if T == 0 or B == 0:
         return out
@@ -193,32 +255,98 @@ def speculative_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     block_m = max(16, min(block_m, triton.next_power_of_2(G * T)))
     grid = (triton.cdiv(G * T, block_m), B * Hkv)
-    _speculative_attention_kernel[grid](
+    if splits is None:
+        splits = context_splits(grid[0] * grid[1], S, _sm_count(q.device.index or 0)) if q.is_cuda else 1
+    splits = triton.next_power_of_2(max(1, splits))  # the reduction's split axis is a power-of-two range
+    chunk = triton.cdiv(triton.cdiv(S, splits), block_n) * block_n
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    if splits > 1:
+        acc = torch.empty(splits, B, H, T, BLOCK_D, dtype=torch.float32, device=q.device)
+        ms = torch.empty(splits, B, H, T, dtype=torch.float32, device=q.device)
+        ls = torch.empty_like(ms)
+    else:
+        acc = ms = ls = out  # not read: one split normalises into out
+    _speculative_attention_kernel[(*grid, splits)](
         q, k_cache, v_cache, out, lengths.to(torch.int32).contiguous(), mask_bits.contiguous(), T,
         mask_bits.shape[-1], Hkv, scale, *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
-        *out.stride()[:3], G=G, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=block_m,
+        *out.stride()[:3], acc, ms, ls, chunk, G=G, D=D, BLOCK_D=BLOCK_D, BLOCK_M=block_m,
         BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 or interpreted else "tf32",
-        UPCAST=interpreted and q.dtype == torch.bfloat16)
+        UPCAST=interpreted and q.dtype == torch.bfloat16, NSPLIT=splits)
+    if splits > 1:
+        _combine_splits[(B * H * T,)](acc, ms, ls, out, B * H * T, H, T, *out.stride()[:3], D=D, BLOCK_D=BLOCK_D,
+                                      NSPLIT=splits)
     return out
 
 
-AOT_BLOCK_M, AOT_BLOCK_N = 64, 64
+AOT_ARGS = ("Q", "K", "V", "Lens", "Bits", "T", "W", "Hkv", "S", "Out")
+"""The AOT kernel's parameters as TensorRT's AOT launch passes them: inputs, int32 scalars, outputs."""
+AOT_SHARED_LIMIT = 48 * 1024
+"""Shared memory a launch gets without opting in (``cuFuncSetAttribute``), which TensorRT's AOT launch is not known
+to do: the AOT kernel's tiles are chosen to stay within it."""
+AOT_TILES = ((64, 64, 2), (64, 32, 2), (32, 32, 2), (32, 32, 1), (16, 32, 1), (16, 16, 1))
+"""``(BLOCK_M, BLOCK_N, num_stages)`` tried in order; the first whose shared memory fits :data:`AOT_SHARED_LIMIT`."""
 
 
-def compile_aot(dtype: str, head_dim: int, group: int, scale: float, arch: int = 90, block_m: int = AOT_BLOCK_M,
-                block_n: int = AOT_BLOCK_N):
-    """Compile the kernel ahead of time for a TensorRT plugin: returns Triton's compiled kernel (``.asm["ptx"]``,
-    ``.metadata.name``, ``.metadata.num_warps``, ``.metadata.shared``). ``dtype`` is ``fp16``, ``bf16`` or ``fp32``;
-    ``arch`` the SM version (90 = Hopper). Launch with grid ``(cdiv(group * T, block_m), B * H_kv)``."""
+@dataclass(frozen=True)
+class AotKernel:
+    """A kernel compiled ahead of time for a TensorRT plugin: PTX with exactly :data:`AOT_ARGS` as parameters."""
+
+    name: str
+    ptx: str
+    num_warps: int
+    shared: int
+    block_m: int
+    """Launch with grid ``(cdiv(group * T, block_m), B * H_kv)`` and ``num_warps * 32`` threads."""
+
+
+def entry_params(ptx: str, name: str) -> list[str]:
+    """The parameter declarations of PTX entry ``name``, in order."""
+    head = f".entry {name}("
+    if head not in ptx:
+        raise ValueError(f"no entry {name} in the PTX")
+    return [p.strip() for p in ptx.split(head, 1)[1].split(")", 1)[0].split(",") if p.strip()]
+
+
+def strip_scratch_params(ptx: str, name: str, keep: int) -> str:
+    """``ptx`` with entry ``name`` declaring its first ``keep`` parameters only. Triton (>= 3.3) appends scratch
+    pointers (global, then profile) that TensorRT's AOT launch does not pass; they may go only when the kernel never
+    reads them (no scratch memory), which is checked."""
+    params = entry_params(ptx, name)
+    dropped = [p.split()[-1] for p in params[keep:]]
+    body = ptx.split(f".entry {name}(", 1)[1].split(")", 1)[1]
+    used = [d for d in dropped if d in body]
+    if used:
+        raise ValueError(f"{name} reads {', '.join(used)}: it needs scratch memory, which TensorRT does not pass")
+    head = f".entry {name}("
+    before, rest = ptx.split(head, 1)
+    after = rest.split(")", 1)[1]
+    return before + head + "\n\t" + ",\n\t".join(params[:keep]) + "\n)" + after
+
+
+def compile_aot(dtype: str, head_dim: int, group: int, scale: float, arch: int = 90) -> AotKernel:
+    """Compile the kernel ahead of time for a TensorRT plugin (no GPU needed). ``dtype`` is ``fp16``, ``bf16`` or
+    ``fp32``; ``arch`` the SM version (90 = Hopper). The tiles are the first of :data:`AOT_TILES` whose shared memory
+    fits :data:`AOT_SHARED_LIMIT`; the PTX's parameters are exactly :data:`AOT_ARGS`."""
     ptr = f"*{dtype}"
-    signature = {"Q": ptr, "K": ptr, "V": ptr, "Lens": "*i64", "Bits": "*i32", "T": "i32", "W": "i32", "Hkv": "i32",
-                 "S": "i32", "Out": ptr, "SCALE": "constexpr", "G": "constexpr", "D": "constexpr",
-                 "BLOCK_D": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "PRECISION": "constexpr"}
-    constexprs = {"SCALE": float(scale), "G": group, "D": head_dim,
-                  "BLOCK_D": max(16, triton.next_power_of_2(head_dim)), "BLOCK_M": block_m, "BLOCK_N": block_n,
-                  "PRECISION": "ieee" if dtype == "fp32" else "tf32"}
-    src = triton.compiler.ASTSource(fn=_speculative_attention_aot_kernel, signature=signature, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32))
+    types = {"Q": ptr, "K": ptr, "V": ptr, "Lens": "*i64", "Bits": "*i32", "T": "i32", "W": "i32", "Hkv": "i32",
+             "S": "i32", "Out": ptr}
+    signature = {**{a: types[a] for a in AOT_ARGS}, **dict.fromkeys(
+        ("SCALE", "G", "D", "BLOCK_D", "BLOCK_M", "BLOCK_N", "PRECISION"), "constexpr")}
+    for block_m, block_n, stages in AOT_TILES:
+        constexprs = {"SCALE": float(scale), "G": group, "D": head_dim,
+                      "BLOCK_D": max(16, triton.next_power_of_2(head_dim)), "BLOCK_M": block_m, "BLOCK_N": block_n,
+                      "PRECISION": "ieee" if dtype == "fp32" else "tf32"}
+        src = triton.compiler.ASTSource(fn=_speculative_attention_aot_kernel, signature=signature,
+                                        constexprs=constexprs)
+        kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_stages": stages})
+        if kernel.metadata.shared <= AOT_SHARED_LIMIT:
+            break
+    else:
+        raise ValueError(f"speculative attention at head dim {head_dim} ({dtype}) needs {kernel.metadata.shared} "
+                         f"bytes of shared memory at its smallest tiles, above {AOT_SHARED_LIMIT}")
+    name = kernel.metadata.name
+    ptx = strip_scratch_params(kernel.asm["ptx"], name, len(AOT_ARGS))
+    return AotKernel(name, ptx, kernel.metadata.num_warps, kernel.metadata.shared, block_m)
 
 
 # ---- launcher -----------------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ A drafter export directory (HF layout, written by training) gains, beside its we
 
     onnx/decomposed/   standard ONNX ops: ONNX Runtime anywhere (decode.backend=onnx)
     onnx/fused/        speculative attention as ``specdraft`` custom-op nodes: what TensorRT builds from
-    trt/               TensorRT engines built from onnx/fused (decode.backend=trt)
+    onnx/trt/          the fused graphs in the engines' precision (bf16 or fp16; TensorRT types strongly)
+    trt/               TensorRT engines built from onnx/trt (decode.backend=trt)
 
 each with its manifest; the stage logs them to MLflow as a new version of the drafter's registered model.
 """
@@ -14,13 +15,16 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import torch
+
 from specdraft.errors import SpecdraftError
 from specdraft.export.onnx import export_onnx, weights_hash
-from specdraft.export.tensorrt import build_engines
+from specdraft.export.tensorrt import PRECISIONS, build_engines
 from specdraft.pipeline.config import RunConfig
 from specdraft.pipeline.tracking import Tracker
 from specdraft.runtime.backends.onnx import OnnxDrafter, OnnxTarget, load_manifest
 from specdraft.runtime.backends.tensorrt import TrtDrafter, TrtTarget, load_engine_manifest
+from specdraft.runtime.backends.trt_plugins import TRT_MISSING, trt
 from specdraft.runtime.drafter_io import check_compatible, load_drafter, read_drafter_config
 from specdraft.runtime.load import load_safetensors_dir, load_target, read_target_args, target_fingerprint
 from specdraft.runtime.models import resolve_drafter
@@ -30,7 +34,7 @@ TARGETS = ("hf", "onnx", "trt")
 
 def export_dirs(drafter_dir: Path) -> dict[str, Path]:
     return {"hf": drafter_dir, "onnx": drafter_dir / "onnx" / "decomposed", "fused": drafter_dir / "onnx" / "fused",
-            "trt": drafter_dir / "trt"}
+            "trt_onnx": drafter_dir / "onnx" / "trt", "trt": drafter_dir / "trt"}
 
 
 def _size(path: Path) -> int:
@@ -41,6 +45,8 @@ def run_export(cfg: RunConfig, world, drafter_dir: Path, to: str, tracker: Track
     """Write the ``to`` artifacts of the drafter in ``drafter_dir`` (``trt`` includes ``onnx``); returns them."""
     if to not in TARGETS:
         raise SpecdraftError(f"--to {to!r} is not one of {', '.join(TARGETS)}")
+    if to == "trt" and trt is None:  # before minutes of ONNX export
+        raise SpecdraftError(TRT_MISSING)
     arch, dcfg = read_drafter_config(drafter_dir)
     check_compatible(dcfg, read_target_args(world.target_dir))  # before any weight is read
     dirs = export_dirs(drafter_dir)
@@ -58,7 +64,10 @@ def run_export(cfg: RunConfig, world, drafter_dir: Path, to: str, tracker: Track
             written[key] = dirs[key]
     if to == "trt":
         t0 = time.perf_counter()
-        build_engines(dirs["fused"], dirs["trt"], cfg.export.trt)
+        dtype = getattr(torch, PRECISIONS[cfg.export.trt.precision])
+        export_onnx(drafter, target, dirs["trt_onnx"], fingerprint, "fused", dtype=dtype)
+        written["trt_onnx"] = dirs["trt_onnx"]
+        build_engines(dirs["trt_onnx"], dirs["trt"], cfg.export.trt)
         metrics["export/trt_seconds"] = time.perf_counter() - t0
         metrics["export/trt_bytes"] = _size(dirs["trt"])
         written["trt"] = dirs["trt"]
@@ -99,7 +108,7 @@ def backend_models(backend: str, drafter_dir: Path, world, with_drafter: bool = 
         return OnnxTarget(dirs["onnx"], manifest=m), OnnxDrafter(dirs["onnx"], manifest=m) if with_drafter else None
     if backend != "trt":
         raise SpecdraftError(f"backend {backend!r} is not one of torch, onnx, trt")
-    fused = load_manifest(dirs["fused"], drafter_sha256=drafter_sha, target_fingerprint=fingerprint)
+    fused = load_manifest(dirs["trt_onnx"], drafter_sha256=drafter_sha, target_fingerprint=fingerprint)
     m = load_engine_manifest(dirs["trt"], drafter_sha256=drafter_sha, onnx_manifest=fused)
-    return TrtTarget(dirs["trt"], manifest=m), TrtDrafter(dirs["trt"], dirs["fused"], manifest=m) if with_drafter \
+    return TrtTarget(dirs["trt"], manifest=m), TrtDrafter(dirs["trt"], dirs["trt_onnx"], manifest=m) if with_drafter \
         else None

@@ -4,6 +4,7 @@ magnitude where that exceeds 1) over batch sizes, ragged context lengths, tree m
 decode through ORT is the target's output and drafts what the torch backend drafts, round for round; a wrong export
 is refused in one line."""
 
+import copy
 import json
 
 import onnx
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from specdraft.errors import SpecdraftError
-from specdraft.export.onnx import weights_hash
+from specdraft.export.onnx import export_onnx, weights_hash
 from specdraft.runtime.backends.onnx import OnnxDrafter, OnnxTarget, load_manifest
 from specdraft.runtime.d2sd import TreeDrafting
 from specdraft.runtime.decode import GenerationConfig, generate
@@ -166,3 +167,28 @@ def test_retrace_through_onnx_runtime_carries_its_prior_like_torch(exported_retr
             hidden[name] = [d.draft_hidden(cache, d.block_embeds(blk, p)) for p in (prior, None)]
     assert (hidden["torch"][0] - hidden["onnx"][0]).abs().max() <= TOL
     assert (hidden["onnx"][0] - hidden["onnx"][1]).abs().max() > 1e-2  # the prior is not ignored
+
+
+def test_an_fp16_export_keeps_the_feature_path_in_fp32(tmp_path):
+    """Target features of magnitude 3e4 (Qwen3-8B's spikes), summed by ``fc`` over the concatenated layers, overflow
+    fp16; the fp16 export's ingest graph computes them in fp32 (ONNX Runtime runs fp16 graphs on the CPU), so its
+    fused context is finite and matches the fp32 drafter's, while the same projection in fp16 is not."""
+    target = make_target(seed=7, vocab=6, std=0.5)
+    drafter = make_drafter(target, seed=2, block_size=4)
+    with torch.no_grad():
+        drafter.fc.weight.copy_(drafter.fc.weight.abs() + 0.05)  # each output sums 3e4 x F x >0.05, above 65504
+    reference = copy.deepcopy(drafter)
+    export_onnx(drafter.half(), target.half(), tmp_path, flavour="decomposed")
+    assert load_manifest(tmp_path)["dtype"] == "float16"
+    F = reference.fc.in_features
+    features = torch.full((1, 3, F), 3e4) * torch.tensor([1.0, -1.0, 0.5])[None, :, None]  # [1, 3, F]
+    assert not torch.isfinite(reference.fc.half()(features.half())).all()  # what an fp16 projection does
+    reference.fc.float()
+    ingest = OnnxDrafter(tmp_path).ingest_graph
+    got = ingest(features=features, positions=torch.arange(3)[None])["fused"]
+    assert got.dtype == torch.float16 and torch.isfinite(got).all()
+    want = reference.float().fuse_context(features)
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+    verify = onnx.load(str(tmp_path / load_manifest(tmp_path)["graphs"]["target_verify"]["file"]))
+    features_out = next(o for o in verify.graph.output if o.name == "features")
+    assert features_out.type.tensor_type.elem_type == onnx.TensorProto.FLOAT

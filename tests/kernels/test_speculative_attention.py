@@ -6,6 +6,7 @@ import torch
 
 from specdraft.kernels.dispatch import HAVE_TRITON, use_kernels
 from specdraft.kernels.speculative_attention import (
+    context_splits,
     pack_mask,
     speculative_attention,
     speculative_attention_reference,
@@ -90,3 +91,26 @@ def test_launcher_dispatch_and_empty_rounds():
         speculative_attention(q[:, :3], k, v, lens, mask)
     with pytest.raises(ValueError, match="new_mask"):
         speculative_attention(q, k, v, lens, mask.int())
+
+
+@needs_triton
+@pytest.mark.parametrize("splits", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_context_split_kernel_equals_the_reference(splits, dtype):
+    """Split over the committed context (flash-decoding), each split's partial softmax combined: rows shorter than a
+    split, an empty row, a tree whose nodes see only part of the new tokens, within the kernel's tolerance."""
+    for B, H, Hkv, T, D, lengths, kind in [(3, 4, 2, 5, 8, [70, 0, 9], "tree"), (1, 8, 2, 16, 16, [130], "causal")]:
+        q, k, v, lens, mask = _case(B, H, Hkv, T, D, lengths, kind, dtype, S=160)
+        bits = pack_mask(mask)
+        want = speculative_attention_reference(q, k, v, lens, bits, D ** -0.5)
+        got = speculative_attention_triton(q, k, v, lens, bits, D ** -0.5, block_m=16, block_n=16, splits=splits)
+        tol = TOLERANCE[dtype]
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_the_context_is_split_only_where_tiles_leave_multiprocessors_idle():
+    # batch 1, 8 KV heads, 16 new tokens of a 4-query group: 8 tiles on an H200's 132 SMs, a 4k context
+    assert context_splits(8, 4096, 132) == 8  # each split still reads 512 slots
+    assert context_splits(8, 65536, 132) == 17
+    assert context_splits(8 * 32, 4096, 132) == 1  # batch 32 fills the GPU without splitting
+    assert context_splits(8, 600, 132) == 1  # a short context: the reduction would cost more

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from specdraft.errors import SpecdraftError
 from specdraft.runtime.backends.custom_ops import register_ort_python_ops, rename_domain
-from specdraft.runtime.backends.exported import DTYPES, ExportedDrafter, ExportedTarget
+from specdraft.runtime.backends.exported import ExportedDrafter, ExportedTarget
 
 MANIFEST = "manifest.json"
 FORMAT = "specdraft-onnx"
@@ -99,28 +99,31 @@ def _session(path: Path, providers: list[str] | None, fused: bool = False):
     return ort.InferenceSession(str(renamed), opts, providers=providers)
 
 
-class _Graph:
-    """One ORT session called with torch tensors (converted to the export's dtype) -> torch tensors."""
+_ORT_FLOATS = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16, "tensor(bfloat16)": torch.bfloat16}
 
-    def __init__(self, path: Path, providers, dtype: torch.dtype, fused: bool = False):
+
+class _Graph:
+    """One ORT session called with torch tensors (floating inputs converted to the dtype the graph declares: the
+    export's, or fp32 for the drafter's feature path) -> torch tensors."""
+
+    def __init__(self, path: Path, providers, fused: bool = False):
         self.session = _session(path, providers, fused)
-        self.inputs = [i.name for i in self.session.get_inputs()]
+        self.inputs = {i.name: _ORT_FLOATS.get(i.type) for i in self.session.get_inputs()}
         self.outputs = [o.name for o in self.session.get_outputs()]
-        self.dtype = dtype
 
     def __call__(self, **feeds: torch.Tensor) -> dict[str, torch.Tensor]:
         arrays = {}
-        for name in self.inputs:
+        for name, dtype in self.inputs.items():
             t = feeds[name].detach().cpu()
-            if t.is_floating_point():
-                t = t.to(self.dtype)
+            if t.is_floating_point() and dtype is not None:
+                t = t.to(dtype)
             arrays[name] = t.contiguous().numpy()
         return {n: torch.from_numpy(a) for n, a in zip(self.outputs, self.session.run(self.outputs, arrays))}
 
 
 def _opener(export_dir: Path, manifest: dict, providers: list[str] | None):
-    dtype, fused = DTYPES[manifest["dtype"]], manifest["flavour"] == "fused"
-    return lambda kind: _Graph(export_dir / manifest["graphs"][kind]["file"], providers, dtype, fused)
+    fused = manifest["flavour"] == "fused"
+    return lambda kind: _Graph(export_dir / manifest["graphs"][kind]["file"], providers, fused)
 
 
 class OnnxTarget(ExportedTarget):

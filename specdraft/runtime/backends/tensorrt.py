@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from specdraft.errors import SpecdraftError
 from specdraft.runtime.backends.exported import ExportedDrafter, ExportedTarget
 from specdraft.runtime.backends.onnx import load_manifest, read_manifest, sha256_file
-from specdraft.runtime.backends.trt_plugins import register_plugins, trt
+from specdraft.runtime.backends.trt_plugins import TRT_MISSING, register_plugins, trt
 
 _TORCH_DTYPES = {}
 if trt is not None:
@@ -53,8 +53,7 @@ def load_engine_manifest(engine_dir: str | Path, drafter_sha256: str | None = No
                              f"{onnx['target']['weights_sha256'][:12]}, this target {target_sha256[:12]}): rebuild")
     if check_runtime:
         if trt is None:
-            raise SpecdraftError("TensorRT is not installed (pip install '.[trt]' from NVIDIA's index on a GPU "
-                                 "machine)")
+            raise SpecdraftError(TRT_MISSING)
         v = m["versions"]
         if v["tensorrt"] != trt.__version__:
             raise SpecdraftError(f"{d} was built with TensorRT {v['tensorrt']}, this is {trt.__version__}: rebuild")
@@ -65,6 +64,52 @@ def load_engine_manifest(engine_dir: str | Path, drafter_sha256: str | None = No
             raise SpecdraftError(f"{d} was built for sm_{v['sm']} ({v['gpu']}), this GPU is sm_{10 * major + minor} "
                                  f"({torch.cuda.get_device_name()}): rebuild")
     return m
+
+
+ALIGNMENT = 256
+"""TensorRT wants every tensor address non-null and 256-byte aligned (``IExecutionContext::setTensorAddress``)."""
+
+
+def aligned_empty(nbytes: int, device: torch.device | str) -> torch.Tensor:
+    """``[nbytes]`` uint8 at an address aligned to :data:`ALIGNMENT` (on any device's allocator)."""
+    buf = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, device=device)
+    start = -buf.data_ptr() % ALIGNMENT
+    return buf[start:start + nbytes]
+
+
+def _address(t: torch.Tensor, spare: torch.Tensor, keep: list) -> int:
+    """Where to bind ``t``: a spare aligned buffer for an empty tensor (an empty cache at prefill has no storage, so
+    a null or unaligned pointer), an aligned copy for a misaligned view, else its own storage."""
+    if t.numel() == 0:
+        return spare.data_ptr()
+    if t.data_ptr() % ALIGNMENT:
+        t = aligned_empty(t.numel() * t.element_size(), t.device).view(t.dtype).view(t.shape).copy_(t)
+    keep.append(t)
+    return t.data_ptr()
+
+
+def _check(ok: bool, what: str) -> None:
+    if not ok:
+        raise SpecdraftError(f"TensorRT refused {what} (see its log above)")
+
+
+def bind(context, engine, inputs: list[str], outputs: list[str], feeds: dict[str, torch.Tensor],
+         device: torch.device, spare: torch.Tensor, dtypes: dict) -> tuple[list, dict[str, torch.Tensor]]:
+    """Set every input's shape and address (each cast to the dtype the engine declares), then allocate and bind the
+    outputs at the shapes TensorRT infers; returns ``(tensors to keep alive until the run ends, outputs)``."""
+    keep: list[torch.Tensor] = []
+    for name in inputs:
+        t = feeds[name].to(device, dtypes[engine.get_tensor_dtype(name)]).contiguous()
+        _check(context.set_input_shape(name, tuple(t.shape)), f"input {name} of shape {tuple(t.shape)}")
+        _check(context.set_tensor_address(name, _address(t, spare, keep)), f"the address of input {name}")
+    out = {}
+    for name in outputs:
+        shape = tuple(context.get_tensor_shape(name))
+        if any(d < 0 for d in shape):
+            raise SpecdraftError(f"TensorRT could not infer output {name}'s shape ({shape}) from the inputs")
+        out[name] = torch.empty(shape, dtype=dtypes[engine.get_tensor_dtype(name)], device=device)
+        _check(context.set_tensor_address(name, _address(out[name], spare, keep)), f"the address of output {name}")
+    return keep, out
 
 
 class _Engine:
@@ -78,6 +123,7 @@ class _Engine:
         self.context = self.engine.create_execution_context()
         self.inputs, self.outputs = entry["inputs"], entry["outputs"]
         self.max_batch = [p[self.inputs[0]][2][0] for p in entry["profiles"]]  # per profile, dim 0 of its max shape
+        self.spare = aligned_empty(ALIGNMENT, "cuda")  # empty tensors' address
 
     def __call__(self, **feeds: torch.Tensor) -> dict[str, torch.Tensor]:
         B = feeds[self.inputs[0]].shape[0]
@@ -85,20 +131,12 @@ class _Engine:
         if profile is None:
             raise SpecdraftError(f"batch of {B} rows exceeds the engines' largest bucket ({self.max_batch[-1]})")
         stream = torch.cuda.current_stream()
-        self.context.set_optimization_profile_async(profile, stream.cuda_stream)
-        keep = []
-        for name in self.inputs:
-            t = feeds[name].cuda().to(_TORCH_DTYPES[self.engine.get_tensor_dtype(name)]).contiguous()
-            keep.append(t)
-            self.context.set_input_shape(name, tuple(t.shape))
-            self.context.set_tensor_address(name, t.data_ptr())
-        out = {}
-        for name in self.outputs:
-            shape = tuple(self.context.get_tensor_shape(name))
-            out[name] = torch.empty(shape, dtype=_TORCH_DTYPES[self.engine.get_tensor_dtype(name)], device="cuda")
-            self.context.set_tensor_address(name, out[name].data_ptr())
+        _check(self.context.set_optimization_profile_async(profile, stream.cuda_stream), f"profile {profile}")
+        keep, out = bind(self.context, self.engine, self.inputs, self.outputs, feeds, torch.device("cuda"),
+                         self.spare, _TORCH_DTYPES)
         if not self.context.execute_async_v3(stream.cuda_stream):
             raise SpecdraftError("TensorRT failed to run the engine")
+        del keep  # freed in stream order: the allocator hands the memory only to work queued after this run
         return out
 
 
