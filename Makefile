@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(BIN)/specdraft run configs/tiny.yaml
 
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -x --durations=15 tests
+	$(BIN)/python -m pytest -q -x --durations=15 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -99,6 +99,7 @@ def main() -> None:
     ap.add_argument("--fusion-steps", type=int, default=20, help="steps per timed fusion measurement")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--out", default="", help="also write the result here (JSON)")
     args = ap.parse_args()
 
     dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -154,6 +155,9 @@ def main() -> None:
         out[f"bs{bs}"] = res
         print(json.dumps({f"bs{bs}": res}), flush=True)
     print(json.dumps(out, indent=2))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=2)
 
 
 if __name__ == "__main__":

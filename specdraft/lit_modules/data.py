@@ -12,7 +12,6 @@ import math
 
 import lightning as L
 import torch
-from datasets import load_dataset
 from torch.utils.data import DataLoader, Sampler
 
 from specdraft.errors import SpecdraftError
@@ -129,6 +128,8 @@ class ShareGPTDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_items:
             return
+        from datasets import load_dataset  # noqa: PLC0415  (deferred: slow to import, and absent on the GPU image)
+
         ds = load_dataset("json", data_files=self.data_file, split="train")
         for row in ds:
             try:

@@ -14,7 +14,6 @@ import shutil
 from pathlib import Path
 
 import torch
-from datasets import load_dataset
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
@@ -138,6 +137,8 @@ def regenerate(cfg: RunConfig, world: World, tracker: Tracker, log=print) -> Pat
 
 
 def _check_loads_with_datasets(path: Path) -> None:
+    from datasets import load_dataset  # noqa: PLC0415  (deferred: slow to import, and absent on the GPU image)
+
     ds = load_dataset("json", data_files=str(path), split="train")
     if "conversations" not in ds.column_names:
         raise SpecdraftError(f"{path} does not load as ShareGPT data (no 'conversations' column)")
