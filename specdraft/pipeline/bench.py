@@ -31,7 +31,7 @@ from specdraft.pipeline.tracking import Tracker
 from specdraft.pipeline.trees import FIRST_DRAFTERS, tree_drafting
 from specdraft.runtime.batch_job import encode_requests, read_requests
 from specdraft.runtime.decode import GenerationConfig, generate
-from specdraft.runtime.drafter_io import load_drafter
+from specdraft.runtime.drafter_io import check_made_for, load_drafter
 from specdraft.runtime.load import load_target
 from specdraft.runtime.sampling import SamplingParams
 
@@ -174,13 +174,16 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
 
     b = cfg.bench
     world = with_bench_prompts(cfg, world)
+    stages = b.stages or [cfg.train.export]
+    dirs = {st: Path(cfg.decode.drafter) if cfg.decode.drafter and len(stages) == 1 else cfg.drafter_dir(st)
+            for st in stages}
+    for d in dirs.values():  # before the target is loaded
+        check_made_for(d, world.target_dir, cfg.decode.allow_other_target, log)
     tgt = load_target(world.target_dir, dtype=cfg.target.dtype, device=cfg.target.device)
     tok = AutoTokenizer.from_pretrained(str(world.target_dir), trust_remote_code=False)
     stops = stop_token_ids(tok)
-    stages = b.stages or [cfg.train.export]
     loaded = {"ar": _Entry(None, "ar", "", "", None, tgt, "torch")}  # label -> what a row decodes with
-    for st in stages:
-        d = Path(cfg.decode.drafter) if cfg.decode.drafter and len(stages) == 1 else cfg.drafter_dir(st)
+    for st, d in dirs.items():
         drafter = load_drafter(d, tgt)
         adaptive = "adaptive" in b.policies and drafter.arch_name in ("dflash", "vp")
         for backend in b.backends:

@@ -192,6 +192,10 @@ class DecodeConfig:
     round)."""
     drafter: str = ""
     """HF-format drafter directory (default: the run's exported drafter; for d2sd, the first drafter)."""
+    allow_other_target: bool = False
+    """Use a drafter made for another target checkpoint than ``target.path`` (a fine-tuned or quantised copy of
+    it, deliberately): logged instead of refused. The check reads the fingerprint the drafter's ``specdraft.json``
+    records (training and ``init-drafter`` write it)."""
     tree_k: int = 4
     """d2sd: branches the second drafter re-drafts per round (at most block_size - 2)."""
     second_drafter: str = ""
@@ -348,6 +352,9 @@ class TrackingConfig:
 
 @dataclass
 class RunConfig:
+    explicit: typing.ClassVar[frozenset[str]] = frozenset()
+    """The dotted keys the YAML file and overrides set (:func:`load_config` records them on the instance), to tell
+    a value the user chose from a default."""
     name: str = "run"
     work_dir: str = "artifacts/run"
     """Where this run's files go (world, data, checkpoints, exports, bench)."""
@@ -509,7 +516,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(data, dict):
             raise SpecdraftError(f"config file {p} must be a mapping of sections")
     data = _merge(data, parse_overrides(overrides or []))
-    return _build(RunConfig, data)
+    cfg = _build(RunConfig, data)
+    cfg.explicit = frozenset(_flatten(data, ""))
+    return cfg
 
 
 def to_dict(cfg) -> dict:

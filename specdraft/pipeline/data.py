@@ -126,13 +126,20 @@ def regenerate(cfg: RunConfig, world: World, tracker: Tracker, log=print) -> Pat
         completions[row["id"]] = row["completion"]
     rows = [{"id": r.id, "conversations": r.messages + [{"role": "assistant", "content": completions[r.id]}]}
             for r in requests if completions.get(r.id, "").strip()]
+    empty = sum(1 for r in requests if r.id in completions and not completions[r.id].strip())
+    missing = sum(1 for r in requests if r.id not in completions)
     if not rows:
-        raise SpecdraftError("the target produced no non-empty responses; check the target and prompts")
+        raise SpecdraftError(f"the target produced no non-empty responses ({empty} empty of {len(requests)}); check "
+                             "the target and prompts")
     out = write_jsonl(data_dir / "train.jsonl", rows)
     _check_loads_with_datasets(out)
     tok_per_s = stats["tokens"] / stats["seconds"] if stats["seconds"] else 0.0
-    log(f"data: {len(rows)} conversations -> {out} ({stats['tokens']} new tokens, {tok_per_s:.0f} tok/s)")
-    tracker.log_metrics({"data/conversations": len(rows), "data/regen_tokens_per_s": tok_per_s})
+    dropped = [f"{empty} empty responses (the target stopped at once)"] * bool(empty) + \
+        [f"{missing} prompts without a response (reported above)"] * bool(missing)
+    log(f"data: {len(rows)} conversations of {len(requests)} prompts -> {out} ({stats['tokens']} new tokens, "
+        f"{tok_per_s:.0f} tok/s)" + (f"; dropped {' and '.join(dropped)}" if dropped else ""))
+    tracker.log_metrics({"data/conversations": len(rows), "data/empty_responses": empty,
+                         "data/regen_tokens_per_s": tok_per_s})
     return out
 
 

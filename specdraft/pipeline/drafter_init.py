@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from specdraft.errors import SpecdraftError
 from specdraft.export.hf import export_drafter
-from specdraft.runtime.drafter_io import build_drafter, drafter_config_for_target
+from specdraft.runtime.drafter_io import build_drafter, drafter_config_for_target, record_target
 from specdraft.runtime.load import read_target_args
 
 
@@ -23,7 +23,9 @@ def init_drafter(target_dir: str | Path, out_dir: str | Path, num_layers: int = 
         mask_token_id = tokenizer_mask_id(target_dir, args.vocab_size)
     torch.manual_seed(seed)
     drafter = build_drafter(drafter_config_for_target(args, mask_token_id, num_layers, block_size))
-    return export_drafter(drafter, out_dir)
+    out = export_drafter(drafter, out_dir)
+    record_target(out, target_dir, stage="init")
+    return out
 
 
 def tokenizer_mask_id(target_dir: Path, vocab_size: int) -> int:

@@ -22,10 +22,10 @@ from specdraft.pipeline.tracking import Tracker, make_tracker
 from specdraft.pipeline.train import train_drafter
 from specdraft.pipeline.trees import FIRST_DRAFTERS, tree_drafting
 from specdraft.pipeline.world import build_or_load_world, cached_world, external_world, world_dir
-from specdraft.runtime.batch_job import read_requests, run_batch_job, shard_for_rank, warn_stderr
+from specdraft.runtime.batch_job import claim_output, read_requests, run_batch_job, shard_for_rank, warn_stderr
 from specdraft.runtime.decode import GenerationConfig
-from specdraft.runtime.drafter_io import check_compatible, load_drafter, read_drafter_config
-from specdraft.runtime.load import load_target, read_target_args
+from specdraft.runtime.drafter_io import check_compatible, check_made_for, load_drafter, read_drafter_config
+from specdraft.runtime.load import load_target, read_target_args, target_fingerprint
 from specdraft.runtime.sampling import SamplingParams
 from specdraft.runtime.static_decode import StaticEngine
 
@@ -112,8 +112,19 @@ def decode(cfg: RunConfig, input_path: Path, output_path: Path):
             raise SpecdraftError(f"config key 'decode.method': {d.method!r} but the drafter in {drafter_dir} is "
                                  f"a {arch!r} drafter")
         check_compatible(dcfg, read_target_args(world.target_dir))
-    if d.runner == "ray":
-        return _decode_on_ray(cfg, world, requests, output_path, drafter_dir)
+        check_made_for(drafter_dir, world.target_dir, d.allow_other_target, log)
+    settings = {"target": target_fingerprint(world.target_dir), "method": d.method,
+                "drafter": str(drafter_dir.resolve()) if drafter_dir else None, "temperature": d.temperature,
+                "top_k": d.top_k, "top_p": d.top_p, "draft_sampling": d.draft_sampling,
+                "max_new_tokens": d.max_new_tokens, "seed": d.seed, "enable_thinking": cfg.data.enable_thinking}
+    with claim_output(output_path, settings):  # one writer; a resume keeps the rows' settings
+        if d.runner == "ray":
+            return _decode_on_ray(cfg, world, requests, output_path, drafter_dir)
+        return _decode_here(cfg, world, requests, output_path, drafter_dir)
+
+
+def _decode_here(cfg: RunConfig, world, requests, output_path: Path, drafter_dir: Path | None):
+    d = cfg.decode
     with tracked(cfg, "decode") as tr:
         if d.backend == "torch":
             tgt = load_target(world.target_dir, dtype=cfg.target.dtype, device=cfg.target.device)
@@ -180,6 +191,7 @@ def export(cfg: RunConfig, to: str = "onnx"):
     drafter_dir = default_drafter_dir(cfg)
     if not (drafter_dir / "config.json").is_file():
         raise SpecdraftError(f"no drafter in {drafter_dir}: train one (specdraft train CONFIG) or set decode.drafter")
+    check_made_for(drafter_dir, world.target_dir, cfg.decode.allow_other_target, log)
     with tracked(cfg, "export") as tr:
         return run_export(cfg, world, drafter_dir, to, tr, log)
 

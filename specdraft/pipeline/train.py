@@ -29,11 +29,13 @@ from specdraft.pipeline.tracking import Tracker
 from specdraft.runtime.batch_job import encode_requests, read_requests
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.drafter_io import (
+    PROVENANCE,
     build_drafter,
     check_compatible,
     convert_drafter,
     drafter_config_for_target,
     load_drafter,
+    record_target,
 )
 from specdraft.runtime.load import load_target, target_fingerprint
 from specdraft.runtime.sampling import SamplingParams
@@ -79,12 +81,27 @@ def warm_start_dir(cfg: RunConfig) -> Path | None:
     return d
 
 
+def _check_init_conflicts(cfg: RunConfig, init: Path, made) -> None:
+    """A warm start keeps its own shape: refuse a ``drafter.*`` key the config sets to another value than the
+    drafter in ``init`` has (it would be ignored silently)."""
+    dc = cfg.drafter
+    given = {"block_size": (dc.block_size, made.block_size), "num_layers": (dc.num_layers, made.num_hidden_layers),
+             "mask_token_id": (dc.mask_token_id, made.mask_token_id),
+             "target_layer_ids": (list(dc.target_layer_ids), list(made.target_layer_ids)),
+             "num_features": (dc.num_features, len(made.target_layer_ids))}
+    for key, (want, has) in given.items():
+        if f"drafter.{key}" in cfg.explicit and want != has and not (key == "mask_token_id" and want < 0):
+            raise SpecdraftError(f"config key 'drafter.{key}': the config sets {want}, but the warm start in {init} "
+                                 f"has {has} (a warm start keeps its shape): drop the key, or train from scratch")
+
+
 def _build_drafter(cfg: RunConfig, target, tokenizer):
     dc = cfg.drafter
     arch = STAGES[cfg.train.stage].arch
     init = warm_start_dir(cfg)
     if init is not None:
         drafter = load_drafter(init, target)
+        _check_init_conflicts(cfg, init, drafter.config)
         if arch is not None and drafter.arch_name != arch:  # e.g. a DFlash backbone grows a zero-init fusion
             drafter = convert_drafter(drafter, arch, dc.options_for(arch))
         return drafter.train().requires_grad_(True)
@@ -125,8 +142,8 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
     tags = {"stage": t.stage, "export_name": t.export, "warm_start": str(init or "")}
     if data_temperature is not None:
         tags["data_temperature"] = f"{data_temperature:g}"
-    if init is not None and (init / "specdraft.json").is_file():
-        tags["warm_start_run_id"] = json.loads((init / "specdraft.json").read_text()).get("run_id", "")
+    if init is not None and (init / PROVENANCE).is_file():
+        tags["warm_start_run_id"] = json.loads((init / PROVENANCE).read_text()).get("run_id", "")
     tracker.set_tags(tags)
     opd = t.stage == "opd"
     if opd and t.opd.buffer_prompts > t.opd.refresh_every * t.batch_size * t.accumulate_grad_batches > 0:
@@ -212,9 +229,8 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
         return cfg.drafter_dir(t.export)
 
     out = export_checkpoint(best, drafter, cfg.drafter_dir(t.export))
-    (out / "specdraft.json").write_text(json.dumps({"stage": t.stage, "export_name": t.export, "run_id": tracker.run_id,
-                                                    "sim_tau": best_score, "selected_by": objective.selection_metric,
-                                                    "target": str(world.target_dir), "warm_start": str(init or "")}))
+    record_target(out, world.target_dir, stage=t.stage, export_name=t.export, run_id=tracker.run_id,
+                  sim_tau=best_score, selected_by=objective.selection_metric, warm_start=str(init or ""))
     export_checkpoint(resume, drafter, cfg.drafter_dir(t.export + "-last"))
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("eval/")}
     tps = module._tokens_seen / train_s if train_s > 0 else 0.0

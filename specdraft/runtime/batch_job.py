@@ -10,7 +10,9 @@ Under ``torchrun`` the input is sharded by rank and each rank writes ``<output>.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import sys
@@ -105,6 +107,51 @@ def _repair_torn_tail(output: Path) -> None:
             output.write_bytes(data[: data.rfind(b"\n") + 1])
 
 
+@contextlib.contextmanager
+def claim_output(output: Path, settings: dict, warn: Callable[[str], None] | None = None):
+    """Hold ``output`` for one job. A lock (``<output>.lock``) refuses a second writer; the settings that shape its
+    rows (``<output>.settings.json``) are recorded, and a resume with other settings is refused, naming the keys
+    (its rows would mix two jobs' results under one file)."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    lock = output.with_name(output.name + ".lock").open("a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        raise SpecdraftError(f"{output} is being written by another job ({holder}): wait for it to end, or choose "
+                             "another --output") from None
+    try:
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"pid {os.getpid()}")
+        lock.flush()
+        _check_settings(output, json.loads(json.dumps(settings)), warn or warn_stderr)
+        yield
+    finally:
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        lock.close()
+
+
+def _check_settings(output: Path, settings: dict, warn: Callable[[str], None]) -> None:
+    record = output.with_name(output.name + ".settings.json")
+    has_rows = output.is_file() and output.stat().st_size > 0
+    if record.is_file() and has_rows:
+        try:
+            old = json.loads(record.read_text())
+        except ValueError:
+            raise SpecdraftError(f"{record} is not valid JSON: restore it, or choose another --output") from None
+        changed = sorted(k for k in old.keys() | settings.keys() if old.get(k) != settings.get(k))
+        if changed:
+            raise SpecdraftError(f"{output} holds rows of a job with other settings ("
+                                 + "; ".join(f"{k}: {old.get(k)!r} then, {settings.get(k)!r} now" for k in changed)
+                                 + "): choose another --output, or delete it and its .settings.json to start over")
+    elif has_rows:
+        warn(f"{output}: no settings recorded beside it (an older job wrote it); resuming without checking them")
+    record.write_text(json.dumps(settings, indent=2))
+
+
 def shard_for_rank(requests: list[Request], output: Path) -> tuple[list[Request], Path]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
@@ -124,7 +171,8 @@ def merge_shards(input_path: str | Path, output: str | Path, warn: Callable[[str
     order = [r.id for r in read_requests(input_path, lambda m: None)]
     known = set(order)
     rows: dict[str, str] = {}
-    sources = sorted(output.parent.glob(output.name + ".rank*")) + ([output] if output.is_file() else [])
+    shards = [p for p in output.parent.glob(output.name + ".rank*") if p.name[len(output.name) + 5:].isdigit()]
+    sources = sorted(shards) + ([output] if output.is_file() else [])  # not their .lock and .settings.json
     if not sources:
         raise SpecdraftError(f"no shard outputs {output.name}.rank* next to {output}")
     for src in sources:

@@ -12,7 +12,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from specdraft.errors import SpecdraftError
-from specdraft.runtime.load import load_safetensors_dir
+from specdraft.runtime.load import load_safetensors_dir, weights_fingerprint
 from specdraft.runtime.models import resolve_drafter
 from specdraft.runtime.models.dflash import DFlashConfig, build_target_layer_ids
 from specdraft.runtime.models.layers import rope_inv_freq
@@ -89,6 +89,41 @@ def save_drafter(drafter, out_dir: str | Path, extra_config: dict | None = None)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return out
+
+
+PROVENANCE = "specdraft.json"
+"""Beside a drafter's ``config.json``: what made it (stage, run) and the target checkpoint it was made for."""
+
+
+def record_target(drafter_dir: str | Path, target_dir: str | Path, **extra) -> None:
+    """Write (or update) the drafter's provenance with the target it is made for: its path and the fingerprint of its
+    weights (:func:`~specdraft.runtime.load.weights_fingerprint`: a copy elsewhere matches, other weights do not)."""
+    f = Path(drafter_dir) / PROVENANCE
+    record = json.loads(f.read_text()) if f.is_file() else {}
+    record.update(extra, target=str(target_dir), target_fingerprint=weights_fingerprint(target_dir))
+    f.write_text(json.dumps(record))
+
+
+def check_made_for(drafter_dir: str | Path, target_dir: str | Path, allow: bool = False, log=print) -> None:
+    """Refuse (before any weight is read) a drafter whose provenance names another target checkpoint than
+    ``target_dir`` (same shapes, other weights: it would decode losslessly but accept almost nothing); with
+    ``allow``, log it and go on. Drafters without a recorded fingerprint (made elsewhere) are not checked."""
+    f = Path(drafter_dir) / PROVENANCE
+    try:
+        made_for = json.loads(f.read_text()).get("target_fingerprint") if f.is_file() else None
+    except ValueError:
+        raise SpecdraftError(f"{f} is not valid JSON: restore it or delete it") from None
+    if not made_for:
+        return
+    now = weights_fingerprint(target_dir)
+    if made_for == now:
+        return
+    what = (f"the drafter in {drafter_dir} was made for another target checkpoint (fingerprint {made_for}; "
+            f"{target_dir} is {now})")
+    if not allow:
+        raise SpecdraftError(f"{what}: train a drafter for this target, or set decode.allow_other_target=true to "
+                             "reuse it deliberately (e.g. a fine-tuned or quantised copy)")
+    log(f"warning: {what}; using it anyway (decode.allow_other_target=true)")
 
 
 def read_drafter_config(path: str | Path) -> tuple[str, DFlashConfig]:

@@ -68,6 +68,26 @@ def target_fingerprint(target_dir: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
+SAMPLE_BYTES = 1 << 20
+
+
+def weights_fingerprint(target_dir: str | Path) -> str:
+    """Which weights these are, wherever the directory lies: per safetensors file, its name, size, and 1 MiB at its
+    start (the header: tensor names, dtypes, offsets; then the first tensors), middle and end. A copy of a checkpoint
+    keeps it (its config and tokenizer files may differ); a checkpoint of the same shapes with other weights
+    (retrained, or a sibling) changes it. Reads a few MB, not the weights (hashing all would take minutes at 8B)."""
+    d = Path(target_dir)
+    h = hashlib.sha256()
+    for f in sorted(d.glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with f.open("rb") as r:
+            for offset in (0, max(0, size // 2 - SAMPLE_BYTES // 2), max(0, size - SAMPLE_BYTES)):
+                r.seek(offset)
+                h.update(r.read(SAMPLE_BYTES))
+    return h.hexdigest()[:16]
+
+
 def read_target_args(path: str | Path) -> TargetArgs:
     """The architecture of the target checkpoint at ``path`` (no weights read); clear errors for bad paths."""
     path = Path(path)

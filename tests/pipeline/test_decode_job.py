@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 from specdraft.errors import SpecdraftError
@@ -322,3 +323,51 @@ def test_merge_refuses_foreign_and_conflicting_rows_and_reports_missing_ones(tmp
     _write(tmp_path / "out.jsonl.rank1", [json.dumps({"id": "zz", "completion": "1"})])
     with pytest.raises(SpecdraftError, match="another input"):
         batch_job.merge_shards(inp, out, warnings.append)
+
+
+def test_a_drafter_made_for_another_target_checkpoint_is_refused_before_compute(tiny_world, drafter_dir, tmp_path,
+                                                                                capsys):
+    """A sibling checkpoint of the same shapes with other weights: the drafter's recorded fingerprint does not match,
+    so the torch backend refuses before loading anything; a deliberate reuse is allowed and said."""
+    record = json.loads((drafter_dir / "specdraft.json").read_text())
+    assert record["target_fingerprint"] and record["target"] == str(tiny_world.target_dir)
+    sibling = _target_copy(tiny_world, tmp_path)
+    weights = next(sibling.glob("*.safetensors"))
+    state = load_file(str(weights))
+    save_file({k: v + 0.01 for k, v in state.items()}, str(weights), metadata={"format": "pt"})  # other weights
+    inp, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    _write(inp, ['{"id": 7, "prompt": "Mia has 3 apples."}'])
+    args = _args(tiny_world, drafter_dir, tmp_path, f"target.path={sibling}")
+    assert main(["decode", *args, "--input", str(inp), "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"made for another target checkpoint (fingerprint {record['target_fingerprint']}" in err
+    assert len(err.splitlines()) == 1 and not out.exists()
+    assert main(["decode", *args, "decode.allow_other_target=true", "--input", str(inp), "--output", str(out)]) == 0
+    assert "warning: the drafter in" in capsys.readouterr().out and len(out.read_text().splitlines()) == 1
+
+
+def test_a_resume_with_other_settings_is_refused_naming_the_keys_and_keeps_the_rows(tiny_world, drafter_dir,
+                                                                                     tmp_path, capsys):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    _write(inp, ['{"id": "a", "prompt": "Mia has 3 apples."}', '{"id": "b", "prompt": "Tom"}'])
+    assert main(["decode", *_args(tiny_world, drafter_dir, tmp_path), "--input", str(inp), "--output", str(out)]) == 0
+    rows = out.read_text()
+    capsys.readouterr()
+    assert main(["decode", *_args(tiny_world, drafter_dir, tmp_path, "decode.temperature=1.0",
+                                  "decode.max_new_tokens=8"), "--input", str(inp), "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "other settings" in err and "max_new_tokens: 12 then, 8 now" in err and "temperature: 0.0 then" in err
+    assert out.read_text() == rows
+    assert main(["decode", *_args(tiny_world, drafter_dir, tmp_path), "--input", str(inp), "--output", str(out)]) == 0
+    assert out.read_text() == rows  # the same settings resume (nothing left to do)
+
+
+def test_a_second_writer_on_one_output_is_refused(tiny_world, drafter_dir, tmp_path, capsys):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    _write(inp, ['{"id": "a", "prompt": "Mia has 3 apples."}'])
+    with batch_job.claim_output(out, {"job": "first"}):  # another job holds the output
+        assert main(["decode", *_args(tiny_world, drafter_dir, tmp_path), "--input", str(inp),
+                     "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{out} is being written by another job (pid {os.getpid()})" in err
+    assert not out.exists() or out.read_text() == ""

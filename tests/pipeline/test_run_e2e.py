@@ -147,3 +147,19 @@ def test_checkpoints_trained_on_other_data_are_not_resumed(tmp_path):
     (ckpt / "trained_on.json").unlink()
     with pytest.raises(SpecdraftError, match="not recorded"):
         check_resumable(ckpt, {"target": "a", "data": "1"})
+
+
+def test_data_reports_how_many_empty_responses_it_dropped(tmp_path, capsys, tiny_world):
+    """Responses the target ended at once are not trained on; the stage says how many it dropped and why."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"hello {i}"}) + "\n" for i in range(3)))
+    data = tmp_path / "w" / "data"
+    data.mkdir(parents=True)
+    (data / "regenerated.jsonl").write_text("".join(json.dumps({"id": i, "completion": c}) + "\n"
+                                                    for i, c in (("p0", ""), ("p1", "  "))))  # a resumed job
+    assert main(["data", TINY, f"target.path={tiny_world.target_dir}", f"data.prompts_file={prompts}",
+                 "data.max_new_tokens=6", "tracking.enabled=false", f"work_dir={tmp_path / 'w'}"]) == 0
+    out = capsys.readouterr().out
+    kept = len((data / "train.jsonl").read_text().splitlines())
+    assert f"data: {kept} conversations of 3 prompts" in out
+    assert f"dropped {3 - kept} empty responses (the target stopped at once)" in out and kept <= 1

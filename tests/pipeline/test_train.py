@@ -17,6 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from specdraft.errors import SpecdraftError
 from specdraft.lit_modules.stage_table import Objective
 from specdraft.pipeline import stages
+from specdraft.pipeline.cli import main
 from specdraft.pipeline.config import load_config
 from specdraft.pipeline.lightning_utils import TrackerCallback, quiet_lightning
 from specdraft.pipeline.tracking import Tracker
@@ -283,3 +284,15 @@ def test_expected_lightning_messages_are_silenced_and_others_are_not():
     finally:
         logger.removeHandler(handler)
     assert [r.getMessage() for r in records] == ["GPU available: False"]
+
+
+def test_a_warm_start_that_conflicts_with_the_config_is_refused_naming_both_values(tiny_world, tmp_path):
+    """The config sets ``drafter.block_size`` (4 here) and ``drafter.init_from`` a drafter made with 8: refused
+    before training, naming both values, instead of training and exporting block size 8 without a word."""
+    init = tmp_path / "init"
+    assert main(["init-drafter", "--target", str(tiny_world.target_dir), "--out", str(init), "--layers", "1",
+                 "--block-size", "8"]) == 0
+    data = _prepare(tiny_world, tmp_path / "w")
+    with pytest.raises(SpecdraftError, match="'drafter.block_size': the config sets 4, but the warm start .* has 8"):
+        train_drafter(_cfg(tiny_world, tmp_path / "w", f"drafter.init_from={init}"), tiny_world, data,
+                      RecordingTracker(), log=lambda m: None)
