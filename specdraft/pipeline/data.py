@@ -123,8 +123,8 @@ def regenerate(cfg: RunConfig, world: World, tracker: Tracker, log=print) -> Pat
     completions = {}
     for line in raw.read_text(encoding="utf-8").splitlines():
         row = json.loads(line)
-        completions[row["id"]] = row["completion"]
-    rows = [{"id": r.id, "conversations": r.messages + [{"role": "assistant", "content": completions[r.id]}]}
+        completions[str(row["id"])] = row["completion"]
+    rows = [{"id": r.raw_id, "conversations": r.messages + [{"role": "assistant", "content": completions[r.id]}]}
             for r in requests if completions.get(r.id, "").strip()]
     empty = sum(1 for r in requests if r.id in completions and not completions[r.id].strip())
     missing = sum(1 for r in requests if r.id not in completions)

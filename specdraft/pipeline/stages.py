@@ -102,7 +102,8 @@ def decode(cfg: RunConfig, input_path: Path, output_path: Path):
     if d.runner == "ray" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise SpecdraftError("config key 'decode.runner': ray runs one driver for the whole cluster; start it "
                              "once, not under torchrun")
-    requests = read_requests(input_path, warn_stderr)
+    bad: list[str] = []
+    requests = read_requests(input_path, lambda m: (bad.append(m), warn_stderr(m)))
     requests, output_path = shard_for_rank(requests, output_path)
     drafter_dir = None
     if d.method != "ar":
@@ -118,9 +119,19 @@ def decode(cfg: RunConfig, input_path: Path, output_path: Path):
                 "top_k": d.top_k, "top_p": d.top_p, "draft_sampling": d.draft_sampling,
                 "max_new_tokens": d.max_new_tokens, "seed": d.seed, "enable_thinking": cfg.data.enable_thinking}
     with claim_output(output_path, settings):  # one writer; a resume keeps the rows' settings
-        if d.runner == "ray":
-            return _decode_on_ray(cfg, world, requests, output_path, drafter_dir)
-        return _decode_here(cfg, world, requests, output_path, drafter_dir)
+        run = _decode_on_ray if d.runner == "ray" else _decode_here
+        stats = run(cfg, world, requests, output_path, drafter_dir)
+    if not stats["requests"]:
+        log(f"decode: nothing left to do: {output_path} holds every request ({stats['skipped_done']} done, "
+            f"{stats['rejected']} skipped, {len(bad)} bad lines)")
+        return stats
+    tps = stats["tokens"] / stats["seconds"] if stats["seconds"] else 0.0
+    where = f" on {d.ray_actors} Ray actors" if d.runner == "ray" else ""
+    order = "; rows in the order requests finished" if d.batching == "continuous" or d.runner == "ray" else ""
+    log(f"decode: {stats['requests']} requests{where} ({stats['skipped_done']} already done, {stats['rejected']} "
+        f"skipped, {len(bad)} bad lines) -> {output_path}{order}; tau {stats['tau']:.2f}, "
+        f"{tps:.1f} tok/s")
+    return stats
 
 
 def _decode_here(cfg: RunConfig, world, requests, output_path: Path, drafter_dir: Path | None):
@@ -153,9 +164,6 @@ def _decode_here(cfg: RunConfig, world, requests, output_path: Path, drafter_dir
         bar.close()
         tps = stats["tokens"] / stats["seconds"] if stats["seconds"] else 0.0
         tr.log_metrics({"decode/tau": stats["tau"], "decode/tokens_per_s": tps, "decode/requests": stats["requests"]})
-        log(f"decode: {stats['requests']} requests ({stats['skipped_done']} already done, {stats['rejected']} "
-            f"skipped) -> {output_path}; "
-            f"tau {stats['tau']:.2f}, {tps:.1f} tok/s")
         return stats
 
 
@@ -179,8 +187,6 @@ def _decode_on_ray(cfg: RunConfig, world, requests, output_path: Path, drafter_d
         bar.close()
         tps = stats["tokens"] / stats["seconds"] if stats["seconds"] else 0.0
         tr.log_metrics({"decode/tau": stats["tau"], "decode/tokens_per_s": tps, "decode/requests": stats["requests"]})
-        log(f"decode: {stats['requests']} requests on {d.ray_actors} Ray actors ({stats['skipped_done']} already "
-            f"done, {stats['rejected']} skipped) -> {output_path}; tau {stats['tau']:.2f}, {tps:.1f} tok/s")
         return stats
 
 

@@ -35,12 +35,16 @@ class Request:
     """The plain text of a ``prompt`` request (None for ``messages``)."""
     max_new_tokens: int | None = None
     """The request's own token cap (None: the job's ``decode.max_new_tokens``)."""
+    raw_id: str | int | None = None
+    """The id as the input gave it (its row carries it back: 7, not "7"); ``id`` is its text, for matching."""
 
 
 def parse_request(obj: dict, line: int) -> Request:
     """Validate one input object; raises ``ValueError`` with a message naming the problem."""
     if "id" not in obj:
         raise ValueError("missing 'id'")
+    if not isinstance(obj["id"], (str, int)) or isinstance(obj["id"], bool):
+        raise ValueError("'id' must be a string or an integer")
     if ("prompt" in obj) == ("messages" in obj):
         raise ValueError("needs exactly one of 'prompt' or 'messages'")
     if "prompt" in obj:
@@ -56,7 +60,7 @@ def parse_request(obj: dict, line: int) -> Request:
     cap = obj.get("max_new_tokens")
     if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
         raise ValueError("'max_new_tokens' must be a positive integer")
-    return Request(str(obj["id"]), messages, line, obj.get("prompt"), cap)
+    return Request(str(obj["id"]), messages, line, obj.get("prompt"), cap, obj["id"])
 
 
 def read_requests(path: str | Path, warn: Callable[[str], None]) -> list[Request]:
@@ -230,13 +234,18 @@ def encode_requests(requests: list[Request], tokenizer, context: int | None, ena
     return out
 
 
-def result_row(req: Request, res: RowResult, tokenizer, stats: dict, with_verified: bool = False) -> dict:
-    """The output row of one request (the JSONL contract), counting it into the job's ``stats``."""
+def result_row(req: Request, res: RowResult, tokenizer, stats: dict, with_verified: bool = False,
+               length_reason: str = "length") -> dict:
+    """The output row of one request (the JSONL contract), counting it into the job's ``stats``.
+    ``finish_reason``: ``stop`` (a stop token), ``length`` (its token cap) or ``context`` (the target's context
+    ended it first: ``length_reason``, see :func:`length_reasons`)."""
     stats["tokens"] += len(res.tokens)
     stats["rounds"] += len(res.accept_lengths)
     stats["committed"] += sum(res.accept_lengths)
-    return {"id": req.id, "completion": tokenizer.decode(res.tokens, skip_special_tokens=True),
-            "num_tokens": len(res.tokens), "accept_lengths": res.accept_lengths, "tau": round(res.tau, 4),
+    return {"id": req.id if req.raw_id is None else req.raw_id,
+            "completion": tokenizer.decode(res.tokens, skip_special_tokens=True),
+            "num_tokens": len(res.tokens), "finish_reason": length_reason if res.finish_reason == "length" else
+            res.finish_reason, "accept_lengths": res.accept_lengths, "tau": round(res.tau, 4),
             "time_s": round(res.time_s, 4), **({"verified": res.verified} if with_verified else {})}
 
 
@@ -258,6 +267,12 @@ def finish_stats(stats: dict, seconds: float) -> dict:
     stats["seconds"] = seconds
     stats["tau"] = stats.pop("committed") / max(stats["rounds"], 1)
     return stats
+
+
+def length_reasons(encoded: list[tuple[Request, list[int]]], caps: list[int], default: int) -> list[str]:
+    """Per request, why a row that ran to its cap ended: ``context`` where the target's context cut the cap short,
+    else ``length``."""
+    return ["context" if cap < (r.max_new_tokens or default) else "length" for (r, _), cap in zip(encoded, caps)]
 
 
 def request_caps(encoded: list[tuple[Request, list[int]]], default: int, context: int | None) -> list[int]:
@@ -318,10 +333,11 @@ def run_batch_job(requests: list[Request], output: Path, tokenizer, target, gen:
     if batching == "static":
         encoded.sort(key=lambda x: len(x[1]))  # similar lengths per batch
     caps = request_caps(encoded, gen.max_new_tokens, context)
+    why = length_reasons(encoded, caps, gen.max_new_tokens)
     extra = {"policy": policy} if policy is not None else {}
 
-    def row(req: Request, res) -> dict:
-        return result_row(req, res, tokenizer, stats, policy is not None)
+    def row(i: int, res) -> dict:
+        return result_row(encoded[i][0], res, tokenizer, stats, policy is not None, why[i])
 
     start = time.perf_counter()
     writer = ResultWriter(output, batch_size)
@@ -330,7 +346,7 @@ def run_batch_job(requests: list[Request], output: Path, tokenizer, target, gen:
             last = [time.perf_counter()]
 
             def on_result(i: int, res) -> None:
-                writer.write([row(encoded[i][0], res)])
+                writer.write([row(i, res)])
                 if progress is not None:
                     now = time.perf_counter()
                     progress(1, now - last[0])
@@ -345,7 +361,7 @@ def run_batch_job(requests: list[Request], output: Path, tokenizer, target, gen:
             results = (engine or generate)(target, [ids for _, ids in chunk],
                                            dataclasses.replace(gen, max_new_tokens=caps[i:i + batch_size]),
                                            drafter=drafter, generator=generator, tree=tree, **extra)
-            writer.write([row(req, res) for (req, _), res in zip(chunk, results)])
+            writer.write([row(i + j, res) for j, res in enumerate(results)])
             writer.sync()  # a whole batch, then fsync
             if progress is not None:
                 progress(len(chunk), time.perf_counter() - t0)

@@ -23,6 +23,7 @@ from specdraft.runtime.batch_job import (
     Request,
     ResultWriter,
     finish_stats,
+    length_reasons,
     pending_requests,
     request_caps,
     result_row,
@@ -99,6 +100,7 @@ def run_ray_job(requests: list[Request], output: Path, tokenizer, spec: ActorSpe
     if not encoded:
         return finish_stats(stats, 0.0)
     caps = request_caps(encoded, spec.gen.max_new_tokens, context)
+    why = length_reasons(encoded, caps, spec.gen.max_new_tokens)
     started = not ray.is_initialized()
     if started:
         # "local": a new cluster on this machine, even where RAY_ADDRESS or `ray start` names another
@@ -122,7 +124,7 @@ def run_ray_job(requests: list[Request], output: Path, tokenizer, spec: ActorSpe
             for i, toks, acc, reason, secs in zip(out["index"], out["tokens"], out["accept_lengths"],
                                                   out["finish_reason"], out["time_s"]):
                 res = RowResult(list(map(int, toks)), list(map(int, acc)), str(reason), float(secs))
-                rows.append(result_row(encoded[int(i)][0], res, tokenizer, stats))
+                rows.append(result_row(encoded[int(i)][0], res, tokenizer, stats, length_reason=why[int(i)]))
             writer.write(rows)
             if progress is not None:
                 progress(len(rows), 0.0)

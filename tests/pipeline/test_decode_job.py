@@ -50,12 +50,15 @@ def test_decode_contract_malformed_lines_and_resume(tiny_world, drafter_dir, tmp
                  '',
                  '{"id": "d", "prompt": "Ben has 9 cards."}'])
     assert main(["decode", *_args(tiny_world, drafter_dir, tmp_path), "--input", str(inp), "--output", str(out)]) == 0
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    err = captured.err
     assert "in.jsonl:2" in err and "in.jsonl:3" in err
+    assert "decode: 3 requests (0 already done, 0 skipped, 2 bad lines)" in captured.out
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["id"] for r in rows) == ["a", "c", "d"]
     for r in rows:
-        assert set(r) == {"id", "completion", "num_tokens", "accept_lengths", "tau", "time_s"}
+        assert set(r) == {"id", "completion", "num_tokens", "finish_reason", "accept_lengths", "tau", "time_s"}
+        assert r["finish_reason"] == "length" if r["num_tokens"] == 12 else r["finish_reason"] == "stop"
         assert 1 <= r["num_tokens"] <= 12 and r["tau"] >= 1.0 and all(1 <= a <= 4 for a in r["accept_lengths"])
 
     # simulate an interruption: drop one finished row and leave a torn half line, then rerun
@@ -264,6 +267,7 @@ def test_a_prompt_longer_than_the_targets_context_is_reported_and_the_others_wri
     prompt_len = len(AutoTokenizer.from_pretrained(str(t)).apply_chat_template(
         [{"role": "user", "content": "Mia has 3 apples."}], add_generation_prompt=True, tokenize=True)["input_ids"])
     assert prompt_len + rows[0]["num_tokens"] <= 40  # generation stops at the context
+    assert rows[0]["finish_reason"] == ("context" if prompt_len + rows[0]["num_tokens"] == 40 else "stop")
 
 
 def test_a_base_model_trains_on_the_prompt_ids_its_decode_job_serves(tiny_world, tmp_path, monkeypatch):
@@ -344,6 +348,7 @@ def test_a_drafter_made_for_another_target_checkpoint_is_refused_before_compute(
     assert len(err.splitlines()) == 1 and not out.exists()
     assert main(["decode", *args, "decode.allow_other_target=true", "--input", str(inp), "--output", str(out)]) == 0
     assert "warning: the drafter in" in capsys.readouterr().out and len(out.read_text().splitlines()) == 1
+    assert json.loads(out.read_text())["id"] == 7  # the id's type as given
 
 
 def test_a_resume_with_other_settings_is_refused_naming_the_keys_and_keeps_the_rows(tiny_world, drafter_dir,
@@ -359,7 +364,8 @@ def test_a_resume_with_other_settings_is_refused_naming_the_keys_and_keeps_the_r
     assert "other settings" in err and "max_new_tokens: 12 then, 8 now" in err and "temperature: 0.0 then" in err
     assert out.read_text() == rows
     assert main(["decode", *_args(tiny_world, drafter_dir, tmp_path), "--input", str(inp), "--output", str(out)]) == 0
-    assert out.read_text() == rows  # the same settings resume (nothing left to do)
+    assert out.read_text() == rows  # the same settings resume
+    assert "decode: nothing left to do" in capsys.readouterr().out
 
 
 def test_a_second_writer_on_one_output_is_refused(tiny_world, drafter_dir, tmp_path, capsys):

@@ -32,7 +32,7 @@ def test_a_ray_job_writes_the_local_jobs_rows_once_each_and_resumes(tiny_world, 
     assert main(["decode", *ray_args, "--input", str(inp), "--output", str(on_ray)]) == 0
     out, err = capsys.readouterr()
     assert "in.jsonl:14" in err and "in.jsonl:15" in err  # bad lines reported by line, the others decoded
-    assert "12 requests on 2 Ray actors (1 already done, 0 skipped)" in out, out
+    assert "12 requests on 2 Ray actors (1 already done, 0 skipped, 2 bad lines)" in out, out
     rows = [json.loads(line) for line in on_ray.read_text().splitlines()]
     assert sorted(r["id"] for r in rows) == sorted(want)  # every id once: r2 kept, nothing duplicated or lost
     for r in rows:  # each row as the local job wrote it (greedy), its own cap applied
