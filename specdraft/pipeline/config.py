@@ -140,8 +140,13 @@ class TrainConfig(Objective):
     lr: float = 6e-4
     warmup_ratio: float = 0.04
     epochs: int = 6
+    """Passes over the training conversations, when ``max_steps`` is -1."""
     max_steps: int = -1
-    """-1 = run all epochs."""
+    """Optimizer steps to train; -1 = ``epochs`` passes. A positive value wins over ``epochs``: training runs exactly
+    this many steps, stopping inside an epoch or running past ``epochs`` (the log says which it used)."""
+    restart: bool = False
+    """Start over: delete this export's checkpoints instead of resuming them (a resume refuses changed
+    hyperparameters)."""
     batch_size: int = 4
     """Conversations per process and step; the global batch is ``batch_size * devices * num_nodes``."""
     max_seq_len: int = 3072

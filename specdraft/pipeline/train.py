@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from specdraft.lit_modules.features import OfflineFeatures, build_offline_cache
 from specdraft.lit_modules.opd import rollout_share
 from specdraft.lit_modules.opd_data import RolloutDataModule, make_rollout_fn
 from specdraft.lit_modules.stage_table import STAGES, Objective
-from specdraft.pipeline.config import RunConfig
+from specdraft.pipeline.config import RunConfig, to_flat_dict
 from specdraft.pipeline.data import regenerated_temperature
 from specdraft.pipeline.lightning_utils import TrackerCallback, quiet_lightning
 from specdraft.pipeline.tokenizer import stop_token_ids
@@ -216,8 +217,20 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
         dm.attach(make_rollout_fn(module, t.opd, stop_ids, t.seed),
                   lambda: trainer.global_step * t.accumulate_grad_batches)
     resume = ckpt_dir / "drafter-last.ckpt"
+    if t.restart and ckpt_dir.is_dir():
+        shutil.rmtree(ckpt_dir)
+        log(f"train: train.restart: deleted {ckpt_dir}; starting over")
     check_resumable(ckpt_dir, {"target": target_fingerprint(world.target_dir),
-                               "data": hashlib.sha256(Path(data_file).read_bytes()).hexdigest()[:16]})
+                               "data": hashlib.sha256(Path(data_file).read_bytes()).hexdigest()[:16]},
+                    training_settings(cfg))
+    start_step = resumed_step(resume)
+    plan = "train.max_steps" if t.max_steps > 0 else f"{t.epochs} epochs of {steps_per_epoch} steps"
+    if start_step is None:
+        log(f"train: {total} steps ({plan})")
+    elif start_step >= total:
+        log(f"train: {resume} is at step {start_step} of {total} ({plan}): nothing left to train")
+    else:
+        log(f"train: resuming from step {start_step} of {total} ({plan}) from {resume}")
     t0 = time.perf_counter()
     trainer.fit(module, datamodule=dm, ckpt_path=str(resume) if resume.is_file() else None, weights_only=True)
     # full state, so a rerun resumes (and finds nothing left to do)
@@ -228,6 +241,7 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
     if trainer.global_rank != 0:  # one export, one run, one registered version: the first process's
         return cfg.drafter_dir(t.export)
 
+    before = _weights_digest(cfg.drafter_dir(t.export))
     out = export_checkpoint(best, drafter, cfg.drafter_dir(t.export))
     record_target(out, world.target_dir, stage=t.stage, export_name=t.export, run_id=tracker.run_id,
                   sim_tau=best_score, selected_by=objective.selection_metric, warm_start=str(init or ""))
@@ -237,29 +251,68 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
     tracker.log_metrics({"train/wall_s": train_s, "train/final_tokens_per_s": tps,
                          **{f"final/{k.replace('/', '_')}": v for k, v in metrics.items()}})
     tracker.log_artifact(out, "drafter")
-    version = tracker.register_model("drafter", f"{cfg.name}-{drafter.arch_name}",
-                                     tags={"target": str(world.target_dir), "stage": t.stage,
-                                           "sim_tau": round(best_score, 3),
-                                           "selected_by": objective.selection_metric})
+    unchanged = before is not None and before == _weights_digest(out)
+    version = None if unchanged else tracker.register_model(
+        "drafter", f"{cfg.name}-{drafter.arch_name}", tags={"target": str(world.target_dir), "stage": t.stage,
+                                                            "sim_tau": round(best_score, 3),
+                                                            "selected_by": objective.selection_metric})
     share = rollout_share(module)
-    log(f"train: {trainer.global_step} steps in {train_s:.0f}s ({tps:.0f} tokens/s); best "
+    ran = trainer.global_step - (start_step or 0)
+    log(f"train: {ran} steps" + (f" (to step {trainer.global_step})" if start_step else "")
+        + (f" in {train_s:.0f}s ({tps:.0f} tokens/s)" if ran else "") + f"; best "
         f"{objective.selection_metric} {best_score:.2f}; exported {out}"
         + (f"; registered model version {version}" if version else "")
+        + ("; its weights are unchanged, so no new model version" if unchanged else "")
         + (f"; rollouts took {share:.0%} of the training time" if share is not None else ""))
     return out
 
 
-def check_resumable(ckpt_dir: Path, trained_on: dict) -> None:
-    """Record what the checkpoints in ``ckpt_dir`` train on; refuse to resume checkpoints trained on another target
-    or other data (a rerun after the world or the data changed would otherwise export the old drafter)."""
+RESUMABLE_CHANGES = {"train.max_steps", "train.epochs", "train.max_minutes", "train.eval_every", "train.log_every",
+                     "train.eval_prompts", "train.restart"}
+"""Keys a resume may change: how long to train, and how often to evaluate and log."""
+
+
+def training_settings(cfg: RunConfig) -> dict:
+    """The ``train.*`` and ``drafter.*`` settings a resume must keep (all but :data:`RESUMABLE_CHANGES`)."""
+    return {k: v for k, v in to_flat_dict(cfg).items()
+            if k.split(".")[0] in ("train", "drafter") and k not in RESUMABLE_CHANGES}
+
+
+def check_resumable(ckpt_dir: Path, trained_on: dict, settings: dict | None = None) -> None:
+    """Record what the checkpoints in ``ckpt_dir`` train on and with; refuse to resume checkpoints trained on another
+    target or other data (a rerun after the world or the data changed would otherwise export the old drafter), or
+    with other settings (naming each key; ``train.restart=true`` starts over)."""
     record = ckpt_dir / "trained_on.json"
+    settings = json.loads(json.dumps(settings or {}))
     if (ckpt_dir / "drafter-last.ckpt").is_file():
         old = json.loads(record.read_text()) if record.is_file() else None
-        if old != trained_on:
+        if old is None or {k: old.get(k) for k in trained_on} != trained_on:
             raise SpecdraftError(f"{ckpt_dir} holds checkpoints trained on another target or other data (or not "
                                  "recorded); delete it to train afresh, or set train.export_name to train elsewhere")
+        was = old.get("settings")
+        changed = sorted(k for k in (was or {}).keys() | settings.keys() if (was or {}).get(k) != settings.get(k))
+        if was is not None and changed:
+            raise SpecdraftError(f"{ckpt_dir} holds checkpoints trained with other settings ("
+                                 + "; ".join(f"{k}: {was.get(k)!r} then, {settings.get(k)!r} now" for k in changed)
+                                 + "): set them back to resume, or train.restart=true to start over")
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    record.write_text(json.dumps(trained_on))
+    record.write_text(json.dumps({**trained_on, "settings": settings}))
+
+
+def resumed_step(checkpoint: Path) -> int | None:
+    """The optimizer step a Lightning checkpoint was saved at (None: no checkpoint); tensors are mapped, not read."""
+    if not checkpoint.is_file():
+        return None
+    try:
+        return int(torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True).get("global_step", 0))
+    except Exception as e:  # a truncated or foreign file: name it (Lightning would fail on it the same way)
+        raise SpecdraftError(f"cannot read the checkpoint {checkpoint} ({type(e).__name__}): delete it, or "
+                             "train.restart=true to start over") from None
+
+
+def _weights_digest(drafter_dir: Path) -> str | None:
+    f = drafter_dir / "model.safetensors"
+    return hashlib.sha256(f.read_bytes()).hexdigest() if f.is_file() else None
 
 
 def data_temperature_note(objective: Objective, data_temperature: float | None) -> str | None:

@@ -72,8 +72,10 @@ def test_resume_gives_the_same_next_losses(tiny_world, tmp_path):
     first = RecordingTracker()
     train_drafter(_cfg(tiny_world, tmp_path / "b"), tiny_world, data, first, log=lambda m: None, callbacks=[StopAt(3)])
     assert max(first.metrics["train/loss"]) == 3
-    second = RecordingTracker()
-    train_drafter(_cfg(tiny_world, tmp_path / "b"), tiny_world, data, second, log=lambda m: None)
+    second, said = RecordingTracker(), []
+    train_drafter(_cfg(tiny_world, tmp_path / "b"), tiny_world, data, second, log=said.append)
+    assert any("resuming from step 3 of 6 (train.max_steps)" in m for m in said)
+    assert any(m.startswith("train: 3 steps (to step 6) in ") for m in said)
     resumed = second.metrics["train/loss"]
     assert sorted(resumed) == [4, 5, 6]
     for step in (4, 5, 6):
@@ -296,3 +298,33 @@ def test_a_warm_start_that_conflicts_with_the_config_is_refused_naming_both_valu
     with pytest.raises(SpecdraftError, match="'drafter.block_size': the config sets 4, but the warm start .* has 8"):
         train_drafter(_cfg(tiny_world, tmp_path / "w", f"drafter.init_from={init}"), tiny_world, data,
                       RecordingTracker(), log=lambda m: None)
+
+
+class RegisteringTracker(RecordingTracker):
+    def __init__(self):
+        super().__init__()
+        self.versions = 0
+
+    def register_model(self, artifact_path, name, tags=None):
+        self.versions += 1
+        return str(self.versions)
+
+
+def test_a_resume_refuses_changed_settings_and_a_finished_run_registers_nothing_new(tiny_world, tmp_path):
+    data = _prepare(tiny_world, tmp_path)
+    train_drafter(_cfg(tiny_world, tmp_path), tiny_world, data, RecordingTracker(), log=lambda m: None,
+                  callbacks=[StopAt(3)])
+    with pytest.raises(SpecdraftError, match="other settings \\(train.lr: 0.003 then, 0.001 now\\)"):
+        train_drafter(_cfg(tiny_world, tmp_path, "train.lr=1e-3"), tiny_world, data, RecordingTracker(),
+                      log=lambda m: None)
+    tracker, said = RegisteringTracker(), []
+    train_drafter(_cfg(tiny_world, tmp_path, "train.lr=1e-3", "train.restart=true"), tiny_world, data, tracker,
+                  log=said.append)
+    assert any("starting over" in m for m in said) and any(m.startswith("train: 6 steps in ") for m in said)
+    assert tracker.versions == 1 and max(tracker.metrics["train/loss"]) == 6
+    again, said = RegisteringTracker(), []
+    train_drafter(_cfg(tiny_world, tmp_path, "train.lr=1e-3", "train.max_minutes=5"), tiny_world, data, again,
+                  log=said.append)  # how long to train may change on a resume
+    assert any("nothing left to train" in m for m in said)
+    assert any("0 steps (to step 6); best" in m and "no new model version" in m for m in said)
+    assert again.versions == 0
