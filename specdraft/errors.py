@@ -1,6 +1,9 @@
 """User-facing errors: the CLI prints their message as one line and exits non-zero (no traceback)."""
 
 
+TRT_MISSING = "TensorRT is not installed (pip install '.[trt]' from NVIDIA's index on a GPU machine)"
+
+
 class SpecdraftError(Exception):
     """An error caused by the user's input (config, paths, data); its message says what to fix."""
 

@@ -11,6 +11,7 @@ from onnx.defs import OpSchema
 
 from specdraft.kernels.retrace_fusion import FusionWeights, retrace_fusion
 from specdraft.kernels.speculative_attention import AttentionPlan, speculative_attention
+from specdraft.noise import quiet_onnx_export
 from specdraft.runtime.backends.custom_ops import (
     CUSTOM_OPS,
     DOMAIN,
@@ -70,6 +71,7 @@ def _register_schemas() -> None:
             onnx.defs.register_schema(onnx_schema(op))
 
 
+quiet_onnx_export()  # the exporter (and onnxscript's registry) says torchvision is missing; nothing uses it
 _register_schemas()
 _opset = onnxscript.values.Opset(domain=DOMAIN, version=VERSION)
 

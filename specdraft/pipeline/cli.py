@@ -16,11 +16,12 @@ User errors print one line (``error: ...``) and exit 2; ``--print-config`` print
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from pathlib import Path
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import TRT_MISSING, SpecdraftError
 
 
 def _config_parser(sub, name: str, help: str) -> argparse.ArgumentParser:
@@ -87,26 +88,61 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _dispatch(args) -> int:
-    # deferred: these import torch, Lightning and transformers (seconds), which --help and usage errors do not need
-    from specdraft.pipeline import stages  # noqa: PLC0415
-    from specdraft.pipeline.config import dump_yaml, load_config  # noqa: PLC0415
-    from specdraft.pipeline.drafter_init import init_drafter  # noqa: PLC0415
+def _preflight(args, cfg=None) -> None:
+    """What a command needs that costs nothing to check: files, directories and extras, before the heavy imports
+    (a mistake is answered in about two seconds, not after torch, Lightning and transformers load)."""
+    def need_dir(path: str, what: str) -> None:
+        if path and not Path(path).is_dir():
+            raise SpecdraftError(f"{what} {path} does not exist")
 
+    if args.command == "init-drafter":
+        need_dir(args.target, "--target")
+        return
     if args.command == "merge":
-        from specdraft.runtime.batch_job import merge_shards, warn_stderr  # noqa: PLC0415
+        if not Path(args.input).is_file():
+            raise SpecdraftError(f"input file {args.input} not found")
+        return
+    if cfg is None:  # before the config module (it imports torch)
+        if not Path(args.config).is_file():
+            raise SpecdraftError(f"config file {args.config} not found")
+        if getattr(args, "print_config", False):
+            return
+        if args.command == "decode" and not Path(args.input).is_file():
+            raise SpecdraftError(f"input file {args.input} not found")
+        if args.command == "export" and args.to == "trt" and importlib.util.find_spec("tensorrt") is None:
+            raise SpecdraftError(TRT_MISSING)
+        return
+    need_dir(cfg.target.path, "config key 'target.path':")
+    if args.command == "decode" and cfg.decode.drafter and not (Path(cfg.decode.drafter) / "config.json").is_file():
+        raise SpecdraftError(f"config key 'decode.drafter': {cfg.decode.drafter} holds no drafter (no config.json)")
+
+
+def _dispatch(args) -> int:
+    if args.command == "merge":
+        _preflight(args)
+        from specdraft.runtime.batch_job import merge_shards, warn_stderr  # noqa: PLC0415  (torch: deferred)
 
         stats = merge_shards(args.input, args.output, warn_stderr)
         print(f"merged {stats['rows']} rows from {stats['shards']} shard file(s) into {args.output}")
         return 0
+    _preflight(args)
     if args.command == "init-drafter":
+        from specdraft.pipeline.drafter_init import init_drafter  # noqa: PLC0415  (transformers: deferred)
+
         out = init_drafter(args.target, args.out, args.layers, args.block_size, args.mask_token_id, args.seed)
         print(f"wrote drafter to {out}")
         return 0
+    # deferred: the config imports torch; the stages Lightning, transformers and MLflow (seconds), which --help,
+    # usage errors and the checks above do not need
+    from specdraft.pipeline.config import dump_yaml, load_config  # noqa: PLC0415
+
     cfg = load_config(args.config, args.overrides)
     if args.print_config:
         print(dump_yaml(cfg), end="")
         return 0
+    _preflight(args, cfg)
+    from specdraft.pipeline import stages  # noqa: PLC0415
+
     if args.command == "decode":
         stages.decode(cfg, Path(args.input), Path(args.output))
     elif args.command == "export":

@@ -20,7 +20,7 @@ from typing import Literal
 import yaml
 
 from specdraft.errors import OptionError, SpecdraftError, check_range
-from specdraft.export.tensorrt import EngineShapes
+from specdraft.export.engine_shapes import EngineShapes
 from specdraft.lit_modules.stage_table import STAGES, Objective
 from specdraft.runtime.models import available_drafters
 from specdraft.runtime.models.retrace import ReTraceOptions

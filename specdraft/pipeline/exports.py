@@ -17,14 +17,14 @@ from pathlib import Path
 
 import torch
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import TRT_MISSING, SpecdraftError
 from specdraft.export.onnx import export_onnx, weights_hash
 from specdraft.export.tensorrt import PRECISIONS, build_engines
 from specdraft.pipeline.config import RunConfig
 from specdraft.pipeline.tracking import Tracker
 from specdraft.runtime.backends.onnx import OnnxDrafter, OnnxTarget, load_manifest
 from specdraft.runtime.backends.tensorrt import TrtDrafter, TrtTarget, load_engine_manifest
-from specdraft.runtime.backends.trt_plugins import TRT_MISSING, trt
+from specdraft.runtime.backends.trt_plugins import trt
 from specdraft.runtime.drafter_io import check_compatible, load_drafter, read_drafter_config
 from specdraft.runtime.load import load_safetensors_dir, load_target, read_target_args, target_fingerprint
 from specdraft.runtime.models import resolve_drafter

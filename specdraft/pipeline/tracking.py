@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 from typing import Iterator
 
+from specdraft.noise import quiet_mlflow_store
 from specdraft.pipeline.config import TrackingConfig
 
 _SECRET = re.compile(r"(token|secret|password|api_key|apikey)", re.I)
@@ -57,6 +58,7 @@ class MLflowTracker(Tracker):
     def __init__(self, cfg: TrackingConfig):
         import mlflow  # noqa: PLC0415  (deferred: seconds to import, and not needed when tracking is disabled)
 
+        quiet_mlflow_store()
         self._mlflow = mlflow
         self.tracking_uri = resolve_tracking_uri(cfg)
         self.experiment = cfg.experiment

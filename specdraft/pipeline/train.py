@@ -338,5 +338,5 @@ def _best_including_final(trainer, best_cb, ckpt_dir: Path, metric: str = "eval/
     if best_cb.best_model_path and not final >= score:  # (a NaN final never wins)
         return Path(best_cb.best_model_path), score
     best = ckpt_dir / "drafter-best.ckpt"
-    trainer.save_checkpoint(str(best))
+    trainer.save_checkpoint(str(best), weights_only=False)  # said, or Lightning logs that it defaulted to it
     return best, final

@@ -230,7 +230,8 @@ def test_evaluations_count_optimizer_steps_across_short_epochs(tiny_world, tmp_p
 
 def test_export_takes_the_final_weights_when_they_score_best(tmp_path):
     saved = []
-    trainer = SimpleNamespace(callback_metrics={"eval/sim_tau": torch.tensor(6.0)}, save_checkpoint=saved.append)
+    trainer = SimpleNamespace(callback_metrics={"eval/sim_tau": torch.tensor(6.0)},
+                              save_checkpoint=lambda path, weights_only=None: saved.append(path))
     better_before = SimpleNamespace(best_model_path="ckpt/step3.ckpt", best_model_score=torch.tensor(7.0))
     assert _best_including_final(trainer, better_before, tmp_path) == (Path("ckpt/step3.ckpt"), 7.0) and not saved
     worse_before = SimpleNamespace(best_model_path="ckpt/step3.ckpt", best_model_score=torch.tensor(5.0))

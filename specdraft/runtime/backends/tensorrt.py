@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import TRT_MISSING, SpecdraftError
 from specdraft.runtime.backends.exported import ExportedDrafter, ExportedTarget
 from specdraft.runtime.backends.onnx import load_manifest, read_manifest, sha256_file
-from specdraft.runtime.backends.trt_plugins import TRT_MISSING, register_plugins, trt
+from specdraft.runtime.backends.trt_plugins import register_plugins, trt
 
 _TORCH_DTYPES = {}
 if trt is not None:

@@ -23,7 +23,7 @@ from typing import List, Tuple, Union
 
 import torch
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import TRT_MISSING, SpecdraftError
 from specdraft.kernels.retrace_fusion import FusionWeights, retrace_fusion
 from specdraft.kernels.speculative_attention import compile_aot
 from specdraft.runtime.backends.custom_ops import DOMAIN, RETRACE_FUSION, SPECULATIVE_ATTENTION
@@ -41,7 +41,6 @@ ATTENTION_FORMATS = ("BF16", "FP16")
 FUSION_FORMATS = ("FP16", "FP32")
 """ReTrace's fusion: no BF16, since TensorRT's Python tensors cannot hand bf16 buffers to torch (TensorRT casts
 around the plugin)."""
-TRT_MISSING = "TensorRT is not installed (pip install '.[trt]' from NVIDIA's index on a GPU machine)"
 _registered: dict[str, int] = {}
 
 
