@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from specdraft.errors import TRT_MISSING, SpecdraftError
@@ -29,6 +31,8 @@ def _config_parser(sub, name: str, help: str) -> argparse.ArgumentParser:
     p.add_argument("config", help="YAML run config (e.g. configs/tiny.yaml)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--explain", metavar="KEY", help="print a config key's type, value and description and exit "
+                   "(e.g. --explain decode.drafter; a section lists its keys)")
     return p
 
 
@@ -73,7 +77,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def stop_on_sigterm() -> None:
+    """SIGTERM (a scheduler ending the job) stops the command as Ctrl-C does: completed work is kept and the MLflow
+    run is marked KILLED, not left RUNNING."""
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, stop)
+
+
 def main(argv: list[str] | None = None) -> int:
+    stop_on_sigterm()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -105,7 +120,7 @@ def _preflight(args, cfg=None) -> None:
     if cfg is None:  # before the config module (it imports torch)
         if not Path(args.config).is_file():
             raise SpecdraftError(f"config file {args.config} not found")
-        if getattr(args, "print_config", False):
+        if getattr(args, "print_config", False) or getattr(args, "explain", None):
             return
         if args.command == "decode" and not Path(args.input).is_file():
             raise SpecdraftError(f"input file {args.input} not found")
@@ -113,8 +128,10 @@ def _preflight(args, cfg=None) -> None:
             raise SpecdraftError(TRT_MISSING)
         return
     need_dir(cfg.target.path, "config key 'target.path':")
-    if args.command == "decode" and cfg.decode.drafter and not (Path(cfg.decode.drafter) / "config.json").is_file():
-        raise SpecdraftError(f"config key 'decode.drafter': {cfg.decode.drafter} holds no drafter (no config.json)")
+    if args.command == "decode" and cfg.decode.drafter and cfg.decode.method != "ar" and \
+            not (cfg.named_drafter_dir(cfg.decode.drafter) / "config.json").is_file():
+        raise SpecdraftError(f"config key 'decode.drafter': {cfg.named_drafter_dir(cfg.decode.drafter)} holds no "
+                             "drafter (no config.json): a drafter directory or an export name")
 
 
 def _dispatch(args) -> int:
@@ -134,9 +151,12 @@ def _dispatch(args) -> int:
         return 0
     # deferred: the config imports torch; the stages Lightning, transformers and MLflow (seconds), which --help,
     # usage errors and the checks above do not need
-    from specdraft.pipeline.config import dump_yaml, load_config  # noqa: PLC0415
+    from specdraft.pipeline.config import dump_yaml, explain, load_config  # noqa: PLC0415
 
     cfg = load_config(args.config, args.overrides)
+    if args.explain:
+        print(explain(cfg, args.explain))
+        return 0
     if args.print_config:
         print(dump_yaml(cfg), end="")
         return 0

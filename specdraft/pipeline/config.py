@@ -9,8 +9,11 @@ types and reports errors under the dotted key.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
+import inspect
+import textwrap
 import types
 import typing
 from dataclasses import dataclass, field
@@ -62,7 +65,13 @@ class TargetConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16 or float16."""
     device: str = "auto"
+    threads: int = 0
+    """CPU threads torch uses (0 = the cores this process may run on). On a shared machine use fewer: threads
+    contending for busy cores slow every pass (bench warns when the load is above the cores)."""
     tiny: TinyTargetConfig = field(default_factory=TinyTargetConfig)
+
+    def __post_init__(self):
+        check_range("threads", self.threads, 0)
 
 
 @dataclass
@@ -196,7 +205,8 @@ class DecodeConfig:
     DFlash first drafter and a second drafter re-drafting from its likely rejection points; a prefix tree per
     round)."""
     drafter: str = ""
-    """HF-format drafter directory (default: the run's exported drafter; for d2sd, the first drafter)."""
+    """The drafter: an HF-format directory, or an export name under ``<work_dir>/drafter/`` (default: the run's
+    training export; for d2sd, the first drafter)."""
     allow_other_target: bool = False
     """Use a drafter made for another target checkpoint than ``target.path`` (a fine-tuned or quantised copy of
     it, deliberately): logged instead of refused. The check reads the fingerprint the drafter's ``specdraft.json``
@@ -353,6 +363,9 @@ class TrackingConfig:
     uri: str = ""
     """MLflow tracking URI; empty = $MLFLOW_TRACKING_URI or sqlite:///mlruns/mlflow.db."""
     experiment: str = "specdraft"
+    """The experiment of the pipeline's stages (target, data, train, export, bench)."""
+    jobs_experiment: str = ""
+    """The experiment decode jobs log to, apart from training's; empty = ``<experiment>-jobs``."""
 
 
 @dataclass
@@ -380,13 +393,17 @@ class RunConfig:
         """Where the drafter exported under ``name`` (a stage or ``train.export_name``) lives (HF layout)."""
         return self.work_path / "drafter" / name
 
+    def named_drafter_dir(self, name: str) -> Path:
+        """A drafter given as a directory, or as an export name under ``<work_dir>/drafter/``."""
+        return Path(name) if Path(name).is_dir() or "/" in name else self.drafter_dir(name)
+
     def second_drafter_dir(self) -> Path | None:
         """D²SD's second drafter: ``decode.second_drafter`` as a directory or an export name (default ``vp``);
         None for ``same`` (the first drafter reused)."""
         name = self.decode.second_drafter or "vp"
         if name == "same":
             return None
-        return Path(name) if Path(name).is_dir() or "/" in name else self.drafter_dir(name)
+        return self.named_drafter_dir(name)
 
     def checkpoint_dir(self, name: str) -> Path:
         """The Lightning checkpoints (``drafter-last.ckpt``, ``drafter-best.ckpt``) of the export ``name``."""
@@ -524,6 +541,45 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg = _build(RunConfig, data)
     cfg.explicit = frozenset(_flatten(data, ""))
     return cfg
+
+
+def field_docs(cls) -> dict[str, str]:
+    """The docstrings written under a dataclass's fields (its bases' too), by name."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):
+            continue
+        body = tree.body[0].body
+        for node, after in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and \
+                    isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and \
+                    isinstance(after.value.value, str):
+                docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def explain(cfg: "RunConfig", key: str) -> str:
+    """``key``'s type, value in ``cfg`` and description (``specdraft CMD CONFIG --explain train.lr``)."""
+    node, cls, parts = cfg, type(cfg), key.split(".")
+    for i, part in enumerate(parts):
+        names = [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else []
+        if part not in names:
+            close = difflib.get_close_matches(part, names, n=1)
+            where = ".".join(parts[:i]) or "the config"
+            _fail(key, f"{where} has no key {part!r}" + (f" (did you mean '{close[0]}'?)" if close else ""))
+        doc = field_docs(cls).get(part, "")
+        hint = typing.get_type_hints(cls)[part]
+        node = getattr(node, part)
+        cls = type(node)
+    if dataclasses.is_dataclass(node):
+        keys = ", ".join(f.name for f in dataclasses.fields(node))
+        return f"{key}: a section ({keys})" + (f"\n  {doc}" if doc else "")
+    kind = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+    return f"{key} ({kind}) = {node!r}\n  {doc or 'no description'}"
 
 
 def to_dict(cfg) -> dict:

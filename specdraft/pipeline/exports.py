@@ -26,7 +26,13 @@ from specdraft.runtime.backends.onnx import OnnxDrafter, OnnxTarget, load_manife
 from specdraft.runtime.backends.tensorrt import TrtDrafter, TrtTarget, load_engine_manifest
 from specdraft.runtime.backends.trt_plugins import trt
 from specdraft.runtime.drafter_io import check_compatible, load_drafter, read_drafter_config
-from specdraft.runtime.load import load_safetensors_dir, load_target, read_target_args, target_fingerprint
+from specdraft.runtime.load import (
+    load_safetensors_dir,
+    load_target,
+    read_target_args,
+    target_fingerprint,
+    weights_fingerprint,
+)
 from specdraft.runtime.models import resolve_drafter
 
 TARGETS = ("hf", "onnx", "trt")
@@ -75,8 +81,9 @@ def run_export(cfg: RunConfig, world, drafter_dir: Path, to: str, tracker: Track
     for key, path in written.items():
         if key != "hf":
             tracker.log_artifact(path, f"{to}/{key}")
-    version = tracker.register_model(to, f"{cfg.name}-{arch}", tags={"backend": to, "drafter": str(drafter_dir)}) \
-        if to != "hf" else None
+    version = tracker.register_model(to, f"{cfg.name}-{arch}", tags={
+        "backend": to, "drafter": str(drafter_dir), "export_name": drafter_dir.name,
+        "target_fingerprint": weights_fingerprint(world.target_dir)}) if to != "hf" else None
     for key, path in written.items():
         log(f"export: {key} -> {path}" + (f" ({_size(path) / 1e6:.1f} MB)" if key != "hf" else ""))
     if version:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -37,11 +38,29 @@ def log(msg: str) -> None:
 _ACTIVE: list[Tracker] = []
 
 
+def machine_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def load_note(load: float, cores: int) -> str | None:
+    """A warning when the machine is busier than its cores (a bench's ratios are then unreliable)."""
+    if load <= cores:
+        return None
+    return (f"the machine's load ({load:.1f}) is above its {cores} cores: other processes share them, so speeds and "
+            "ratios measured now are unreliable (wait, or set target.threads lower)")
+
+
 @contextlib.contextmanager
 def tracked(cfg: RunConfig, stage: str):
-    """An MLflow run for ``stage`` (nested in the active one, if any) with the resolved config logged."""
+    """An MLflow run for ``stage`` (nested in the active one, if any) with the resolved config logged; torch uses
+    ``target.threads`` threads inside it."""
+    torch.set_num_threads(cfg.target.threads or machine_cores())
     parent = _ACTIVE[-1] if _ACTIVE else None
-    tracker = parent or make_tracker(cfg.tracking)
+    tracking = cfg.tracking
+    if stage == "decode":  # jobs keep their own experiment
+        tracking = dataclasses.replace(tracking, experiment=tracking.jobs_experiment or f"{tracking.experiment}-jobs")
+    tracker = parent or make_tracker(tracking)
     with tracker.run(f"{cfg.name}-{stage}", tags={"stage": stage, "config_name": cfg.name}):
         tracker.log_params(to_flat_dict(cfg))
         cfg_file = cfg.work_path / f"config-{stage}.yaml"
@@ -59,6 +78,10 @@ def target(cfg: RunConfig):
     with tracked(cfg, "target") as tr:
         world = build_or_load_world(cfg, tr, log)
         rep = world.report
+        if cfg.target.path:
+            log(f"target: {world.target_dir} passes: {rep['model_type']}, {rep['layers']} layers, vocab "
+                f"{rep['vocab_size']}; safetensors weights and tokenizer files present (its weights are read by "
+                "data, train and decode)")
         if "samples" in rep:
             for dom, s in rep["samples"].items():
                 log(f"--- sample ({dom}) ---\n{s['completion'][:400]}")
@@ -93,7 +116,7 @@ def train(cfg: RunConfig, world=None):
 
 def default_drafter_dir(cfg: RunConfig) -> Path:
     """``decode.drafter``, else this config's training export (``train.export_name`` or the stage)."""
-    return Path(cfg.decode.drafter) if cfg.decode.drafter else cfg.drafter_dir(cfg.train.export)
+    return cfg.named_drafter_dir(cfg.decode.drafter) if cfg.decode.drafter else cfg.drafter_dir(cfg.train.export)
 
 
 def decode(cfg: RunConfig, input_path: Path, output_path: Path):
@@ -203,6 +226,9 @@ def export(cfg: RunConfig, to: str = "onnx"):
 
 
 def bench(cfg: RunConfig, world=None):
+    note = load_note(os.getloadavg()[0], machine_cores()) if hasattr(os, "getloadavg") else None
+    if note:
+        log(f"bench: warning: {note}")
     with tracked(cfg, "bench") as tr:
         world = world or existing_world(cfg)
         return run_bench(cfg, world, tr, log)

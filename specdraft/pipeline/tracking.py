@@ -77,6 +77,9 @@ class MLflowTracker(Tracker):
             self.run_id = r.info.run_id
             try:
                 yield self
+            except KeyboardInterrupt:  # Ctrl-C, or SIGTERM through the CLI's handler: the run was stopped
+                self._mlflow.end_run(status="KILLED")
+                raise
             finally:
                 self.run_id = parent
 

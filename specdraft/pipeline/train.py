@@ -38,7 +38,7 @@ from specdraft.runtime.drafter_io import (
     load_drafter,
     record_target,
 )
-from specdraft.runtime.load import load_target, target_fingerprint
+from specdraft.runtime.load import load_target, target_fingerprint, weights_fingerprint
 from specdraft.runtime.sampling import SamplingParams
 
 
@@ -253,9 +253,10 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
     tracker.log_artifact(out, "drafter")
     unchanged = before is not None and before == _weights_digest(out)
     version = None if unchanged else tracker.register_model(
-        "drafter", f"{cfg.name}-{drafter.arch_name}", tags={"target": str(world.target_dir), "stage": t.stage,
-                                                            "sim_tau": round(best_score, 3),
-                                                            "selected_by": objective.selection_metric})
+        "drafter", f"{cfg.name}-{drafter.arch_name}",
+        tags={"target": str(world.target_dir), "target_fingerprint": weights_fingerprint(world.target_dir),
+              "export_name": t.export, "stage": t.stage, "sim_tau": round(best_score, 3),
+              "selected_by": objective.selection_metric})
     share = rollout_share(module)
     ran = trainer.global_step - (start_step or 0)
     log(f"train: {ran} steps" + (f" (to step {trainer.global_step})" if start_step else "")

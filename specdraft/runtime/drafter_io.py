@@ -21,8 +21,9 @@ from specdraft.runtime.models.target import TargetArgs, TargetLM
 
 def drafter_config_for_target(target: TargetArgs, mask_token_id: int, num_layers: int = 5, block_size: int = 16,
                               target_layer_ids: list[int] | None = None, num_features: int | None = None,
-                              max_position_embeddings: int = 40960) -> DFlashConfig:
-    """A DFlash config with the target's layer dims (DFlash draft layers mirror the target's)."""
+                              max_position_embeddings: int | None = None) -> DFlashConfig:
+    """A DFlash config with the target's layer dims (DFlash draft layers mirror the target's), its RoPE and its
+    context (default: the target's ``max_position_embeddings``, else 40960, Qwen3's)."""
     if not 0 <= mask_token_id < target.vocab_size:
         raise SpecdraftError(f"mask token id {mask_token_id} is outside the target vocabulary (size "
                              f"{target.vocab_size}); the drafter must embed it with the target's embedding")
@@ -34,7 +35,8 @@ def drafter_config_for_target(target: TargetArgs, mask_token_id: int, num_layers
         num_target_layers=target.num_hidden_layers, target_hidden_size=target.hidden_size,
         target_layer_ids=list(ids), mask_token_id=mask_token_id, block_size=block_size,
         rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta, rope_scaling=target.rope_scaling,
-        max_position_embeddings=max_position_embeddings)
+        max_position_embeddings=max_position_embeddings or target.max_position_embeddings or 40960,
+        target_model_type=target.model_type)
 
 
 def check_compatible(cfg: DFlashConfig, target: TargetArgs) -> None:

@@ -45,3 +45,15 @@ def test_tensorrt_missing_is_said_before_any_export():
         pytest.skip("TensorRT is installed here")
     got = _main("export", "configs/tiny.yaml", "--to", "trt")
     assert got["rc"] == 2 and "TensorRT is not installed" in got["err"] and got["loaded"] == []
+
+
+def test_explain_prints_a_keys_description_value_and_type(capsys):
+    from specdraft.pipeline.cli import main  # noqa: PLC0415  (the other tests run it in a subprocess)
+
+    assert main(["train", "configs/tiny.yaml", "train.max_steps=9", "--explain", "train.max_steps"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("train.max_steps (int) = 9\n") and "wins over ``epochs``" in out
+    assert main(["decode", "configs/tiny.yaml", "--input", "x", "--output", "y", "--explain", "drafter"]) == 0
+    assert "a section (arch, num_layers, block_size" in capsys.readouterr().out
+    assert main(["train", "configs/tiny.yaml", "--explain", "decode.drafte"]) == 2
+    assert "did you mean 'drafter'?" in capsys.readouterr().err

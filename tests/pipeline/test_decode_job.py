@@ -8,12 +8,14 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 from specdraft.errors import SpecdraftError
 from specdraft.lit_modules.data import tokenize_conversation
 from specdraft.pipeline.cli import main
+from specdraft.pipeline.stages import load_note
 from specdraft.pipeline.tokenizer import format_chat
 from specdraft.runtime import batch_job
 from specdraft.runtime.batch_job import Request, done_ids, read_requests
@@ -377,3 +379,58 @@ def test_a_second_writer_on_one_output_is_refused(tiny_world, drafter_dir, tmp_p
     err = capsys.readouterr().err
     assert f"{out} is being written by another job (pid {os.getpid()})" in err
     assert not out.exists() or out.read_text() == ""
+
+
+def test_decode_jobs_track_in_their_own_experiment_and_a_sigtermed_job_is_killed(tiny_world, drafter_dir, tmp_path):
+    """A decode job's MLflow run goes to ``<experiment>-jobs``, not to training's experiment; a job ended by SIGTERM
+    (what a scheduler sends) is marked KILLED, not left RUNNING."""
+    mlflow = pytest.importorskip("mlflow", reason="mlflow is not installed (the GPU image has none)")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    inp, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    _write(inp, ['{"id": "a", "prompt": "Mia has 3 apples."}'])
+    args = [a for a in _args(tiny_world, drafter_dir, tmp_path) if a != "tracking.enabled=false"]
+    assert main(["decode", *args, "tracking.enabled=true", f"tracking.uri={uri}", "tracking.experiment=exp",
+                 "--input", str(inp), "--output", str(out)]) == 0
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    assert client.get_experiment_by_name("exp") is None
+    jobs = client.search_runs([client.get_experiment_by_name("exp-jobs").experiment_id])
+    assert [r.data.tags["stage"] for r in jobs] == ["decode"] and jobs[0].info.status == "FINISHED"
+    code = ("import os, signal\nfrom specdraft.pipeline.cli import stop_on_sigterm\n"
+            "from specdraft.pipeline.config import TrackingConfig\nfrom specdraft.pipeline.tracking import "
+            "MLflowTracker\nstop_on_sigterm()\n"
+            f"t = MLflowTracker(TrackingConfig(uri={uri!r}, experiment='killed'))\n"
+            "try:\n    with t.run('job'):\n        os.kill(os.getpid(), signal.SIGTERM)\n        signal.pause()\n"
+            "except KeyboardInterrupt:\n    print('stopped')\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode == 0 and "stopped" in run.stdout, run.stderr[-2000:]
+    killed = client.search_runs([client.get_experiment_by_name("killed").experiment_id])
+    assert [r.info.status for r in killed] == ["KILLED"]
+
+
+def test_a_job_runs_on_the_threads_it_is_given_and_bench_names_a_busy_machine(tiny_world, drafter_dir, tmp_path):
+    inp = tmp_path / "in.jsonl"
+    _write(inp, ['{"id": "a", "prompt": "Mia has 3 apples."}'])
+    before = torch.get_num_threads()
+    try:
+        assert main(["decode", *_args(tiny_world, drafter_dir, tmp_path, "target.threads=1"), "--input", str(inp),
+                     "--output", str(tmp_path / "o.jsonl")]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert load_note(1.5, 2) is None
+    assert "load (3.2) is above its 2 cores" in load_note(3.2, 2)
+
+
+def test_target_check_says_it_passes_and_decode_drafter_takes_an_export_name(tiny_world, drafter_dir, tmp_path,
+                                                                             capsys):
+    assert main(["target", "configs/tiny.yaml", f"target.path={tiny_world.target_dir}", "tracking.enabled=false",
+                 f"work_dir={tmp_path / 'work'}"]) == 0
+    assert f"target: {tiny_world.target_dir} passes: qwen3, " in capsys.readouterr().out
+    shutil.copytree(drafter_dir, tmp_path / "work" / "drafter" / "mine")
+    inp, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    _write(inp, ['{"id": "a", "prompt": "Mia has 3 apples."}'])
+    args = [a for a in _args(tiny_world, drafter_dir, tmp_path) if not a.startswith("decode.drafter=")]
+    assert main(["decode", *args, "decode.drafter=mine", "--input", str(inp), "--output", str(out)]) == 0
+    assert json.loads(out.read_text())["tau"] >= 1.0
+    assert main(["decode", *args, "decode.drafter=nosuch", "--input", str(inp), "--output", str(out)]) == 2
+    assert "holds no drafter (no config.json): a drafter directory or an export name" in capsys.readouterr().err

@@ -108,6 +108,9 @@ def test_export_loads_in_runtime_and_mlflow_records_the_run(tiny_world, tmp_path
     assert any(a.path == "drafter" for a in client.list_artifacts(run.info.run_id))
     versions = client.search_model_versions("name='tiny-dflash'")
     assert versions and versions[0].tags["stage"] == "sft" and "sim_tau" in versions[0].tags
+    record = json.loads((out / "specdraft.json").read_text())
+    assert versions[0].tags["target_fingerprint"] == record["target_fingerprint"]  # two checkpoints at one path
+    assert versions[0].tags["export_name"] == "sft"
 
 
 class TagTracker(RecordingTracker):

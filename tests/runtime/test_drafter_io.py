@@ -124,3 +124,12 @@ def test_a_corrupt_or_unsupported_drafter_config_is_one_clear_error(tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(SpecdraftError, match="yarn"):
         read_drafter_config(d)
+
+
+def test_a_drafter_for_a_llama_target_names_it_and_takes_its_context():
+    args = dataclasses.replace(tiny_target_args(model_type="llama"), max_position_embeddings=512)
+    cfg = drafter_config_for_target(args, mask_token_id=3, num_layers=1, block_size=4)
+    hf = cfg.to_hf_config()
+    assert hf["target_model_type"] == "llama" and hf["max_position_embeddings"] == 512
+    assert DFlashConfig.from_hf_config(hf) == cfg  # the round trip keeps both
+    assert drafter_config_for_target(tiny_target_args(), 3).max_position_embeddings == 40960  # unknown: Qwen3's

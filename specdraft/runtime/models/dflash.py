@@ -49,6 +49,9 @@ class DFlashConfig:
     rope_theta: float = 1e6
     rope_scaling: dict | None = None
     max_position_embeddings: int = 40960
+    target_model_type: str = ""
+    """The target's architecture (qwen3, llama, ...); ``model_type`` names the drafter's own layers (Qwen3-style,
+    as z-lab's DFlash drafters, whatever the target)."""
     extra: dict = field(default_factory=dict)
 
     def to_hf_config(self) -> dict:
@@ -73,6 +76,7 @@ class DFlashConfig:
             "layer_types": ["full_attention"] * self.num_hidden_layers,
             "num_target_layers": self.num_target_layers,
             "target_hidden_size": self.target_hidden_size,
+            **({"target_model_type": self.target_model_type} if self.target_model_type else {}),
             "block_size": self.block_size,
             "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
             "torch_dtype": "float32",
@@ -104,6 +108,7 @@ class DFlashConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta,
             rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
             max_position_embeddings=cfg.get("max_position_embeddings", 40960),
+            target_model_type=cfg.get("target_model_type", ""),
             extra={k: v for k, v in cfg.items() if k not in known},
         )
 
