@@ -58,7 +58,7 @@ def tracked(cfg: RunConfig, stage: str):
     torch.set_num_threads(cfg.target.threads or machine_cores())
     parent = _ACTIVE[-1] if _ACTIVE else None
     tracking = cfg.tracking
-    if stage == "decode":  # jobs keep their own experiment
+    if stage == "decode" or stage == "target" and cfg.target.path:  # jobs and checks keep their own experiment
         tracking = dataclasses.replace(tracking, experiment=tracking.jobs_experiment or f"{tracking.experiment}-jobs")
     tracker = parent or make_tracker(tracking)
     with tracker.run(f"{cfg.name}-{stage}", tags={"stage": stage, "config_name": cfg.name}):
