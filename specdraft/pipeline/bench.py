@@ -177,7 +177,8 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
     stages = b.stages or [cfg.train.export]
     dirs = {st: cfg.named_drafter_dir(cfg.decode.drafter) if cfg.decode.drafter and len(stages) == 1 else
             cfg.drafter_dir(st) for st in stages}
-    for d in dirs.values():  # before the target is loaded
+    second = cfg.second_drafter_dir() if b.tree_ks else None
+    for d in [*dirs.values(), *([second] if second else [])]:  # before the target is loaded
         check_made_for(d, world.target_dir, cfg.decode.allow_other_target, log)
     tgt = load_target(world.target_dir, dtype=cfg.target.dtype, device=cfg.target.device)
     tok = AutoTokenizer.from_pretrained(str(world.target_dir), trust_remote_code=False)

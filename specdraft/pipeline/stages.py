@@ -137,6 +137,8 @@ def decode(cfg: RunConfig, input_path: Path, output_path: Path):
                                  f"a {arch!r} drafter")
         check_compatible(dcfg, read_target_args(world.target_dir))
         check_made_for(drafter_dir, world.target_dir, d.allow_other_target, log)
+        if d.method == "d2sd" and (second := cfg.second_drafter_dir()) is not None:
+            check_made_for(second, world.target_dir, d.allow_other_target, log)
     settings = {"target": target_fingerprint(world.target_dir), "method": d.method,
                 "drafter": str(drafter_dir.resolve()) if drafter_dir else None, "temperature": d.temperature,
                 "top_k": d.top_k, "top_p": d.top_p, "draft_sampling": d.draft_sampling,

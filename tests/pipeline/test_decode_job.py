@@ -351,6 +351,16 @@ def test_a_drafter_made_for_another_target_checkpoint_is_refused_before_compute(
     assert main(["decode", *args, "decode.allow_other_target=true", "--input", str(inp), "--output", str(out)]) == 0
     assert "warning: the drafter in" in capsys.readouterr().out and len(out.read_text().splitlines()) == 1
     assert json.loads(out.read_text())["id"] == 7  # the id's type as given
+    second = tmp_path / "second"  # D²SD's second drafter is checked too: one made for the sibling is refused
+    assert main(["init-drafter", "--target", str(sibling), "--out", str(second), "--layers", "1",
+                 "--block-size", "4"]) == 0
+    capsys.readouterr()
+    tree = _args(tiny_world, drafter_dir, tmp_path, "decode.method=d2sd", f"decode.second_drafter={second}",
+                 "decode.tree_k=1")
+    assert main(["decode", *tree, "--input", str(inp), "--output", str(tmp_path / "t.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert f"the drafter in {second} was made for another target checkpoint" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "t.jsonl").exists()
 
 
 def test_a_resume_with_other_settings_is_refused_naming_the_keys_and_keeps_the_rows(tiny_world, drafter_dir,
