@@ -12,7 +12,7 @@ export TOKENIZERS_PARALLELISM := false
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,triton,ray]'
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,triton,ray,suites]'
 	@touch $(STAMP)
 
 venv: $(STAMP)

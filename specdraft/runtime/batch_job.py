@@ -1,7 +1,10 @@
 """Batch inference jobs over JSONL (the ``specdraft decode`` contract).
 
 Input: one object per line with ``id``, either ``prompt`` (text) or ``messages`` (chat list), and optionally
-``max_new_tokens``. Output: one object per request with ``id, completion, num_tokens, accept_lengths, tau, time_s``.
+``max_new_tokens`` and ``turns`` (follow-up user turns), or a file in one of the suite formats of
+:mod:`specdraft.runtime.suites` (MT-Bench, Spec-Bench, HumanEval, GSM8K, MATH-500, Alpaca). Output: one object per
+request and turn with ``id, completion, num_tokens, finish_reason, accept_lengths, tau, time_s`` (and ``turn`` for the
+turns after the first: each is decoded after the one before, with the target's answers in its conversation).
 Malformed lines are reported with their line numbers and skipped; valid ones are always processed. Results are
 appended as whole lines (per request under continuous batching, per batch under static batching), so an interrupted
 job resumes where it stopped (ids already in the output are skipped; no duplicates, no losses).
@@ -22,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from specdraft.errors import SpecdraftError
+from specdraft.runtime import suites
 from specdraft.runtime.chat import encode_chat, encode_plain, has_chat_template
 from specdraft.runtime.decode import GenerationConfig, RowResult, generate
 
@@ -37,6 +41,12 @@ class Request:
     """The request's own token cap (None: the job's ``decode.max_new_tokens``)."""
     raw_id: str | int | None = None
     """The id as the input gave it (its row carries it back: 7, not "7"); ``id`` is its text, for matching."""
+    turns: tuple[str, ...] = ()
+    """Follow-up user turns (MT-Bench's second turn): each is decoded after the turn before it has its answer."""
+    category: str | None = None
+    """The record's category (MT-Bench's and Spec-Bench's), for a suite of one category."""
+    turn: int = 1
+    """Which turn of its conversation this request is (``id`` then carries it: ``<id>#turn<k>``)."""
 
 
 def parse_request(obj: dict, line: int) -> Request:
@@ -60,25 +70,60 @@ def parse_request(obj: dict, line: int) -> Request:
     cap = obj.get("max_new_tokens")
     if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
         raise ValueError("'max_new_tokens' must be a positive integer")
-    return Request(str(obj["id"]), messages, line, obj.get("prompt"), cap, obj["id"])
+    turns = obj.get("turns") or []
+    if not isinstance(turns, list) or not all(isinstance(t, str) and t.strip() for t in turns):
+        raise ValueError("'turns' must be a list of non-empty strings")
+    category = obj.get("category")
+    return Request(str(obj["id"]), messages, line, obj.get("prompt"), cap, obj["id"], tuple(turns),
+                   category if isinstance(category, str) else None)
 
 
-def read_requests(path: str | Path, warn: Callable[[str], None]) -> list[Request]:
-    """Valid requests of an input file; every bad line is reported through ``warn`` with its number."""
+def row_key(row: dict) -> str:
+    """The matching key of an output row: its id's text, and ``#turn<k>`` for a later turn."""
+    turn = row.get("turn", 1)
+    return str(row["id"]) + (f"#turn{turn}" if turn != 1 else "")
+
+
+def next_turn(req: Request, answer: str) -> Request | None:
+    """The request of ``req``'s next turn, its conversation holding ``answer`` (None after the last turn)."""
+    if req.turn > len(req.turns):
+        return None
+    base = req.id.split("#turn")[0] if req.turn > 1 else req.id
+    messages = [*req.messages, {"role": "assistant", "content": answer},
+                {"role": "user", "content": req.turns[req.turn - 1]}]
+    return dataclasses.replace(req, id=f"{base}#turn{req.turn + 1}", messages=messages, prompt=None,
+                               turn=req.turn + 1)
+
+
+def conversation(req: Request, answers: dict[str, str]) -> list[dict]:
+    """``req``'s conversation with the answers of its turns (by :func:`row_key`), up to the first turn without a
+    non-empty answer."""
+    messages = list(req.messages)
+    while (answer := answers.get(req.id, "")).strip():
+        messages.append({"role": "assistant", "content": answer})
+        if (req := next_turn(req, answer)) is None:
+            break
+        messages.append(req.messages[-1])
+    return messages if messages[-1]["role"] == "assistant" else messages[:-1]
+
+
+def read_requests(path: str | Path, warn: Callable[[str], None], fmt: str = "auto") -> list[Request]:
+    """Valid requests of an input file in format ``fmt`` (see :mod:`specdraft.runtime.suites`; ``auto``: detected
+    from its first record); every bad line is reported through ``warn`` with its number."""
     path = Path(path)
     if not path.is_file():
         raise SpecdraftError(f"input file {path} not found")
+    fmt = suites.format_name(fmt)
     requests, seen = [], set()
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for n, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
+    try:
+        for n, obj in suites.records(path):
             try:
-                obj = json.loads(raw)
                 if not isinstance(obj, dict):
-                    raise ValueError("expected a JSON object")
-                req = parse_request(obj, n)
-            except (json.JSONDecodeError, ValueError) as e:
+                    raise ValueError(obj if isinstance(obj, str) else "expected a JSON object")
+                if fmt == "auto":
+                    fmt = suites.detect(obj)
+                req = parse_request(suites.to_request(obj, fmt, n), n)
+            except ValueError as e:
                 warn(f"{path}:{n}: skipped malformed line: {e}")
                 continue
             if req.id in seen:
@@ -86,6 +131,8 @@ def read_requests(path: str | Path, warn: Callable[[str], None]) -> list[Request
                 continue
             seen.add(req.id)
             requests.append(req)
+    except (OSError, EOFError, ValueError) as e:  # an unreadable gzip stream, a .json that is not a list
+        raise SpecdraftError(f"input file {path} cannot be read: {e}") from None
     if not requests:
         raise SpecdraftError(f"input file {path} has no valid requests")
     return requests
@@ -97,7 +144,7 @@ def done_ids(output: Path) -> set[str]:
     if output.is_file():
         for line in output.read_text(encoding="utf-8", errors="replace").splitlines():
             try:
-                ids.add(str(json.loads(line)["id"]))
+                ids.add(row_key(json.loads(line)))
             except (json.JSONDecodeError, KeyError, TypeError):
                 continue
     return ids
@@ -172,7 +219,8 @@ def merge_shards(input_path: str | Path, output: str | Path, warn: Callable[[str
     twice, so a disagreement means two jobs wrote one output); ids with no row (requests the job refused) are
     reported through ``warn``. Returns counts."""
     output = Path(output)
-    order = [r.id for r in read_requests(input_path, lambda m: None)]
+    order = [key for r in read_requests(input_path, lambda m: None)
+             for key in (r.id, *(f"{r.id}#turn{k}" for k in range(2, len(r.turns) + 2)))]
     known = set(order)
     rows: dict[str, str] = {}
     shards = [p for p in output.parent.glob(output.name + ".rank*") if p.name[len(output.name) + 5:].isdigit()]
@@ -182,7 +230,7 @@ def merge_shards(input_path: str | Path, output: str | Path, warn: Callable[[str
     for src in sources:
         for n, line in enumerate(src.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
             try:
-                row_id = str(json.loads(line)["id"])
+                row_id = row_key(json.loads(line))
             except (json.JSONDecodeError, KeyError, TypeError):
                 warn(f"{src}:{n}: not a result row (a torn last line?); skipped")
                 continue
@@ -242,7 +290,8 @@ def result_row(req: Request, res: RowResult, tokenizer, stats: dict, with_verifi
     stats["tokens"] += len(res.tokens)
     stats["rounds"] += len(res.accept_lengths)
     stats["committed"] += sum(res.accept_lengths)
-    return {"id": req.id if req.raw_id is None else req.raw_id,
+    return {"id": req.id if req.raw_id is None else req.raw_id, **({"turn": req.turn} if req.turns or req.turn > 1
+                                                                       else {}),
             "completion": tokenizer.decode(res.tokens, skip_special_tokens=True),
             "num_tokens": len(res.tokens), "finish_reason": length_reason if res.finish_reason == "length" else
             res.finish_reason, "accept_lengths": res.accept_lengths, "tau": round(res.tau, 4),
@@ -261,6 +310,19 @@ def pending_requests(requests: list[Request], output: Path, tokenizer, target_co
     stats = {"requests": len(encoded), "rejected": len(todo) - len(encoded), "skipped_done": len(requests) - len(todo),
              "tokens": 0, "rounds": 0, "committed": 0, "seconds": 0.0}
     return encoded, stats
+
+
+def completions(output: Path) -> dict[str, str]:
+    """The completion of each row in ``output``, by :func:`row_key` (a torn last line is ignored)."""
+    out = {}
+    if output.is_file():
+        for line in output.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+                out[row_key(row)] = row["completion"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
+    return out
 
 
 def finish_stats(stats: dict, seconds: float) -> dict:
@@ -323,7 +385,27 @@ def run_batch_job(requests: list[Request], output: Path, tokenizer, target, gen:
 
     A request that cannot be decoded (see :func:`encode_requests`) is reported and skipped; the others are written.
     Generation stops at the request's ``max_new_tokens`` (default ``gen.max_new_tokens``) and at the target's context
-    (``max_position_embeddings``) for every row."""
+    (``max_position_embeddings``) for every row. A request with follow-up ``turns`` decodes them one after another:
+    each turn once the one before has its row, with the target's answers in its conversation (a resumed job picks up
+    at the turn it stopped in)."""
+    job = (output, tokenizer, target, gen, batch_size, drafter, generator, enable_thinking, progress, warn, tree,
+           engine, policy, batching, prefill_chunk)
+    total, todo = _run_turn(requests, *job), requests
+    while todo := [nxt for r, answers in _with_answers(todo, output) if (nxt := next_turn(r, answers)) is not None]:
+        stats = _run_turn(todo, *job)
+        total = {k: total[k] + stats[k] for k in total}
+    return finish_stats(total, total["seconds"])
+
+
+def _with_answers(requests: list[Request], output: Path) -> list[tuple[Request, str]]:
+    """The requests of a turn that have their row in ``output``, each with its completion."""
+    answers = completions(output)
+    return [(r, answers[r.id]) for r in requests if r.id in answers]
+
+
+def _run_turn(requests, output, tokenizer, target, gen, batch_size, drafter, generator, enable_thinking, progress,
+              warn, tree, engine, policy, batching, prefill_chunk) -> dict:
+    """One pass of :func:`run_batch_job` over ``requests``: their stats, ``committed`` kept and ``seconds`` set."""
     if batching not in ("static", "continuous") or batching == "continuous" and engine is not None:
         raise ValueError(f"batching {batching!r}: static, or continuous with the eager engine")
     if not isinstance(gen.max_new_tokens, int):
@@ -367,4 +449,5 @@ def run_batch_job(requests: list[Request], output: Path, tokenizer, target, gen:
                 progress(len(chunk), time.perf_counter() - t0)
     finally:
         writer.close()
-    return finish_stats(stats, time.perf_counter() - start)
+    stats["seconds"] = time.perf_counter() - start
+    return stats

@@ -1,9 +1,12 @@
+import gzip
+import json
 import random
 import shutil
 import statistics
 from types import SimpleNamespace
 
 import pytest
+from transformers import AutoTokenizer
 
 from specdraft.errors import SpecdraftError
 from specdraft.pipeline.bench import (
@@ -12,6 +15,7 @@ from specdraft.pipeline.bench import (
     per_prompt_counts,
     ratio_interval,
     speedup_repeats,
+    suite_prompts,
     summarize,
     tau_interval,
     write_reports,
@@ -19,6 +23,8 @@ from specdraft.pipeline.bench import (
 from specdraft.pipeline.config import load_config
 from specdraft.pipeline.data import copy_bench_suites
 from specdraft.pipeline.stages import existing_world
+from specdraft.runtime.chat import encode_chat
+from specdraft.runtime.suites import packaged_path
 
 
 def test_summarize_tau_rates_and_per_position():
@@ -112,3 +118,30 @@ def test_length_caps_vary_by_the_spread_log_uniformly_and_the_same_for_every_met
     assert min(caps) >= 8 and max(caps) <= 80 and max(caps) / min(caps) >= 8
     assert 20 <= sorted(caps)[200] <= 32  # the median of a log-uniform draw on [8, 80] is about 25
     assert caps == length_caps(400, 80, 10.0, seed=0) and length_caps(3, 80, 1.0, 0) == [80, 80, 80]
+
+
+def test_bench_serves_humaneval_and_every_turn_of_a_multi_turn_file(tiny_world, tmp_path):
+    tok = AutoTokenizer.from_pretrained(str(tiny_world.target_dir))
+    humaneval = suite_prompts(tiny_world, "humaneval", 164, tok)
+    assert len(humaneval) == 164 and humaneval[0] == encode_chat(tok, [{"role": "user", "content": json.loads(
+        gzip.decompress(packaged_path("humaneval").read_bytes()).splitlines()[0])["prompt"]}])
+    path = tmp_path / "mt_bench" / "question.jsonl"
+    path.parent.mkdir()
+    path.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"question_id": 1, "category": "math", "turns": ["Mia has 3 apples.", "And Tom?"]},
+        {"question_id": 2, "category": "writing", "turns": ["Ava has 2 coins."]}]))
+    asked = []
+
+    def answer(prompts):
+        asked.extend(prompts)
+        return ["She has 3."] * len(prompts)
+
+    prompts = suite_prompts(tiny_world, f"mt-bench:{path}", 8, tok, answer=answer)
+    first = encode_chat(tok, [{"role": "user", "content": "Mia has 3 apples."}])
+    assert asked == [first]  # only the question with a second turn is answered
+    assert prompts[:1] == [first] and prompts[2] == encode_chat(tok, [
+        {"role": "user", "content": "Mia has 3 apples."}, {"role": "assistant", "content": "She has 3."},
+        {"role": "user", "content": "And Tom?"}])
+    assert len(suite_prompts(tiny_world, f"{path}#writing", 8, tok, answer=answer)) == 1
+    with pytest.raises(SpecdraftError, match="bench.suites.*not found"):
+        suite_prompts(tiny_world, str(tmp_path / "none.jsonl"), 8, tok)

@@ -19,7 +19,9 @@ from specdraft.pipeline.stages import load_note
 from specdraft.pipeline.tokenizer import format_chat
 from specdraft.runtime import batch_job
 from specdraft.runtime.batch_job import Request, done_ids, read_requests
-from specdraft.runtime.decode import GenerationConfig, RowResult
+from specdraft.runtime.chat import encode_chat
+from specdraft.runtime.decode import GenerationConfig, RowResult, generate
+from specdraft.runtime.load import load_target
 
 
 def _write(path, lines):
@@ -444,3 +446,30 @@ def test_target_check_says_it_passes_and_decode_drafter_takes_an_export_name(tin
     assert json.loads(out.read_text())["tau"] >= 1.0
     assert main(["decode", *args, "decode.drafter=nosuch", "--input", str(inp), "--output", str(out)]) == 2
     assert "holds no drafter (no config.json): a drafter directory or an export name" in capsys.readouterr().err
+
+
+def test_an_mt_bench_file_decodes_every_turn_after_the_answer_before_it(tiny_world, drafter_dir, tmp_path):
+    """MT-Bench's question.jsonl as the input: a row per turn, turn 2 decoded on the conversation with turn 1's
+    answer; greedy DFlash equals AR turn for turn, and a rerun finds every turn done."""
+    inp = tmp_path / "question.jsonl"
+    _write(inp, [json.dumps({"question_id": 81, "category": "math", "turns": ["Mia has 3 apples.", "Tom has 4."]}),
+                 json.dumps({"question_id": 82, "category": "math", "turns": ["Ava has 2 coins."]})])
+    rows = {}
+    for method in ("ar", "dflash"):
+        out = tmp_path / f"{method}.jsonl"
+        assert main(["decode", *_args(tiny_world, drafter_dir, tmp_path, f"decode.method={method}"), "--input",
+                     str(inp), "--output", str(out)]) == 0
+        rows[method] = {batch_job.row_key(r): r for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(rows["ar"]) == ["81", "81#turn2", "82"] and rows["ar"]["81#turn2"]["turn"] == 2
+    completions = {m: {k: r["completion"] for k, r in rows[m].items()} for m in rows}
+    assert completions["ar"] == completions["dflash"]
+    assert all(r["accept_lengths"] for r in rows["dflash"].values())  # every turn went through verify rounds
+    tok = AutoTokenizer.from_pretrained(str(tiny_world.target_dir))
+    chat = [{"role": "user", "content": "Mia has 3 apples."}, {"role": "assistant",
+            "content": rows["ar"]["81"]["completion"]}, {"role": "user", "content": "Tom has 4."}]
+    alone = generate(load_target(tiny_world.target_dir), [encode_chat(tok, chat)],
+                     GenerationConfig(max_new_tokens=12, stop_token_ids=[tok.eos_token_id]))[0]
+    assert tok.decode(alone.tokens, skip_special_tokens=True) == rows["ar"]["81#turn2"]["completion"]
+    stats = main(["decode", *_args(tiny_world, drafter_dir, tmp_path, "decode.method=ar"), "--input", str(inp),
+                  "--output", str(tmp_path / "ar.jsonl")])
+    assert stats == 0 and len((tmp_path / "ar.jsonl").read_text().splitlines()) == 3  # nothing twice
