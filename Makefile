@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test lint venv clean mlflow-ui
+.PHONY: demo test test-fast lint venv clean mlflow-ui
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,6 +22,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -x --durations=15 tests
+
+test-fast: $(STAMP)  # the unit tier, for an edit: no slow or integration tests
+	$(BIN)/python -m pytest -q -x --durations=10 -m "not slow and not integration" tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.integration  # `make test-fast` leaves it out
+
 ROOT = Path(__file__).parents[1]
 GPU_MODULES = [
     "specdraft.runtime.decode", "specdraft.runtime.static_decode", "specdraft.runtime.backends.onnx",

@@ -2,11 +2,14 @@
 
 import logging
 
+import pytest
+
 from specdraft.export.onnx import export_onnx
 from specdraft.noise import quiet_mlflow_store, quiet_onnx_export
 from tests.helpers import make_drafter, make_target
 
 
+@pytest.mark.integration
 def test_the_exporters_torchvision_lines_are_dropped_and_its_other_warnings_kept(caplog, tmp_path):
     quiet_onnx_export()
     name = "torch.onnx._internal.exporter._registration"

@@ -116,7 +116,7 @@ def regenerate(cfg: RunConfig, world: World, tracker: Tracker, log=print) -> Pat
                            sampling=SamplingParams(temperature=cfg.data.temperature))
     generator = torch.Generator(device=target.lm_head.weight.device).manual_seed(cfg.data.seed)
     raw = data_dir / "regenerated.jsonl"
-    bar = tqdm(total=len(requests), desc="data: regenerating responses", unit="req")
+    bar = tqdm(total=sum(1 + len(r.turns) for r in requests), desc="data: regenerating responses", unit="req")
     stats = run_batch_job(requests, raw, tokenizer, target, gen, cfg.data.batch_size, generator=generator,
                           enable_thinking=cfg.data.enable_thinking, progress=lambda n, s: bar.update(n))
     bar.update(stats["skipped_done"] + stats["rejected"])

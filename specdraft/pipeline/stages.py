@@ -183,7 +183,8 @@ def _decode_here(cfg: RunConfig, world, requests, output_path: Path, drafter_dir
             policy = adaptive_policy(cfg.work_path, tgt, drafter, drafter_dir,
                                      heldin_prompts(world, tok, cfg.data.enable_thinking), stop_token_ids(tok),
                                      (d.batch_size,), log, gen.sampling, d.draft_sampling)
-        bar = tqdm(total=len(requests), desc=f"decode ({d.method})", unit="req", file=sys.stderr)
+        bar = tqdm(total=sum(1 + len(r.turns) for r in requests), desc=f"decode ({d.method})", unit="req",
+                   file=sys.stderr)
         stats = run_batch_job(requests, output_path, tok, tgt, gen, d.batch_size, drafter=drafter, generator=g,
                               enable_thinking=cfg.data.enable_thinking,
                               progress=lambda n, s: bar.update(n), tree=tree, engine=engine, policy=policy,

@@ -23,6 +23,7 @@ from tests.helpers import make_drafter, make_target
 TOL = 1e-4
 
 
+@pytest.mark.slow
 def test_the_fused_flavour_has_one_custom_node_per_attention_and_no_softmax(exported):
     target, drafter, out = exported
     m = load_manifest(out)
@@ -169,6 +170,7 @@ def test_retrace_through_onnx_runtime_carries_its_prior_like_torch(exported_retr
     assert (hidden["onnx"][0] - hidden["onnx"][1]).abs().max() > 1e-2  # the prior is not ignored
 
 
+@pytest.mark.slow
 def test_an_fp16_export_keeps_the_feature_path_in_fp32(tmp_path):
     """Target features of magnitude 3e4 (Qwen3-8B's spikes), summed by ``fc`` over the concatenated layers, overflow
     fp16; the fp16 export's ingest graph computes them in fp32 (ONNX Runtime runs fp16 graphs on the CPU), so its

@@ -21,6 +21,7 @@ def test_greedy_with_pinned_acceptance_through_onnx_runtime(exported):
     assert counts["stopped_rows"] > 0
 
 
+@pytest.mark.slow
 def test_sampled_output_through_onnx_runtime_fits_the_target(exported):
     _, _, out = exported
     if load_manifest(out)["flavour"] == "fused":

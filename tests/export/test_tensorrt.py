@@ -136,6 +136,7 @@ def test_tensorrt_engines_decode_the_targets_greedy_output(exported, tmp_path):
     assert [r.tokens for r in got] == [r.tokens for r in want]
 
 
+@pytest.mark.slow
 def test_profiles_cover_every_input_of_every_graph(exported, exported_retrace):
     """Every graph input (ReTrace's prior included) has a shape in every profile, of the graph's rank and fixed
     dimensions; without the prior's shapes the check names them (TensorRT would build no engine)."""
@@ -239,6 +240,7 @@ def exported_bf16(tmp_path_factory):
     return target, drafter, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", ["10.13.3", "11.4.0"])
 def test_the_engine_build_is_strongly_typed_and_profiles_every_input(exported_bf16, tmp_path, monkeypatch, version):
     """Against a stand-in for TensorRT 10.x and 11.x (which has no precision flags): strongly typed networks (the

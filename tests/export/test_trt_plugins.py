@@ -92,6 +92,7 @@ print(json.dumps({"name": name.decode(), "ptx": ptx.decode(), "extra": [e.value 
 """
 
 
+@pytest.mark.slow
 @needs_triton
 def test_the_aot_plugin_returns_a_kernel_tensorrt_can_launch():
     """At build time (a bf16 engine of Qwen3-8B's attention shape: 32 query heads, 8 KV heads, head dim 128): the
@@ -116,6 +117,7 @@ def test_the_aot_plugin_returns_a_kernel_tensorrt_can_launch():
     assert "unsupported dtype" in build("float32")["error"]
 
 
+@pytest.mark.slow
 @needs_triton
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_the_aot_ptx_assembles_for_hopper_with_ten_parameters(dtype, tmp_path):

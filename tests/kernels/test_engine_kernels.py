@@ -12,6 +12,7 @@ from tests.helpers import make_drafter, make_target
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install '.[triton]')")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["ar", "chain", "tree"])
 def test_greedy_decoding_with_kernels_equals_the_reference_path(path):
     target = make_target(seed=3, vocab=48)

@@ -290,6 +290,7 @@ def test_a_base_model_trains_on_the_prompt_ids_its_decode_job_serves(tiny_world,
         tokenize_conversation(tok, [{"role": "system", "content": "x"}, {"role": "user", "content": "y"}])
 
 
+@pytest.mark.integration
 def test_a_torchrun_sharded_job_writes_every_id_once_and_merges_in_input_order(tiny_world, drafter_dir, tmp_path):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     prompts = ["Mia has 3 apples.", "Tom has 12 coins. Then Tom finds 4 more coins.", "Ava", "Ben has 7 pens.",
@@ -393,6 +394,7 @@ def test_a_second_writer_on_one_output_is_refused(tiny_world, drafter_dir, tmp_p
     assert not out.exists() or out.read_text() == ""
 
 
+@pytest.mark.integration
 def test_decode_jobs_track_in_their_own_experiment_and_a_sigtermed_job_is_killed(tiny_world, drafter_dir, tmp_path):
     """A decode job's MLflow run goes to ``<experiment>-jobs``, not to training's experiment; a job ended by SIGTERM
     (what a scheduler sends) is marked KILLED, not left RUNNING."""

@@ -10,6 +10,8 @@ import pytest
 from specdraft.pipeline.cli import main
 from tests.pipeline.test_decode_job import _args, _write, drafter_dir  # noqa: F401  (a fixture)
 
+pytestmark = pytest.mark.integration  # `make test-fast` leaves it out
+
 
 @pytest.fixture(scope="module")
 def exported_drafter(tiny_world, tmp_path_factory):

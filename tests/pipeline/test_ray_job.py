@@ -9,6 +9,8 @@ import pytest
 from specdraft.pipeline.cli import main
 from tests.pipeline.test_decode_job import _args, _write, drafter_dir  # noqa: F401 (a fixture)
 
+pytestmark = pytest.mark.integration  # `make test-fast` leaves it out
+
 pytest.importorskip("ray", reason="the optional Ray extra is not installed: pip install -e '.[ray]'")
 
 

@@ -12,6 +12,8 @@ from specdraft.pipeline.cli import main
 from specdraft.pipeline.data import regenerated_temperature
 from specdraft.pipeline.train import check_resumable
 
+pytestmark = pytest.mark.integration  # `make test-fast` leaves it out
+
 TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
 MICRO = [
     "data.math_problems=300", "data.code_files=6", "data.dialogue=false", "data.holdout_prompts=2",

@@ -124,6 +124,7 @@ class TagTracker(RecordingTracker):
         self.tags.update(tags)
 
 
+@pytest.mark.integration
 def test_stages_chain_sft_eal_wtv_grpo_with_warm_starts(tiny_world, tmp_path):
     work = tmp_path / "w"
     data = _prepare(tiny_world, work)

@@ -15,6 +15,8 @@ from safetensors.torch import load_file
 from specdraft.lit_modules.data import LengthGroupedSampler
 from tests.pipeline.test_train import TINY
 
+pytestmark = pytest.mark.integration  # `make test-fast` leaves it out
+
 
 def test_ranks_split_the_global_batches_one_process_would_see():
     lengths = [((7 * i) % 23) + 5 for i in range(37)]

@@ -11,6 +11,8 @@ from specdraft.runtime.load import load_target
 from tests.helpers import requires_cuda
 from tests.pipeline.test_train import RecordingTracker, StopAt, _cfg, _prepare
 
+pytestmark = pytest.mark.integration  # `make test-fast` leaves it out
+
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU refusal (a CUDA box runs FSDP itself)")
 def test_fsdp_on_a_cpu_is_one_clear_line_before_compute(tiny_world, tmp_path):

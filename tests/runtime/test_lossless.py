@@ -74,6 +74,7 @@ TREE_SAMPLING = [("stub", p, "sample") for p in SAMPLING_SETTINGS] + [("dflash",
                                                                      ("stub", SAMPLING_SETTINGS[1], "greedy")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("path", "params", "drafts"), TREE_SAMPLING,
                          ids=lambda x: x if isinstance(x, str) else f"T{x.temperature:g}")
 def test_d2sd_sampled_output_is_distributed_as_the_targets(path, params, drafts):
@@ -117,6 +118,7 @@ def test_continuous_batching_decodes_each_request_as_alone_in_any_arrival_order(
         assert (rev[j].tokens, rev[j].accept_lengths) == (static[i].tokens, static[i].accept_lengths), i
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", SAMPLING_SETTINGS, ids=lambda p: f"T{p.temperature:g}")
 @pytest.mark.parametrize("path", PATHS)
 def test_sampled_output_is_distributed_as_the_targets(path, params):
@@ -126,6 +128,7 @@ def test_sampled_output_is_distributed_as_the_targets(path, params):
     assert got.profile["tau"] > 2 and got.profile["full"] and got.profile["none"], got.profile
 
 
+@pytest.mark.slow
 def test_deterministic_drafts_under_sampling_are_lossless():
     target = make_target(seed=7, vocab=6, std=0.5)
     got = sampling_pvalues(target, factory("dflash", target, "mix"), SAMPLING_SETTINGS[0], draft_sampling="greedy")
@@ -133,6 +136,7 @@ def test_deterministic_drafts_under_sampling_are_lossless():
     assert got.profile["tau"] > 1.5, got.profile
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", sorted(WRONG_RULES))
 def test_the_harness_fails_on_a_wrong_rule(rule, monkeypatch):
     for module, attr, wrong in WRONG_RULES[rule]:
@@ -146,6 +150,7 @@ def test_the_harness_fails_on_a_wrong_rule(rule, monkeypatch):
     assert caught, (rule, greedy, sampled)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", sorted(TREE_WRONG_RULES))
 def test_the_harness_fails_on_a_wrong_tree_rule(rule, monkeypatch):
     for module, attr, wrong in TREE_WRONG_RULES[rule]:

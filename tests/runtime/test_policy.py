@@ -753,6 +753,7 @@ def test_the_shared_greedy_harness_passes_with_narrower_rounds():
     assert set(widths) == {2} and got["partial"] > 0 and got["none"] > 0, got
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("right,explore,per_token", [(2, 0, 0.3), (2, 3000, 0.1), (2, 1500, 0.3), (0, 0, 0.3)],
                          ids=["narrow-rounds", "half-the-rows-explore", "a-quarter-verify-apart",
                               "plain-rounds-mixed-in-continuous"])

@@ -59,6 +59,7 @@ def test_pinned_acceptance(right):
     assert {a for r in got for a in r.accepted} == {right}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", SAMPLING_SETTINGS[:1], ids=["t0.7-top4-top0.9"])
 def test_sampled_output_fits_the_target_distribution(params):
     target = make_target(seed=7, vocab=6, std=0.5)
