@@ -16,6 +16,7 @@ import torch
 
 from specdraft.pipeline.config import load_config
 from specdraft.pipeline.exports import backend_models, export_dirs
+from specdraft.pipeline.measure import write_report
 from specdraft.pipeline.stages import default_drafter_dir, existing_world
 from specdraft.runtime.drafter_io import load_drafter
 from specdraft.runtime.load import load_target
@@ -98,9 +99,7 @@ def main(argv=None) -> dict:
                        "ratio": med[args.backend] / med["torch"]}
                 report["rows"].append(row)
                 print(json.dumps(row), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    write_report(report, args.out, echo=False)
     return report
 
 

@@ -15,7 +15,6 @@ reports the empirical acceptance of slot ``k`` among rounds that reached it (cal
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
@@ -23,6 +22,7 @@ from transformers import AutoTokenizer
 
 from specdraft.pipeline.bench import suite_prompts, with_bench_prompts
 from specdraft.pipeline.config import load_config
+from specdraft.pipeline.measure import write_report
 from specdraft.pipeline.stages import existing_world
 from specdraft.pipeline.tokenizer import stop_token_ids
 from specdraft.pipeline.trees import tree_drafting
@@ -101,10 +101,7 @@ def main(argv=None) -> dict:
                                                             for k, v in a["phases"].items()}}
                                        for m, a in acc.items()}
     report["reliability"] = reliability(records)
-    print(json.dumps(report, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    write_report(report, args.out)
     return report
 
 

@@ -12,30 +12,20 @@ All at batch 1 and batch 8. Prefill is measured separately and subtracted. Each 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
 
 import torch
-from fusion_overhead import fusion_overhead_ms  # benchmarks/ is on sys.path when this runs as a script
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdraft.pipeline.config import load_config
+from specdraft.pipeline.measure import fusion_overhead_ms, write_report
 from specdraft.pipeline.stages import default_drafter_dir, existing_world
 from specdraft.runtime.batch_job import read_requests
 from specdraft.runtime.chat import encode_chat
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.drafter_io import build_drafter, convert_drafter, drafter_config_for_target, load_drafter
 from specdraft.runtime.load import load_target
-
-
-def _time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from specdraft.runtime.phase_clock import wall_seconds
 
 
 def main() -> None:
@@ -93,10 +83,10 @@ def main() -> None:
         # load drifts between cycles) and the median over cycles is reported with its range
         cycles = []
         for _ in range(args.repeats):
-            prefill = _time(lambda: generate(target, batch, GenerationConfig(max_new_tokens=1)), 1)
-            ar_s = _time(lambda: generate(target, batch, gen), 1)
-            spec_s = _time(lambda: generate(target, batch, gen, drafter=drafter), 1)
-            hf_s = _time(hf_generate, 1)
+            prefill = wall_seconds(lambda: generate(target, batch, GenerationConfig(max_new_tokens=1)))
+            ar_s = wall_seconds(lambda: generate(target, batch, gen))
+            spec_s = wall_seconds(lambda: generate(target, batch, gen, drafter=drafter))
+            hf_s = wall_seconds(hf_generate)
             ar_step, spec_round = (ar_s - prefill) / (N - 1), (spec_s - prefill) / rounds
             cycles.append({"ours_over_hf": hf_s / ar_s, "round_over_ar_step": spec_round / ar_step,
                            "ar_step_ms": 1000 * ar_step, "spec_round_ms": 1000 * spec_round,
@@ -116,7 +106,7 @@ def main() -> None:
         res["retrace_fusion_ms_quartiles"] = [1000 * q for q in statistics.quantiles(diffs, n=4)[::2]]
         res["retrace_fusion_share_of_round"] = fusion / (res["spec_round_ms"] / 1000 + fusion)
         out[f"bs{bs}"] = res
-    print(json.dumps(out, indent=2))
+    write_report(out)
 
 
 if __name__ == "__main__":

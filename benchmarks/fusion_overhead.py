@@ -19,13 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 
+from specdraft.pipeline.measure import fusion_overhead_ms, write_report
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.drafter_io import build_drafter, convert_drafter, drafter_config_for_target
 from specdraft.runtime.models.target import TargetArgs, TargetLM
+from specdraft.runtime.phase_clock import wall_seconds
 
 SHAPES = {  # the published config.json values of each model (architecture only)
     "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
@@ -38,53 +39,6 @@ SHAPES = {  # the published config.json values of each model (architecture only)
                      num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
 }
 QWEN3_VOCAB, QWEN3_MASK = 151936, 151669
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def fusion_overhead_ms(drafter, retrace, target, bs: int, mask_token_id: int, n_steps: int = 100,
-                       n_pairs: int = 15, accepted: int = 2) -> list[float]:
-    """Per-round extra cost of ReTrace over its DFlash backbone (ms), one value per interleaved pair.
-
-    Both run ingest + next_round_state + block_embeds on a round's tensors with ``accepted`` drafts accepted; only
-    ReTrace fuses all verified rows' features, retains the rejected suffix and fuses it into the next block.
-    """
-    dev = next(target.parameters()).device
-    dtype = next(target.parameters()).dtype
-    Bk, V = retrace.block_size, target.args.vocab_size
-    hid = torch.randn(bs, Bk, target.args.hidden_size, device=dev, dtype=dtype)
-    drafts = torch.randint(0, V, (bs, Bk - 1), device=dev)
-    n_acc = torch.full((bs,), accepted, device=dev)
-    t_logits = torch.randn(bs, Bk, V, device=dev, dtype=dtype)
-    t_feats = torch.randn(bs, Bk, retrace.fc.in_features, device=dev, dtype=dtype)
-    blk = torch.full((bs, Bk), mask_token_id, device=dev)
-    caches = {id(m): m.new_cache(bs, 64) for m in (drafter, retrace)}
-    zero = torch.zeros(bs, dtype=torch.long, device=dev)
-
-    def steps(model):
-        def run():
-            with torch.inference_mode():
-                cache = caches[id(model)]
-                fused = model.ingest(cache, t_feats, n_acc + 1)
-                cache.crop(zero)
-                model.block_embeds(blk, model.next_round_state(None, hid, drafts, n_acc, t_logits, fused))
-        return run
-
-    def timed(fn) -> float:
-        _sync(dev)
-        t0 = time.perf_counter()
-        for _ in range(n_steps):
-            fn()
-        _sync(dev)
-        return (time.perf_counter() - t0) / n_steps
-
-    dflash_steps, retrace_steps = steps(drafter), steps(retrace)
-    for _ in range(20):  # warm both paths (allocator, caches) before timing
-        retrace_steps(), dflash_steps()
-    return [1000 * (timed(retrace_steps) - timed(dflash_steps)) for _ in range(n_pairs)]
 
 
 def main() -> None:
@@ -124,20 +78,14 @@ def main() -> None:
         gen = GenerationConfig(max_new_tokens=args.rounds)
 
         def per_round(model) -> tuple[float, int]:  # (seconds for the generate call, rounds)
-            _sync(dev)
-            t0 = time.perf_counter()
-            res = generate(target, prompts, gen, drafter=model)
-            _sync(dev)
-            return (time.perf_counter() - t0), max(len(r.accept_lengths) for r in res)
+            res = []
+            seconds = wall_seconds(lambda: res.extend(generate(target, prompts, gen, drafter=model)), dev)
+            return seconds, max(len(r.accept_lengths) for r in res)
 
         per_round(drafter), per_round(retrace)  # warm-up
         cycles = []
         for i in range(args.repeats):  # interleaved, alternating which drafter runs first
-            _sync(dev)
-            t0 = time.perf_counter()
-            generate(target, prompts, GenerationConfig(max_new_tokens=1))
-            _sync(dev)
-            prefill = time.perf_counter() - t0
+            prefill = wall_seconds(lambda: generate(target, prompts, GenerationConfig(max_new_tokens=1)), dev)
             if i % 2 == 0:
                 (d_s, d_r), (r_s, r_r) = per_round(drafter), per_round(retrace)
             else:
@@ -154,10 +102,7 @@ def main() -> None:
         res["end_to_end_share_range"] = [min(shares), max(shares)]
         out[f"bs{bs}"] = res
         print(json.dumps({f"bs{bs}": res}), flush=True)
-    print(json.dumps(out, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=2)
+    write_report(out, args.out)
 
 
 if __name__ == "__main__":

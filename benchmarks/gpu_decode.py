@@ -16,13 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 
+from specdraft.pipeline.measure import write_report
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.drafter_io import build_drafter, drafter_config_for_target
 from specdraft.runtime.models.target import TargetArgs, TargetLM
+from specdraft.runtime.phase_clock import wall_seconds
 from specdraft.runtime.static_decode import StaticDecoder
 
 SHAPES = {  # published config.json values (architecture only), and a tiny one for the CPU smoke run
@@ -33,19 +34,6 @@ SHAPES = {  # published config.json values (architecture only), and a tiny one f
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, vocab_size=512),
 }
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def _seconds(fn, dev) -> float:
-    _sync(dev)
-    t0 = time.perf_counter()
-    fn()
-    _sync(dev)
-    return time.perf_counter() - t0
 
 
 def main(argv=None) -> dict:
@@ -96,8 +84,8 @@ def main(argv=None) -> dict:
         for _ in range(args.repeats):
             for name, fn in methods.items():
                 res: list = []
-                total = _seconds(lambda: res.extend(fn(gen)), dev)
-                prefill = _seconds(lambda: fn(prefill_only), dev)
+                total = wall_seconds(lambda: res.extend(fn(gen)), dev)
+                prefill = wall_seconds(lambda: fn(prefill_only), dev)
                 rounds[name] = max(len(r.accept_lengths) for r in res)
                 per_round[name].append((total - prefill) / max(rounds[name], 1))
         row = {"batch": bs, **{f"{m}_ms": 1000 * statistics.median(v) for m, v in per_round.items()},
@@ -107,9 +95,7 @@ def main(argv=None) -> dict:
         row["graph_speedup_round"] = row["spec_eager_ms"] / row["spec_static_ms"]
         report["rows"].append(row)
         print(json.dumps(row), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    write_report(report, args.out, echo=False)
     return report
 
 

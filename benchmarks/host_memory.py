@@ -21,9 +21,9 @@ import time
 from dataclasses import replace
 
 import torch
-from policy_overhead import load_job  # benchmarks/ is on sys.path when this runs as a script
 
 import specdraft.runtime.load as load
+from specdraft.pipeline.measure import load_job
 from specdraft.runtime.decode import GenerationConfig, generate
 
 
@@ -31,7 +31,9 @@ def decode_jobs(args) -> None:
     """One process: ``--repeats`` jobs per kind, alternating; one JSON line each."""
     if args.allocator == "default":
         load.keep_freed_memory = lambda: False  # glibc as it comes (load_target reads it from its module)
-    target, drafter, prompts, gen, base = load_job(args)
+    job = load_job(args.world, args.drafter, args.suite, args.num_prompts, args.max_new_tokens, args.spread,
+                   args.temperature, args.policy)
+    target, drafter, prompts, gen, base = job.target, job.drafter, job.prompts, job.gen, job.policy
     generate(target, prompts[:8], GenerationConfig(max_new_tokens=8), drafter=drafter)  # warm-up
     for rep in range(args.repeats):
         for kind in ("ar", "adaptive") if rep % 2 == 0 else ("adaptive", "ar"):

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
@@ -25,6 +23,7 @@ from specdraft.kernels.speculative_attention import (
     speculative_attention_reference,
     speculative_attention_triton,
 )
+from specdraft.pipeline.measure import median_seconds, write_report
 
 PEAK_GBPS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0, "L4": 300.0}
 """Datasheet HBM/GDDR bandwidth by device-name fragment (GB/s)."""
@@ -50,27 +49,6 @@ def _tree_mask(B: int, T: int, g: torch.Generator) -> torch.Tensor:
     return mask
 
 
-def _time(fn, device: str, repeats: int) -> float:
-    fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1000)
-        return statistics.median(times)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def bench_attention(device: str, dtype: torch.dtype, peak_gbps: float | None, repeats: int) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     rows = []
@@ -88,13 +66,13 @@ def bench_attention(device: str, dtype: torch.dtype, peak_gbps: float | None, re
         elem = torch.finfo(dtype).bits // 8
         moved = elem * (2 * B * KV_HEADS * S * HEAD_DIM + 2 * B * HEADS * T * HEAD_DIM)  # K, V read; q read, out write
         row = {"case": name, "batch": B, "context": L, "new_tokens": T, "bytes": moved}
-        row["reference_s"] = _time(lambda: speculative_attention_reference(q, k, v, lengths, bits, scale), device,
-                                   repeats)
-        row["sdpa_masked_s"] = _time(lambda: torch.nn.functional.scaled_dot_product_attention(
+        row["reference_s"] = median_seconds(
+            lambda: speculative_attention_reference(q, k, v, lengths, bits, scale), device, repeats)
+        row["sdpa_masked_s"] = median_seconds(lambda: torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=dense, scale=scale, enable_gqa=True), device, repeats)
         if device == "cuda":
-            row["triton_s"] = _time(lambda: speculative_attention_triton(q, k, v, lengths, bits, scale), device,
-                                    repeats)
+            row["triton_s"] = median_seconds(
+                lambda: speculative_attention_triton(q, k, v, lengths, bits, scale), device, repeats)
             row["triton_gbps"] = moved / row["triton_s"] / 1e9
             row["speedup_vs_sdpa_masked"] = row["sdpa_masked_s"] / row["triton_s"]
             row["speedup_vs_reference"] = row["reference_s"] / row["triton_s"]
@@ -109,10 +87,10 @@ def bench_attention(device: str, dtype: torch.dtype, peak_gbps: float | None, re
 
 
 def _timed_pair(row: dict, reference, kernel, moved: int, device: str, peak_gbps: float | None, repeats: int):
-    row["reference_s"] = _time(reference, device, repeats)
+    row["reference_s"] = median_seconds(reference, device, repeats)
     row["reference_gbps"] = moved / row["reference_s"] / 1e9
     if device == "cuda":
-        row["triton_s"] = _time(kernel, device, repeats)
+        row["triton_s"] = median_seconds(kernel, device, repeats)
         row["triton_gbps"] = moved / row["triton_s"] / 1e9
         row["speedup_vs_reference"] = row["reference_s"] / row["triton_s"]
         if peak_gbps:
@@ -182,9 +160,7 @@ def main(argv=None) -> dict:
               "head_dim": HEAD_DIM, "speculative_attention": bench_attention(args.device, dtype, peak, args.repeats),
               "retrace_fusion": bench_retrace_fusion(args.device, dtype, peak, args.repeats),
               "lm_head_argmax": bench_lm_head_argmax(args.device, dtype, peak, args.repeats)}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    write_report(report, args.out, echo=False)
     return report
 
 

@@ -12,8 +12,7 @@ features and their backlog kept, every round plain): what the engine's plain pat
 out. Kind ``padded`` is the adaptive engine whose exploring rounds never verify the explorers' drafts in a pass of
 their own rows (only padded into the pass of every row, as before that pass existed). ``--keep-policy`` keeps each
 kind's policy from repeat to repeat, as a bench cell does (what a policy learns in one job, the next starts from).
-Kind ``old@COMMIT`` is the adaptive policy as ``policy.py`` was at a commit, beside today's in the same process
-(``--time-calls`` times today's policy only). Where a kind's time goes against AR's, in measures the machine's
+Where a kind's time goes against AR's, in measures the machine's
 speed drifts move far less than tokens/s: each job's ``host_s``, its seconds outside the models' passes (the engine's
 and the policy's code between them; on a CPU a pass's wall time is its compute), over ``engine_rounds``, the rounds
 of the decode loop; and ``step_ms``, the median of its one-token target passes (every row's decoding step, plain
@@ -21,7 +20,7 @@ rounds' and AR's: a median over hundreds of passes is not moved by a few slow on
 time a round over AR's, as µs and as a share of AR's job, and its median step over AR's, paired by repeat.
 Besides each job's line, each kind's tokens/s over AR's in the same repeat (median and range over repeats: slow
 drifts of the machine cancel within a repeat), and with both ``adaptive`` and ``padded`` the mean of their paired
-ratios with one standard error (and the same for ``adaptive`` against each ``old@COMMIT``).
+ratios with one standard error.
 
     python benchmarks/policy_overhead.py artifacts/tiny/world-f8d6f235a11e artifacts/tiny/drafter/sft \\
         artifacts/cb-bench/policy/<key>.json --suite dialogue --slots 32 --temperature 1
@@ -30,96 +29,27 @@ ratios with one standard error (and the same for ``adaptive`` against each ``old
 from __future__ import annotations
 
 import argparse
-import functools
-import inspect
-import json
 import statistics
-import subprocess
-import sys
 import time
-import types
-from dataclasses import asdict, replace
-from pathlib import Path
+from dataclasses import replace
 
 import torch
-from transformers import AutoTokenizer
 
-from specdraft.pipeline.bench import length_caps
-from specdraft.pipeline.policy import sampling_key
-from specdraft.pipeline.tokenizer import stop_token_ids
+from specdraft.pipeline.measure import load_job
 from specdraft.runtime import decode
-from specdraft.runtime.batch_job import encode_requests, read_requests
-from specdraft.runtime.decode import GenerationConfig, generate
-from specdraft.runtime.drafter_io import load_drafter
-from specdraft.runtime.load import load_target
-from specdraft.runtime.policy import AdaptivePolicy, Calibration, CostModel
-from specdraft.runtime.sampling import SamplingParams
-
-
-def load_job(args) -> tuple:
-    """``(target, drafter, prompts, generation config, adaptive policy)`` of a suite job from the arguments ``world``,
-    ``drafter``, ``policy``, ``suite``, ``num_prompts``, ``max_new_tokens``, ``spread`` and ``temperature``."""
-    target = load_target(f"{args.world}/target")
-    drafter = load_drafter(args.drafter, target)
-    tok = AutoTokenizer.from_pretrained(f"{args.world}/target")
-    reqs = read_requests(f"{args.world}/bench/{args.suite}.jsonl", print)[: args.num_prompts]
-    prompts = [ids for _, ids in encode_requests(reqs, tok, None, warn=print)]
-    gen = GenerationConfig(max_new_tokens=length_caps(len(prompts), args.max_new_tokens, args.spread, 0),
-                           stop_token_ids=stop_token_ids(tok), sampling=SamplingParams(args.temperature))
-    saved = json.loads(open(args.policy).read())
-    calibrations = saved.get("calibrations", {"greedy": saved.get("calibration", {})})
-    name = sampling_key(gen.sampling)
-    if name not in calibrations:
-        raise SystemExit(f"{args.policy} holds no calibration for {name} (a bench or decode run at it adds one)")
-    policy = AdaptivePolicy(CostModel(**saved["costs"]), Calibration(**calibrations[name]))
-    return target, drafter, prompts, gen, policy
+from specdraft.runtime.decode import generate
+from specdraft.runtime.policy import AdaptivePolicy
 
 
 def policy_of(base: AdaptivePolicy, kind: str) -> AdaptivePolicy | None:
     """A fresh copy of ``base`` for ``adaptive``, ``plain`` and ``padded``, with one field set for
-    ``adaptive@FIELD=VALUE`` (a number); the policy of an earlier commit for ``old@COMMIT``, with ``base``'s costs and
-    calibration; None for AR and fixed."""
+    ``adaptive@FIELD=VALUE`` (a number); None for AR and fixed."""
     if kind in ("adaptive", "plain", "padded"):
         return replace(base)
-    if kind.startswith("old@"):
-        return old_policy(kind.removeprefix("old@"))(CostModel(**asdict(base.costs)),
-                                                       Calibration(**asdict(base.calibration)))
     if kind.startswith("adaptive@"):
         name, value = kind.removeprefix("adaptive@").split("=")
         return replace(base, **{name: type(getattr(base, name))(float(value))})
     return None
-
-
-@functools.cache
-def old_policy(commit: str) -> type:
-    """``AdaptivePolicy`` as ``specdraft/runtime/policy.py`` was at ``commit`` (read with ``git show``), taking the
-    engine's calls of today: arguments it did not take are dropped."""
-    source = subprocess.run(["git", "show", f"{commit}:specdraft/runtime/policy.py"], check=True, capture_output=True,
-                            text=True, cwd=Path(__file__).resolve().parents[1]).stdout
-    module = types.ModuleType(f"policy_{commit}")
-    sys.modules[module.__name__] = module  # dataclasses look their module up
-    exec(compile(source, f"{commit}:specdraft/runtime/policy.py", "exec"), module.__dict__)
-    old = module.AdaptivePolicy
-    takes = {name: set(inspect.signature(getattr(old, name)).parameters)
-             for name in ("draft_rows", "draft_this_round", "observe")}
-
-    class Old(old):
-        def draft_this_round(self, b, fresh=0, rows=None, opening=()):
-            return super().draft_this_round(b, fresh, rows, **({"opening": opening}
-                                                                if "opening" in takes["draft_this_round"] else {}))
-
-        def draft_rows(self, b, fresh=0, rows=None, opening=()):
-            return super().draft_rows(b, fresh, rows, **({"opening": opening} if "opening" in takes["draft_rows"]
-                                                          else {}))
-
-        def observe(self, num_accepted, rows=None, opening=()):
-            return super().observe(num_accepted, rows, **({"opening": opening} if "opening" in takes["observe"]
-                                                          else {}))
-
-        def _ratio(self, key):  # (the measured ratios as this commit prices them, where it has no drift to follow)
-            return super()._ratio(key) if hasattr(old, "_ratio") else self._scale.get(key)
-
-    return Old
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -142,10 +72,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--kinds", default="ar,adaptive",
                     help="comma-separated: ar, adaptive, fixed (the whole block), plain (adaptive, never drafting), "
                          "padded (adaptive, its explorers verifying in the pass of every row, never in their own); "
-                         "adaptive@FIELD=VALUE: adaptive with one policy field set (e.g. adaptive@explore_share=0); "
-                         "old@COMMIT: the adaptive policy as it was at a commit (paired with adaptive)")
+                         "adaptive@FIELD=VALUE: adaptive with one policy field set (e.g. adaptive@explore_share=0)")
     args = ap.parse_args(argv)
-    target, drafter, prompts, gen, base = load_job(args)
+    job = load_job(args.world, args.drafter, args.suite, args.num_prompts, args.max_new_tokens, args.spread,
+                   args.temperature, args.policy)
+    target, drafter, prompts, gen, base = job.target, job.drafter, job.prompts, job.gen, job.policy
     verify_round = decode.verify_round
     passes = timed_passes(target, drafter)
     calls: dict[str, list] = {}  # policy method -> [seconds, calls] in the current job
@@ -233,7 +164,7 @@ def _run(args, target, drafter, prompts, gen, base, calls: dict[str, list], pass
             print(f"{kind} over ar: host time a round {statistics.median(extra):+.1f} us (median; "
                   f"{extra[0]:+.1f} to {extra[-1]:+.1f}), {statistics.median(share):+.2%} of ar's job; one-token "
                   f"target pass {steps}")
-    for other in (k for k in kinds if "adaptive" in kinds and (k == "padded" or k.startswith("old@"))):
+    for other in (k for k in kinds if "adaptive" in kinds and k == "padded"):
         by = {k: {r["repeat"]: r["tokens_per_s"] for r in rows if r["kind"] == k} for k in ("adaptive", other)}
         pairs = [by["adaptive"][i] / by[other][i] for i in sorted(by["adaptive"])]
         se = statistics.stdev(pairs) / len(pairs) ** 0.5 if len(pairs) > 1 else float("nan")

@@ -1,0 +1,140 @@
+"""What the scripts under ``benchmarks/`` share: a timer (warm-up, then the median of repeats), a JSON report, a
+suite job loaded from a world, and the ReTrace fusion's cost per round."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdraft.runtime.phase_clock import wall_seconds
+
+
+def sync(device: torch.device | str) -> None:
+    """Wait for the device's queued kernels (nothing on a CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(fn, device: torch.device | str = "cpu", repeats: int = 5, warmup: int = 1) -> float:
+    """The median wall seconds of ``fn()`` over ``repeats`` calls after ``warmup`` untimed ones; on CUDA each call is
+    timed by CUDA events (the device's own time, launch queue included)."""
+    for _ in range(warmup):
+        fn()
+    if torch.device(device).type != "cuda":
+        return statistics.median(wall_seconds(fn, device) for _ in range(repeats))
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return statistics.median(times)
+
+
+def write_report(report: dict, path: str | Path | None = None, echo: bool = True) -> dict:
+    """Print ``report`` as indented JSON (``echo``) and write it to ``path`` (when given, its folder made)."""
+    text = json.dumps(report, indent=2)
+    if echo:
+        print(text, flush=True)
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text + "\n")
+    return report
+
+
+@dataclass
+class SuiteJob:
+    """A held-out suite's decode job: the models, the encoded prompts, the generation config and, when a policy file
+    was given, the adaptive policy it holds for the job's sampling."""
+
+    target: object
+    drafter: object
+    prompts: list[list[int]]
+    gen: object
+    policy: object | None
+
+
+def load_job(world: str | Path, drafter: str | Path, suite: str, num_prompts: int, max_new_tokens: int,
+             spread: float = 1.0, temperature: float = 0.0, policy: str | Path | None = None) -> SuiteJob:
+    """The first ``num_prompts`` prompts of ``<world>/bench/<suite>.jsonl`` with their length caps (spread
+    ``spread``-fold, as the bench draws them), the world's target and ``drafter``, and the adaptive policy a bench or
+    decode run cached in ``policy`` (``<work_dir>/policy/<key>.json``)."""
+    # deferred: the runtime's models and the tokenizer are what a script's --help should not wait for
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    from specdraft.errors import SpecdraftError  # noqa: PLC0415
+    from specdraft.pipeline.bench import length_caps  # noqa: PLC0415
+    from specdraft.pipeline.policy import sampling_key  # noqa: PLC0415
+    from specdraft.pipeline.tokenizer import stop_token_ids  # noqa: PLC0415
+    from specdraft.runtime.batch_job import encode_requests, read_requests  # noqa: PLC0415
+    from specdraft.runtime.decode import GenerationConfig  # noqa: PLC0415
+    from specdraft.runtime.drafter_io import load_drafter  # noqa: PLC0415
+    from specdraft.runtime.load import load_target  # noqa: PLC0415
+    from specdraft.runtime.policy import AdaptivePolicy, Calibration, CostModel  # noqa: PLC0415
+    from specdraft.runtime.sampling import SamplingParams  # noqa: PLC0415
+
+    target = load_target(f"{world}/target")
+    tok = AutoTokenizer.from_pretrained(f"{world}/target")
+    reqs = read_requests(f"{world}/bench/{suite}.jsonl", print)[:num_prompts]
+    prompts = [ids for _, ids in encode_requests(reqs, tok, None, warn=print)]
+    gen = GenerationConfig(max_new_tokens=length_caps(len(prompts), max_new_tokens, spread, 0),
+                           stop_token_ids=stop_token_ids(tok), sampling=SamplingParams(temperature))
+    adaptive = None
+    if policy:
+        saved = json.loads(Path(policy).read_text())
+        calibrations = saved.get("calibrations", {"greedy": saved.get("calibration", {})})
+        name = sampling_key(gen.sampling)
+        if name not in calibrations:
+            raise SpecdraftError(f"{policy} holds no calibration for {name} (a bench or decode run at it adds one)")
+        adaptive = AdaptivePolicy(CostModel(**saved["costs"]), Calibration(**calibrations[name]))
+    return SuiteJob(target, load_drafter(drafter, target), prompts, gen, adaptive)
+
+
+def fusion_overhead_ms(drafter, retrace, target, bs: int, mask_token_id: int, n_steps: int = 100,
+                       n_pairs: int = 15, accepted: int = 2) -> list[float]:
+    """Per-round extra cost of ReTrace over its DFlash backbone (ms), one value per interleaved pair.
+
+    Both run ingest + next_round_state + block_embeds on a round's tensors with ``accepted`` drafts accepted; only
+    ReTrace fuses all verified rows' features, retains the rejected suffix and fuses it into the next block.
+    """
+    dev = next(target.parameters()).device
+    dtype = next(target.parameters()).dtype
+    Bk, V = retrace.block_size, target.args.vocab_size
+    hid = torch.randn(bs, Bk, target.args.hidden_size, device=dev, dtype=dtype)  # [B, Bk, D]
+    drafts = torch.randint(0, V, (bs, Bk - 1), device=dev)  # [B, Bk-1]
+    n_acc = torch.full((bs,), accepted, device=dev)  # [B]
+    t_logits = torch.randn(bs, Bk, V, device=dev, dtype=dtype)  # [B, Bk, V]
+    t_feats = torch.randn(bs, Bk, retrace.fc.in_features, device=dev, dtype=dtype)  # [B, Bk, F*D]
+    blk = torch.full((bs, Bk), mask_token_id, device=dev)  # [B, Bk]
+    caches = {id(m): m.new_cache(bs, 64) for m in (drafter, retrace)}
+    zero = torch.zeros(bs, dtype=torch.long, device=dev)  # [B]
+
+    def steps(model):
+        def run():
+            with torch.inference_mode():
+                cache = caches[id(model)]
+                fused = model.ingest(cache, t_feats, n_acc + 1)
+                cache.crop(zero)
+                model.block_embeds(blk, model.next_round_state(None, hid, drafts, n_acc, t_logits, fused))
+        return run
+
+    def timed(fn) -> float:
+        sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(n_steps):
+            fn()
+        sync(dev)
+        return (time.perf_counter() - t0) / n_steps
+
+    dflash_steps, retrace_steps = steps(drafter), steps(retrace)
+    for _ in range(20):  # warm both paths (allocator, caches) before timing
+        retrace_steps(), dflash_steps()
+    return [1000 * (timed(retrace_steps) - timed(dflash_steps)) for _ in range(n_pairs)]
