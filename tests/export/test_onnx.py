@@ -51,6 +51,7 @@ def _tree_mask(B, T, seed):
     return mask
 
 
+@pytest.mark.slow  # each flavour exports a model first (~25 s)
 @pytest.mark.parametrize("B", [1, 3])
 def test_graphs_equal_the_torch_path(exported, B):
     target, drafter, out = exported
@@ -135,6 +136,7 @@ def test_a_wrong_export_is_refused_in_one_line(exported, tmp_path):
         load_manifest(broken)
 
 
+@pytest.mark.slow  # exports a ReTrace model per flavour first
 def test_retrace_through_onnx_runtime_carries_its_prior_like_torch(exported_retrace):
     target, drafter, out = exported_retrace
     m = load_manifest(out)
