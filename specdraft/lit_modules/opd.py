@@ -74,8 +74,8 @@ class OPDConfig:
     """Weight ``decay^(o - 1)`` of a rejected draft at block slot ``o``."""
     response_weight: float = 1.0
     rejected_weight: float = 0.0
-    """Weight of the rejected-draft stream (the published default is 1; docs/results.md, "Draft-OPD", measures why
-    it is off here)."""
+    """Weight of the rejected-draft stream (the published default is 1; docs/experiments/2026-12-01-draft-opd.md
+    measures why it is off here)."""
     eval_prompts: int = 16
     """Held-in validation prompts rolled out at each evaluation (``eval/opd_tau``, which picks the export)."""
 

@@ -319,7 +319,7 @@ def _weights_digest(drafter_dir: Path) -> str | None:
 def data_temperature_note(objective: Objective, data_temperature: float | None) -> str | None:
     """A warning when a stage trained for speculative sampling trains on responses regenerated at another
     temperature than it serves at: the drafter learns on the contexts the data holds, while sampled serving continues
-    sampled text (docs/results.md, "Sampling losses need sampled data")."""
+    sampled text (docs/experiments/2026-11-30-training-losses.md, "Sampling losses need sampled data")."""
     if data_temperature is None or not objective.trains_for_sampling:
         return None
     T = objective.temperature

@@ -2,11 +2,11 @@
 
 A decode round allocates and frees the same few hundred kilobytes to megabytes of activations, logits and target
 features every round. glibc's malloc serves blocks above its (dynamic) ``mmap`` threshold with fresh ``mmap`` pages
-and returns freed heap tops to the kernel, so rounds keep page-faulting memory in again (docs/results.md measures what
-that costs). Fixing the threshold at 32 MiB and keeping freed memory (what
-PyTorch's CPU tuning guide gets from jemalloc or tcmalloc) serves rounds from memory already mapped; the peak
-footprint is the same, it is only not returned until the process ends. GPU decoding is untouched (device memory has
-its own caching allocator).
+and returns freed heap tops to the kernel, so rounds keep page-faulting memory in again
+(docs/experiments/2026-12-02-host-memory.md measures what that costs). Fixing the threshold at 32 MiB and keeping
+freed memory (what PyTorch's CPU tuning guide gets from jemalloc or tcmalloc) serves rounds from memory already
+mapped; the peak footprint is the same, it is only not returned until the process ends. GPU decoding is
+untouched (device memory has its own caching allocator).
 """
 
 from __future__ import annotations
