@@ -33,12 +33,14 @@ def online_features(target: TargetLM, input_ids: torch.Tensor, layer_ids: tuple[
     The LM head runs in position chunks for the greedy tokens; logits are materialised later only at the positions
     a loss needs (see ``DrafterModule.target_view``). With a ``cache`` (a fresh :class:`KVCache`) the sequence's K/V
     are kept and committed, so verify passes can be replayed against it (ReTrace's exact correction signals).
+    The target runs in its own dtype, outside a training step's autocast: the same features as the offline cache's.
     """
-    out = target(input_ids, cache=cache, feature_layers=layer_ids, return_logits=False)
-    if cache is not None:
-        cache.crop(torch.full_like(cache.lengths, input_ids.shape[1]))
-    greedy = torch.cat([target.lm_head(out.hidden[:, i:i + POSITION_CHUNK]).argmax(-1)
-                        for i in range(0, out.hidden.shape[1], POSITION_CHUNK)], dim=1)
+    with torch.autocast(input_ids.device.type, enabled=False):
+        out = target(input_ids, cache=cache, feature_layers=layer_ids, return_logits=False)
+        if cache is not None:
+            cache.crop(torch.full_like(cache.lengths, input_ids.shape[1]))
+        greedy = torch.cat([target.lm_head(out.hidden[:, i:i + POSITION_CHUNK]).argmax(-1)
+                            for i in range(0, out.hidden.shape[1], POSITION_CHUNK)], dim=1)
     return out.features, out.hidden, greedy
 
 

@@ -52,6 +52,10 @@ class TinyTargetConfig:
     max_minutes: float = 0.0
     """Wall-clock cap on target training (0 = none); stops early (and says so) when reached. A cap makes the target
     depend on the machine's speed; the demo sets none, so its world is the same everywhere."""
+    precision: Literal["auto", "32-true", "bf16-mixed"] = "auto"
+    """Lightning precision of the target's training; auto = bf16 autocast where bf16 is native (CUDA, a CPU with
+    AVX-512 BF16 or AMX), fp32 elsewhere. A bf16-trained world is cached apart from the fp32 one; set 32-true for the
+    same target on every machine."""
     seed: int = 0
 
     def __post_init__(self):
@@ -174,7 +178,8 @@ class TrainConfig(Objective):
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     precision: str = "auto"
-    """Lightning precision; auto = bf16-mixed on CUDA, 32-true on CPU."""
+    """Lightning precision; auto = bf16 autocast where bf16 is native (CUDA, a CPU with AVX-512 BF16 or AMX), fp32
+    elsewhere."""
     strategy: str = "auto"
     """Lightning strategy: ddp (gloo on a CPU, nccl on GPUs), fsdp, ... Only the first process logs to MLflow and
     exports."""

@@ -6,6 +6,7 @@ import logging
 import warnings
 
 import lightning as L
+import torch
 
 from specdraft.pipeline.tracking import Tracker
 
@@ -20,6 +21,22 @@ EXPECTED_WARNINGS = (
     r".*LeafSpec.*is deprecated.*",  # Lightning's own use of a torch API
     r".*weights_only.*",  # our checkpoints hold tensors and plain containers, loaded with weights_only=True
 )
+
+
+def native_bf16() -> bool:
+    """Whether this machine computes bf16 matrix products natively: CUDA, or a CPU with AVX-512 BF16 or AMX. On
+    other CPUs bf16 is emulated and autocast runs several times slower than fp32."""
+    if torch.cuda.is_available():
+        return True
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # torch.cpu's cpuinfo checks
+    return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
+
+
+def resolve_precision(precision: str) -> str:
+    """A Lightning precision; ``auto`` is bf16 autocast where bf16 is native (:func:`native_bf16`), else fp32."""
+    if precision != "auto":
+        return precision
+    return "bf16-mixed" if native_bf16() else "32-true"
 
 
 def quiet_lightning() -> None:

@@ -24,7 +24,7 @@ from specdraft.lit_modules.opd_data import RolloutDataModule, make_rollout_fn
 from specdraft.lit_modules.stage_table import STAGES, Objective
 from specdraft.pipeline.config import RunConfig, to_flat_dict
 from specdraft.pipeline.data import regenerated_temperature
-from specdraft.pipeline.lightning_utils import TrackerCallback, quiet_lightning
+from specdraft.pipeline.lightning_utils import TrackerCallback, quiet_lightning, resolve_precision
 from specdraft.pipeline.tokenizer import stop_token_ids
 from specdraft.pipeline.tracking import Tracker
 from specdraft.runtime.batch_job import encode_requests, read_requests
@@ -194,8 +194,7 @@ def train_drafter(cfg: RunConfig, world, data_file: Path, tracker: Tracker, log=
     last_cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, filename="drafter-last", every_n_train_steps=
                                                   max(1, min(t.eval_every, 50)), save_top_k=1,
                                                   enable_version_counter=False)
-    cuda = torch.cuda.is_available()
-    precision = t.precision if t.precision != "auto" else ("bf16-mixed" if cuda else "32-true")
+    precision = resolve_precision(t.precision)
     quiet_lightning()
     trainer = L.Trainer(
         max_steps=total, max_epochs=-1 if t.max_steps > 0 else t.epochs,

@@ -22,14 +22,14 @@ from specdraft.lit_modules.lm import CausalLMModule
 from specdraft.pipeline.config import RunConfig
 from specdraft.pipeline.corpora import DOMAINS, Doc, build_corpus
 from specdraft.pipeline.jsonl import write_jsonl
-from specdraft.pipeline.lightning_utils import TrackerCallback, quiet_lightning
+from specdraft.pipeline.lightning_utils import TrackerCallback, quiet_lightning, resolve_precision
 from specdraft.pipeline.tokenizer import format_chat, stop_token_ids, train_tokenizer
 from specdraft.pipeline.tracking import Tracker
 from specdraft.runtime.chat import encode_chat
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.load import load_target, read_target_args
 
-WORLD_VERSION = 2  # 2: the target trains in fp32 on a CPU (bf16 autocast before)
+WORLD_VERSION = 2  # 2: fp32 where bf16 is not native (bf16 autocast everywhere before)
 
 
 @dataclass
@@ -43,18 +43,14 @@ class World:
     report: dict
 
 
-def target_precision() -> str:
-    """bf16 autocast on CUDA; fp32 on a CPU, where bf16 autocast without native bf16 units runs tens of times slower
-    (and a wall-clock cap would then leave the target barely trained)."""
-    return "bf16-mixed" if torch.cuda.is_available() else "32-true"
-
-
 def world_hash(cfg: RunConfig) -> str:
     d = cfg.data
-    key = {"v": WORLD_VERSION, "tiny": asdict(cfg.target.tiny), "math": d.math_problems, "code": d.code_files,
+    tiny = asdict(cfg.target.tiny)
+    precision = resolve_precision(tiny.pop("precision"))
+    key = {"v": WORLD_VERSION, "tiny": tiny, "math": d.math_problems, "code": d.code_files,
            "dialogue": d.dialogue, "holdout": d.holdout_prompts}
-    if target_precision() != "32-true":  # a world trained in bf16 (on CUDA) is another world
-        key["precision"] = target_precision()
+    if precision != "32-true":  # a world trained in bf16 is another world
+        key["precision"] = precision
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -144,7 +140,7 @@ def _build_world(cfg: RunConfig, wdir: Path, tracker: Tracker, log) -> World:
     quiet_lightning()
     trainer = L.Trainer(max_steps=tiny.max_steps, max_time={"minutes": tiny.max_minutes} if tiny.max_minutes else None,
                         accelerator="auto", devices=1, logger=False, enable_checkpointing=False,
-                        gradient_clip_val=1.0, precision=target_precision(),
+                        gradient_clip_val=1.0, precision=resolve_precision(tiny.precision),
                         callbacks=[TrackerCallback(tracker, prefix="target/"),
                                    L.pytorch.callbacks.TQDMProgressBar(refresh_rate=10)], enable_model_summary=False,
                         log_every_n_steps=10)

@@ -44,8 +44,9 @@ class KVCache:
             slots: ``[B, T]`` absolute slot index per row and new token.
         """
         rows = torch.arange(slots.shape[0], device=slots.device)[:, None]  # [B, 1]
-        self.k[layer][rows, :, slots] = k_new.transpose(1, 2)  # [B, T, H_kv, D] into [B, H_kv, S, D]
-        self.v[layer][rows, :, slots] = v_new.transpose(1, 2)
+        dtype = self.k[layer].dtype  # a pass under a training step's autocast computes in bf16
+        self.k[layer][rows, :, slots] = k_new.transpose(1, 2).to(dtype)  # [B, T, H_kv, D] into [B, H_kv, S, D]
+        self.v[layer][rows, :, slots] = v_new.transpose(1, 2).to(dtype)
 
     def write_packed(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, rows: torch.Tensor,
                      slots: torch.Tensor) -> None:
@@ -55,8 +56,9 @@ class KVCache:
             k_new, v_new: ``[H_kv, N, D]``.
             rows, slots: ``[N]``.
         """
-        self.k[layer][rows, :, slots] = k_new.transpose(0, 1)  # [N, H_kv, D] into [B, H_kv, S, D]
-        self.v[layer][rows, :, slots] = v_new.transpose(0, 1)
+        dtype = self.k[layer].dtype
+        self.k[layer][rows, :, slots] = k_new.transpose(0, 1).to(dtype)  # [N, H_kv, D] into [B, H_kv, S, D]
+        self.v[layer][rows, :, slots] = v_new.transpose(0, 1).to(dtype)
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy entries from slots ``src`` to slots ``dst`` (``[B, T]`` each) in every layer, reading all sources

@@ -181,3 +181,18 @@ def test_a_few_rows_verified_in_a_pass_of_their_own_equal_the_padded_pass():
         end = n + (4 if r in rows.tolist() else 1)  # the explorers' anchors and drafts; the others' anchors
         for a, b in zip((*caches[0].k, *caches[0].v), (*caches[1].k, *caches[1].v)):
             torch.testing.assert_close(b[r, :, :end], a[r, :, :end], rtol=1e-4, atol=1e-5)
+
+
+def test_a_pass_under_autocast_writes_the_cache_in_its_own_dtype():
+    """A frozen fp32 target run inside a bf16 training step (ReTrace's replayed verify passes) writes bf16 K/V; the
+    cache keeps its dtype, padded and packed writes alike."""
+    cache = KVCache(num_layers=1, batch_size=2, num_kv_heads=2, max_len=4, head_dim=3, dtype=torch.float32,
+                    device="cpu")
+    k = torch.randn(2, 2, 2, 3).bfloat16()  # [B, H_kv, T, D]
+    cache.write(0, k, -k, torch.tensor([[0, 1], [1, 2]]))
+    assert cache.k[0].dtype == torch.float32
+    torch.testing.assert_close(cache.k[0][1, :, 1:3], k[1].float(), rtol=0, atol=0)
+    torch.testing.assert_close(cache.v[0][0, :, 0:2], -k[0].float(), rtol=0, atol=0)
+    packed = torch.randn(2, 3, 3).bfloat16()  # [H_kv, N, D]
+    cache.write_packed(0, packed, packed, torch.tensor([0, 0, 1]), torch.tensor([2, 3, 3]))
+    torch.testing.assert_close(cache.k[0][1, :, 3], packed[:, 2].float(), rtol=0, atol=0)
