@@ -41,11 +41,18 @@ def make_target(seed: int = 0, vocab: int = 64, layers: int = 4, std: float = 0.
 
 
 def make_drafter(target: TargetLM, seed: int = 1, block_size: int = 6, layers: int = 2,
-                 mask_token_id: int | None = None):
+                 mask_token_id: int | None = None, std: float | None = None):
+    """A random DFlash drafter bound to ``target``; with ``std`` its own matrices are drawn at that scale, so that its
+    drafts follow its context (at the default init they hardly depend on it: a drafter context gone wrong would not
+    show)."""
     torch.manual_seed(seed)
     mask = target.args.vocab_size - 1 if mask_token_id is None else mask_token_id
     d = build_drafter(drafter_config_for_target(target.args, mask, num_layers=layers, block_size=block_size,
                                                 num_features=2))
+    if std is not None:
+        for p in d.parameters():  # the target's embedding and head are bound after, untouched
+            if p.dim() > 1:
+                torch.nn.init.normal_(p, std=std)
     return d.bind_target(target.model.embed_tokens, target.lm_head).eval()
 
 

@@ -13,8 +13,11 @@ exactly as the target's (Leviathan et al. 2023, arXiv:2211.17192). The harness c
   draft slot with its bonus token, and the last tokens (always emitted after the first round, by rounds that carry
   whatever state the drafter keeps).
 
-Its power is shown in ``tests/runtime/test_lossless.py``: it fails on the deliberately wrong rules in
-:data:`WRONG_RULES`.
+- :func:`check_conformance`: an executor (the static path, an exported backend) reproduces the eager engine's greedy
+  rounds, request by request: the drafts it verified, their acceptance, the next token.
+
+Its power is shown in ``tests/runtime/test_lossless.py`` and ``tests/runtime/test_static_decode.py``: it fails on
+the deliberately wrong rules in :data:`WRONG_RULES`, :data:`TREE_WRONG_RULES` and :data:`EXECUTOR_WRONG_RULES`.
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ from typing import Callable
 
 import torch
 
-from specdraft.runtime import d2sd, decode, tree
+from specdraft.runtime import d2sd, decode, static_decode, tree
 from specdraft.runtime.decode import GenerationConfig, RowResult, generate
 from specdraft.runtime.kv_cache import KVCache
 from specdraft.runtime.sampling import SamplingParams, sample_from_probs
+from specdraft.runtime.static_decode import StaticDecoder
 from tests.helpers import chi2_pvalue, make_target
 
 # ---- a reference sampler, written apart from runtime/sampling.py ---------------------------------------------------
@@ -316,6 +320,60 @@ def check_greedy(target, factory: DrafterFactory, prompts: list[list[int]], caps
             "branch_wins": sum(w > 0 for r in batch for w in r.winner)}
 
 
+def round_trace(target, prompts, gen: GenerationConfig, factory: DrafterFactory, engine: Callable | None = None,
+                generator=None) -> tuple[list[RowResult], list[list[tuple]]]:
+    """Decode through ``engine`` (default the eager engine) with an observer; returns the results and, per request,
+    each verify round's ``(drafts verified, accepted, next token, tree nodes, winning candidate)``."""
+    built = factory(prompts)
+    drafter, tree = built if isinstance(built, tuple) else (built, None)
+    trace: list[list[tuple]] = [[] for _ in prompts]
+
+    def observe(rec) -> None:
+        b, K = rec.draft_tokens.shape
+        widths = rec.widths.tolist() if rec.widths is not None else [K] * b
+        nodes = rec.nodes.tolist() if rec.nodes is not None else [0] * b
+        winner = rec.winner.tolist() if rec.winner is not None else [0] * b
+        for r, d, a, t, w, n, c in zip(rec.rows.tolist(), rec.draft_tokens.tolist(), rec.num_accepted.tolist(),
+                                       rec.next_tokens.tolist(), widths, nodes, winner):
+            trace[r].append((tuple(d[:w]), a, t, n, c))
+
+    results = (engine or generate)(target, prompts, gen, drafter=drafter, generator=generator, tree=tree,
+                                   observer=observe)
+    return results, trace
+
+
+DecodingPath = tuple[object, DrafterFactory, Callable | None]
+"""``(target, factory, engine)``: a decoding path on one executor (engine None: the eager engine)."""
+
+
+def check_conformance(path: DecodingPath, reference: DecodingPath, prompts: list[list[int]], caps: list[int]) -> dict:
+    """Acceptance conformance: ``path`` reproduces ``reference``'s greedy rounds (usually the eager engine, with the
+    models an export came from), request by request and round by round: the drafts verified, how many were accepted,
+    the next token, the tree's nodes and winner; on the ragged batch and with a stop token inside an accepted run.
+    Output equality cannot see a bug that only loses acceptance (a drafter context left behind by a compaction): this
+    can, given a drafter whose drafts follow its context. Returns counts; the caller asserts ``differing_rows == 0``
+    and that drafts were accepted."""
+    def trace(p: DecodingPath, gen: GenerationConfig):
+        return round_trace(p[0], prompts, gen, p[1], p[2])
+
+    free = GenerationConfig(max_new_tokens=caps)
+    want = trace(reference, free)
+    try:
+        stop = _stop_inside_accepted_run(want[0])
+    except AssertionError:  # a weak drafter: a token the longest row emits mid-way
+        longest = max(want[0], key=lambda r: len(r.tokens)).tokens
+        stop = longest[len(longest) // 2]
+    stopped = GenerationConfig(max_new_tokens=caps, stop_token_ids=(stop,))
+    out = {"rounds": 0, "differing_rows": 0, "accepted": 0}
+    for (w_res, w_trace), (res, tr) in ((want, trace(path, free)), (trace(reference, stopped), trace(path, stopped))):
+        for w, wt, r, rt in zip(w_res, w_trace, res, tr):
+            out["differing_rows"] += (r.tokens, r.accepted, r.accept_lengths, r.finish_reason, rt) != (
+                w.tokens, w.accepted, w.accept_lengths, w.finish_reason, wt)
+            out["rounds"] += len(rt)
+            out["accepted"] += sum(r.accepted)
+    return out
+
+
 def _stop_inside_accepted_run(results: list[RowResult]) -> int:
     """A token some row emitted as an accepted draft that is neither the first nor the last of its round."""
     for r in results:
@@ -468,6 +526,26 @@ TREE_WRONG_RULES: dict[str, list[tuple[object, str, Callable]]] = {
 }
 """The same for the D²SD tree path (each passes the chain tests: only a tree round exposes it; the last one only
 under sampling with sampled drafts)."""
+
+_static_compact = StaticDecoder._compact
+
+
+def _drafter_cache_left_behind(self, keep):
+    """A bucket move compacts the target's cache only: the moved rows draft from other requests' contexts."""
+    dcache, self.dcache = self.dcache, None
+    try:
+        _static_compact(self, keep)
+    finally:
+        self.dcache = dcache
+
+
+EXECUTOR_WRONG_RULES: dict[str, list[tuple[object, str, Callable]]] = {
+    "static path: drafter cache left uncompacted after a bucket move": [
+        (StaticDecoder, "_compact", _drafter_cache_left_behind)],
+    "static path: frozen rows still commit": [(static_decode, "commit_counts", lambda n_acc, active: n_acc + 1)],
+}
+"""The same for an executor's bookkeeping: output equality passes under each; acceptance conformance (the first) or
+a decoder sized exactly for its requests (the second: frozen rows grow past their caches) catches it."""
 
 SAMPLING_SETTINGS = [SamplingParams(0.7, top_k=4, top_p=0.9), SamplingParams(1.0, top_k=4, top_p=0.9),
                      SamplingParams(1.5, top_k=4, top_p=0.9)]

@@ -78,10 +78,12 @@ class RoundRecord:
     rows: torch.Tensor  # [b] original row index of each active row
     draft_tokens: torch.Tensor  # [b, K] drafted tokens (K = 0 for the target alone)
     draft_logits: torch.Tensor | None  # [b, K, V] the drafter's logits (None for the target alone)
-    hidden: torch.Tensor | None  # [b, Bk, D] the drafter's hidden states of the block (None for the target alone)
+    hidden: torch.Tensor | None  # [b, Bk, D] the drafter's hidden states of the block (None for the target alone and
+    #   from the static path, whose captured draft step returns logits only)
     num_accepted: torch.Tensor  # [b] accepted drafts
     next_tokens: torch.Tensor  # [b] the target's token after the accepted drafts (the next anchor)
-    target_logits: torch.Tensor  # [b, K + 1, V] the verify pass's logits (index i scores slot i + 1)
+    target_logits: torch.Tensor | None  # [b, K + 1, V] the verify pass's logits (index i scores slot i + 1); None
+    #   from an executor that never makes them (the static path's argmax heads)
     nodes: torch.Tensor | None = None  # [b] D²SD: tree nodes verified (then draft_tokens is the winning candidate,
     #   target_logits are along its path and draft_logits/hidden are the first drafter's)
     winner: torch.Tensor | None = None  # [b] D²SD: the winning candidate (0 = the first draft)

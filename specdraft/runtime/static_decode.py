@@ -36,7 +36,7 @@ import torch
 
 from specdraft.kernels.lm_head_argmax import lm_head_argmax
 from specdraft.runtime.decode import GenerationConfig, RowResult, propose, verify_round
-from specdraft.runtime.drafter import Drafter
+from specdraft.runtime.drafter import Drafter, RoundRecord
 from specdraft.runtime.kv_cache import KVCache
 from specdraft.runtime.models.dflash import DFlashDrafter
 from specdraft.runtime.models.target import TargetLM
@@ -44,6 +44,12 @@ from specdraft.runtime.sampling import sample
 from specdraft.runtime.verify import accept_greedy_tokens
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def commit_counts(num_accepted: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    """``[n]`` tokens each bucket row commits: its accepted drafts and the next token, none for a frozen row (finished
+    or padding: its caches were sized for its request only; a frozen row that kept growing would write past them)."""
+    return (num_accepted + 1) * active
 
 
 def _rows(cache: KVCache, n: int) -> KVCache:
@@ -211,8 +217,10 @@ class StaticDecoder:
     # ---- decoding ---------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], config: GenerationConfig,
-                 generator: torch.Generator | None = None) -> list[RowResult]:
-        """Decode a batch (same contract as :func:`~specdraft.runtime.decode.generate`)."""
+                 generator: torch.Generator | None = None,
+                 observer: Callable[[RoundRecord], None] | None = None) -> list[RowResult]:
+        """Decode a batch (same contract as :func:`~specdraft.runtime.decode.generate`; the observer's records hold
+        the running rows only, with ``hidden`` None, and ``draft_logits``/``target_logits`` None under argmax heads)."""
         if any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt: every request needs at least one token")
         B, Bk, dev, params = len(prompts), self.block, self.dev, config.sampling
@@ -278,6 +286,7 @@ class StaticDecoder:
             bk = self._bucket(n)
             bk.anchor.zero_()
             bk.anchor[:len(slots)] = anchor
+            draft_logits = None
             if self.drafter is None:
                 draft_tokens, draft_probs = bk.anchor.new_zeros(n, 0), None
             elif self.argmax_heads:
@@ -292,10 +301,16 @@ class StaticDecoder:
                 n_acc, nxt = accept_greedy_tokens(draft_tokens, verified)  # [n] each
             else:
                 n_acc, nxt = verify_round(draft_tokens, draft_probs, verified, params, generator)
-            bk.counts.copy_((n_acc + 1) * active)  # frozen rows commit nothing
+            bk.counts.copy_(commit_counts(n_acc, active))
             bk.commit()
             anchor = nxt[:len(slots)].clone()
             host = torch.cat([n_acc[:, None], nxt[:, None], draft_tokens], dim=1)[:len(slots)].tolist()  # the sync
+            if observer is not None:
+                live = [i for i, r in enumerate(slots) if results[r] is None]
+                at = torch.tensor(live, dtype=torch.long, device=dev)  # [b] bucket slots of the running rows
+                observer(RoundRecord(torch.tensor([slots[i] for i in live], device=dev), draft_tokens[at],
+                                     None if draft_logits is None else draft_logits[at], None, n_acc[at], nxt[at],
+                                     None if self.argmax_heads else verified[at]))
             finished = []
             for i, r in enumerate(slots):
                 if results[r] is not None:
@@ -333,7 +348,7 @@ class StaticEngine:
 
     def __call__(self, target: TargetLM, prompts: Sequence[Sequence[int]], config: GenerationConfig,
                  drafter: Drafter | None = None, generator: torch.Generator | None = None, tree=None,
-                 **_) -> list[RowResult]:
+                 observer: Callable[[RoundRecord], None] | None = None, **_) -> list[RowResult]:
         if target is not self.target or drafter is not self.drafter:
             raise ValueError("a StaticEngine decodes with the target and drafter it was built for")
         if tree is not None:
@@ -348,4 +363,4 @@ class StaticEngine:
             self.decoder = None  # free the old caches and graphs first
             d = self.decoder = StaticDecoder(self.target, self.drafter, max(self.max_batch, len(prompts)), slots,
                                              self.buckets, self.graphs, self.argmax_heads)
-        return d.generate(prompts, config, generator)
+        return d.generate(prompts, config, generator, observer)

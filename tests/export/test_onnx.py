@@ -1,7 +1,8 @@
 """ONNX export and the ONNX Runtime backend, both flavours (decomposed, and fused with the custom ops run by their
 references): each graph's ORT outputs equal the torch path's in fp32 (max abs diff <= 1e-4, times the output's
 magnitude where that exceeds 1) over batch sizes, ragged context lengths, tree masks and cache crops; a whole greedy
-decode through ORT is the target's output and drafts what the torch backend drafts, round for round; a wrong export
+decode through ORT (chains, D²SD trees, ReTrace) is the target's output and conforms to the torch backend's rounds
+(the same drafts, acceptance and trees, round for round); a wrong export
 is refused in one line."""
 
 import copy
@@ -19,6 +20,7 @@ from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.drafter_io import convert_drafter
 from specdraft.runtime.models.retrace import build_prior, verify_stats
 from tests.helpers import make_drafter, make_target
+from tests.lossless import check_conformance
 
 TOL = 1e-4
 
@@ -85,29 +87,31 @@ def test_graphs_equal_the_torch_path(exported, B):
         assert (a.float() - b.float()).abs().max() <= TOL * scale, i
 
 
+PROMPTS = [[1, 2, 3], [5, 4, 3, 2, 1, 0], [4], [2, 2], [3, 1, 4, 1, 5]]
+CAPS = [10, 14, 7, 12, 9]
+
+
 def test_greedy_decode_through_onnx_runtime_is_the_targets_and_drafts_like_torch(exported):
     target, drafter, out = exported
     ot, od = OnnxTarget(out), OnnxDrafter(out)
-    prompts = [[1, 2, 3], [5, 4, 3, 2, 1, 0], [4], [2, 2], [3, 1, 4, 1, 5]]
-    gen = GenerationConfig(max_new_tokens=[10, 14, 7, 12, 9])
-    want = generate(target, prompts, gen)
-    torch_spec = generate(target, prompts, gen, drafter=drafter)
-    onnx_spec = generate(ot, prompts, gen, drafter=od)
-    assert [r.tokens for r in onnx_spec] == [r.tokens for r in want]
-    assert [r.accepted for r in onnx_spec] == [r.accepted for r in torch_spec]  # same tau, round for round
-    assert sum(a for r in onnx_spec for a in r.accepted) > 0
-    assert [r.tokens for r in generate(ot, prompts, gen)] == [r.tokens for r in want]  # AR through ORT
+    gen = GenerationConfig(max_new_tokens=CAPS)
+    want = generate(target, PROMPTS, gen)
+    assert [r.tokens for r in generate(ot, PROMPTS, gen, drafter=od)] == [r.tokens for r in want]
+    counts = check_conformance((ot, lambda p: od, None), (target, lambda p: drafter, None), PROMPTS, CAPS)
+    assert counts["differing_rows"] == 0 and counts["accepted"] > 0, counts  # torch's drafts, round for round
+    assert [r.tokens for r in generate(ot, PROMPTS, gen)] == [r.tokens for r in want]  # AR through ORT
 
 
 def test_d2sd_tree_through_onnx_runtime(exported):
     target, drafter, out = exported
     ot, od = OnnxTarget(out), OnnxDrafter(out)
     second = convert_drafter(make_drafter(target, seed=5, block_size=4), "vp")
-    prompts, gen = [[1, 2, 3], [5, 4, 3, 2, 1, 0], [4]], GenerationConfig(max_new_tokens=[10, 8, 12])
-    got = generate(ot, prompts, gen, drafter=od, tree=TreeDrafting(second, 2))
-    want = generate(target, prompts, gen, drafter=drafter, tree=TreeDrafting(second, 2))
-    assert [r.tokens for r in got] == [r.tokens for r in want] == [r.tokens for r in generate(target, prompts, gen)]
-    assert [r.accepted for r in got] == [r.accepted for r in want]
+    gen = GenerationConfig(max_new_tokens=CAPS)
+    got = generate(ot, PROMPTS, gen, drafter=od, tree=TreeDrafting(second, 2))
+    assert [r.tokens for r in got] == [r.tokens for r in generate(target, PROMPTS, gen)]
+    counts = check_conformance((ot, lambda p: (od, TreeDrafting(second, 2)), None),
+                               (target, lambda p: (drafter, TreeDrafting(second, 2)), None), PROMPTS, CAPS)
+    assert counts["differing_rows"] == 0 and counts["accepted"] > 0, counts  # the same trees and winners
 
 
 def test_a_wrong_export_is_refused_in_one_line(exported, tmp_path):
@@ -147,12 +151,11 @@ def test_retrace_through_onnx_runtime_carries_its_prior_like_torch(exported_retr
         nodes = onnx.load(str(out / m["graphs"]["drafter_draft"]["file"])).graph.node
         assert sum(n.op_type == "RetraceFusion" and n.domain == "specdraft" for n in nodes) == 1
     ot, od = OnnxTarget(out), OnnxDrafter(out)
-    prompts = [[1, 2, 3], [5, 4, 3, 2, 1, 0], [4], [2, 2], [3, 1, 4, 1, 5]]
-    gen = GenerationConfig(max_new_tokens=[10, 14, 7, 12, 9])
-    want = generate(target, prompts, gen, drafter=drafter)
-    got = generate(ot, prompts, gen, drafter=od)
-    assert [r.tokens for r in got] == [r.tokens for r in want] == [r.tokens for r in generate(target, prompts, gen)]
-    assert [r.accepted for r in got] == [r.accepted for r in want]  # the prior changes the drafts the same way
+    gen = GenerationConfig(max_new_tokens=CAPS)
+    got = generate(ot, PROMPTS, gen, drafter=od)
+    assert [r.tokens for r in got] == [r.tokens for r in generate(target, PROMPTS, gen)]
+    counts = check_conformance((ot, lambda p: od, None), (target, lambda p: drafter, None), PROMPTS, CAPS)
+    assert counts["differing_rows"] == 0 and counts["accepted"] > 0, counts  # the prior changes drafts the same way
     # one draft pass with a prior: ORT's fused block equals torch's, and the prior changes it
     g = torch.Generator().manual_seed(0)
     B, Bk, D, V = 2, drafter.block_size, drafter.config.hidden_size, drafter.config.vocab_size

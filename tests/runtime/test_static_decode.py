@@ -1,26 +1,30 @@
 """The static-shape decode path (the rounds the GPU captures in CUDA graphs), run eagerly on a CPU: greedy output is
-the target's token for token across bucket changes, padding rows and stop tokens; pinned acceptance (all, none,
-partial) through a real DFlash drafter; the sampled output fits the exact target distribution."""
+the target's token for token across bucket changes, padding rows and stop tokens; its rounds are the eager engine's,
+round for round (acceptance conformance); rows that finish stay frozen in a decoder sized exactly for its requests;
+pinned acceptance (all, none, partial) through a real DFlash drafter; the sampled output fits the exact target
+distribution; and the checks catch each deliberately wrong bookkeeping rule."""
 
 import pytest
 import torch
 
 from specdraft.runtime.decode import GenerationConfig, generate
+from specdraft.runtime.drafter_io import convert_drafter
 from specdraft.runtime.static_decode import StaticDecoder, StaticEngine
 from tests.helpers import bigram_oracle, make_drafter, make_target, retrace_from
-from tests.lossless import SAMPLING_SETTINGS, sampling_pvalues
+from tests.lossless import EXECUTOR_WRONG_RULES, SAMPLING_SETTINGS, check_conformance, sampling_pvalues
 
 ALPHA = 1e-3
 PROMPTS = [[1, 2, 3], [5, 4, 3, 2, 1, 0], [4], [2, 2], [3, 1, 4, 1, 5], [0], [1, 1, 1, 3], [1, 0], [5, 5, 1]]
 CAPS = [10, 25, 17, 30, 8, 21, 14, 19, 12]
 
 
-def static_engine(buckets=(1, 2, 4, 8, 16)):
+def static_engine(buckets=(1, 2, 4, 8, 16), slot_step=256):
     """An engine with :func:`generate`'s signature that decodes through a fresh :class:`StaticEngine` per call (its
-    decoders are kept for inspection)."""
-    def engine(target, prompts, gen, drafter=None, generator=None, tree=None):
-        static = StaticEngine(target, drafter, max(len(prompts), max(buckets)), graphs=False, buckets=buckets)
-        results = static(target, prompts, gen, drafter=drafter, generator=generator, tree=tree)
+    decoders are kept for inspection); ``slot_step=1`` sizes its caches exactly for the requests."""
+    def engine(target, prompts, gen, drafter=None, generator=None, tree=None, observer=None):
+        static = StaticEngine(target, drafter, max(len(prompts), max(buckets)), graphs=False, buckets=buckets,
+                              slot_step=slot_step)
+        results = static(target, prompts, gen, drafter=drafter, generator=generator, tree=tree, observer=observer)
         engine.decoders.append(static.decoder)
         return results
     engine.decoders = []
@@ -36,8 +40,6 @@ def test_greedy_output_is_the_targets_across_buckets_padding_and_stops():
     got = engine(target, PROMPTS, gen, drafter=drafter)
     assert [r.tokens for r in got] == [r.tokens for r in want]
     assert sorted(engine.decoders[0]._buckets) == [1, 2, 4, 8, 16]  # 9 rows start in 16, shrink as rows finish
-    eager = generate(target, PROMPTS, gen, drafter=drafter)
-    assert [r.accepted for r in got] == [r.accepted for r in eager]  # the same drafts, round for round
     assert sum(a for r in got for a in r.accepted) > 0
     for p, c, w in zip(PROMPTS[:3], CAPS, want):  # one row at a time
         assert engine(target, [p], GenerationConfig(max_new_tokens=c), drafter=drafter)[0].tokens == w.tokens
@@ -48,6 +50,50 @@ def test_greedy_output_is_the_targets_across_buckets_padding_and_stops():
     assert any(r.finish_reason == "stop" for r in stopped)
     ar = engine(target, PROMPTS, gen)
     assert [r.tokens for r in ar] == [r.tokens for r in want]
+
+
+def _conformance(kind: str) -> dict:
+    target = make_target(seed=7, vocab=6, std=1.0)
+    drafter = make_drafter(target, seed=2, block_size=4, std=0.3)  # its drafts follow its context
+    drafter = convert_drafter(drafter, "vp") if kind == "vp" else drafter
+    return check_conformance((target, lambda p: drafter, static_engine(slot_step=1)), (target, lambda p: drafter, None),
+                             PROMPTS, CAPS)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "vp"])
+def test_rounds_are_the_eager_engines_round_for_round(kind):
+    counts = _conformance(kind)
+    assert counts["differing_rows"] == 0, counts
+    assert counts["accepted"] > 0 and counts["rounds"] > len(PROMPTS), counts
+
+
+def _early_finishers() -> bool:
+    """Whether a decoder sized exactly for its requests decodes a batch whose first row (the longest context) finishes
+    at once while three rows run on in the same bucket (as the CUDA-graph path writes, unchecked)."""
+    target, oracle = bigram_oracle(3)
+    prompts = [[1, 2, 3, 4, 5, 0] * 3, [1], [2], [3]]
+    gen = GenerationConfig(max_new_tokens=[1, 40, 40, 40])
+    got = static_engine(slot_step=1)(target, prompts, gen, drafter=oracle)
+    return [r.tokens for r in got] == [r.tokens for r in generate(target, prompts, gen)]
+
+
+def test_rows_that_finish_stay_frozen():
+    assert _early_finishers()
+
+
+@pytest.mark.parametrize("rule", list(EXECUTOR_WRONG_RULES))
+def test_the_checks_catch_each_wrong_bookkeeping_rule(rule, monkeypatch):
+    for module, attr, wrong in EXECUTOR_WRONG_RULES[rule]:
+        monkeypatch.setattr(module, attr, wrong)
+    target = make_target(seed=7, vocab=6, std=1.0)
+    gen = GenerationConfig(max_new_tokens=CAPS)
+    got = static_engine()(target, PROMPTS, gen, drafter=make_drafter(target, seed=2, block_size=4))
+    assert [r.tokens for r in got] == [r.tokens for r in generate(target, PROMPTS, gen)]  # output equality passes
+    try:
+        caught = _conformance("dflash")["differing_rows"] > 0 or not _early_finishers()
+    except IndexError:  # a write past an exactly sized cache
+        caught = True
+    assert caught
 
 
 @pytest.mark.parametrize("right", [3, 0, 2], ids=["accept-all", "accept-none", "partial"])
