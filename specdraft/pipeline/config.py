@@ -298,9 +298,9 @@ class DecodeConfig:
                                      or self.cuda_graphs or self.batching != "continuous"):
             raise OptionError("runner", "ray actors decode chains (ar or a drafter) on the torch backend with the "
                               "fixed policy and continuous batching")
-        if self.cuda_graphs and self.method in ("d2sd", "retrace"):
-            raise OptionError("cuda_graphs", f"the static path decodes chains with ar, dflash or vp, not "
-                              f"{self.method!r}")
+        if self.cuda_graphs and self.method == "retrace":
+            raise OptionError("cuda_graphs", "the static path runs stateless drafters (ar, dflash, vp, d2sd): retrace "
+                              "carries state between rounds, so it decodes in the eager engine")
         if self.method not in ("ar", "d2sd", *available_drafters()):
             raise OptionError("method", f"{self.method!r} is not one of ar, d2sd, {', '.join(available_drafters())}")
         check_range("tree_k", self.tree_k, 1)

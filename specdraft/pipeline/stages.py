@@ -177,7 +177,8 @@ def _decode_here(cfg: RunConfig, world, requests, output_path: Path, drafter_dir
                                sampling=SamplingParams(d.temperature, d.top_k, d.top_p),
                                draft_sampling=d.draft_sampling)
         g = torch.Generator(device=tgt.lm_head.weight.device).manual_seed(d.seed)
-        engine = StaticEngine(tgt, drafter, d.batch_size, argmax_heads=d.temperature == 0) if d.cuda_graphs else None
+        engine = StaticEngine(tgt, drafter, d.batch_size, argmax_heads=d.temperature == 0,
+                              tree=tree) if d.cuda_graphs else None
         policy = None
         if d.policy == "adaptive":
             policy = adaptive_policy(cfg.work_path, tgt, drafter, drafter_dir,

@@ -99,7 +99,7 @@ def verify_tree(tree: Tree, target_logits: torch.Tensor, params: SamplingParams,
     return accept_tree_sampled(tree, logits_to_probs(target_logits, params), cands.probs, cands.proposes, generator)
 
 
-def _draw(logits: torch.Tensor, params: SamplingParams, sampled: bool, generator: torch.Generator | None):
+def draw_tokens(logits: torch.Tensor, params: SamplingParams, sampled: bool, generator: torch.Generator | None):
     """Tokens and the distribution they were drawn from (argmax and None unless ``sampled``)."""
     if not sampled:
         return logits.argmax(-1), None
@@ -107,40 +107,57 @@ def _draw(logits: torch.Tensor, params: SamplingParams, sampled: bool, generator
     return sample_from_probs(q, generator), q
 
 
+def branch_blocks(anchor: torch.Tensor, first: torch.Tensor, first_logits: torch.Tensor,
+                  drafting: TreeDrafting) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the second drafter re-drafts from: the prefix lengths ``[b, J]`` (by the first draft's confidences
+    ``max_v q_k(v)``) and the ``J`` blocks ``[b, J, Bk]`` it drafts, ``[anchor, d_1..d_l_j, MASK...]``."""
+    confidence = first_logits.float().softmax(-1).amax(-1)  # [b, K]
+    lengths = prefix_lengths(confidence, drafting.num_branches, drafting.placement)  # [b, J]
+    Bk = first.shape[1] + 1
+    known = torch.arange(Bk, device=anchor.device)[None, None, :] <= lengths[:, :, None]  # [b, J, Bk]
+    chain = torch.cat([anchor[:, None], first], dim=1)  # [b, Bk]
+    return lengths, torch.where(known, chain[:, None, :], drafting.second.config.mask_token_id)  # [b, J, Bk]
+
+
+def merge_candidates(first: torch.Tensor, first_q: torch.Tensor | None, first_logits: torch.Tensor,
+                     hidden: torch.Tensor | None, lengths: torch.Tensor, branch_logits: torch.Tensor,
+                     drafting: TreeDrafting, params: SamplingParams, sampled: bool,
+                     generator: torch.Generator | None) -> Candidates:
+    """The first draft ``[b, K]`` and the second drafter's branches, drawn from its logits ``[b, J, K, V]`` after the
+    prefix ``lengths`` ``[b, J]``, whose prefixes are the first draft's tokens exactly."""
+    K = first.shape[1]
+    known = torch.arange(K, device=first.device)[None, None, :] < lengths[:, :, None]  # [b, J, K] copied slots
+    if drafting.distinct:  # rule the first draft's token out at each branch's first free slot
+        at = torch.nn.functional.one_hot(lengths, K).bool()  # [b, J, K]
+        own = torch.nn.functional.one_hot(first, branch_logits.shape[-1]).bool()[:, None]  # [b, 1, K, V]
+        branch_logits = branch_logits.masked_fill(at[..., None] & own, float("-inf"))
+    branch, branch_q = draw_tokens(branch_logits, params, sampled, generator)  # [b, J, K], [b, J, K, V] or None
+    branch = torch.where(known, first[:, None, :], branch)  # [b, J, K] the prefix is the first draft's
+    proposes = torch.cat([torch.ones_like(known[:, :1]), ~known], dim=1)  # [b, J + 1, K]
+    probs = torch.cat([first_q[:, None], branch_q], dim=1) if sampled else None  # [b, J + 1, K, V]
+    return Candidates(torch.cat([first[:, None], branch], dim=1), probs, proposes, first_logits, hidden)
+
+
 def draft_candidates(drafter: Drafter, drafting: TreeDrafting, dcache, scache, anchor: torch.Tensor,
                      clock: PhaseClock, params: SamplingParams = SamplingParams(), sampled: bool = False,
                      generator: torch.Generator | None = None) -> Candidates:
     """The first draft and the second drafter's ``J`` re-drafts, whose prefixes are the first draft's tokens
     exactly; drawn from each drafter's processed distribution when ``sampled``, else each drafter's argmax."""
-    b = anchor.shape[0]
-    Bk = drafter.block_size
-    mask_id = drafter.config.mask_token_id
-    block = torch.full((b, Bk), mask_id, dtype=torch.long, device=anchor.device)
+    b, Bk = anchor.shape[0], drafter.block_size
+    block = torch.full((b, Bk), drafter.config.mask_token_id, dtype=torch.long, device=anchor.device)
     block[:, 0] = anchor
     hidden = drafter.draft_hidden(dcache, drafter.block_embeds(block, None))  # [b, Bk, D]
     logits = drafter.logits(hidden[:, 1:])  # [b, K, V]
-    confidence = logits.float().softmax(-1).amax(-1)  # [b, K]
-    first, first_q = _draw(logits, params, sampled, generator)  # [b, K], [b, K, V] or None
+    first, first_q = draw_tokens(logits, params, sampled, generator)  # [b, K], [b, K, V] or None
     clock.lap("draft")
-    lengths = prefix_lengths(confidence, drafting.num_branches, drafting.placement)  # [b, J]
-    known = torch.arange(Bk, device=anchor.device)[None, None, :] <= lengths[:, :, None]  # [b, J, Bk]
-    chain = torch.cat([anchor[:, None], first], dim=1)  # [b, Bk]
+    lengths, blocks = branch_blocks(anchor, first, logits, drafting)  # [b, J], [b, J, Bk]
     second = drafting.second
-    blocks = torch.where(known, chain[:, None, :], second.config.mask_token_id)  # [b, J, Bk]
     embeds = second.block_embeds(blocks.flatten(0, 1), None)  # [b * J, Bk, D]
     branch_hidden = second.draft_branches(scache, embeds.view(b, drafting.num_branches, Bk, -1))  # [b, J, Bk, D]
-    branch_logits = second.logits(branch_hidden[:, :, 1:])  # [b, J, K, V]
-    if drafting.distinct:  # rule the first draft's token out at each branch's first free slot
-        K, V = first.shape[1], branch_logits.shape[-1]
-        at = torch.nn.functional.one_hot(lengths, K).bool()  # [b, J, K]
-        own = torch.nn.functional.one_hot(first, V).bool()[:, None]  # [b, 1, K, V]
-        branch_logits = branch_logits.masked_fill(at[..., None] & own, float("-inf"))
-    branch, branch_q = _draw(branch_logits, params, sampled, generator)  # [b, J, K], [b, J, K, V] or None
-    branch = torch.where(known[:, :, 1:], first[:, None, :], branch)  # [b, J, K] the prefix is the first draft's
-    proposes = torch.cat([torch.ones_like(known[:, :1, 1:]), ~known[:, :, 1:]], dim=1)  # [b, J + 1, K]
-    probs = torch.cat([first_q[:, None], branch_q], dim=1) if sampled else None  # [b, J + 1, K, V]
+    cands = merge_candidates(first, first_q, logits, hidden, lengths, second.logits(branch_hidden[:, :, 1:]),
+                             drafting, params, sampled, generator)
     clock.lap("second_draft")
-    return Candidates(torch.cat([first[:, None], branch], dim=1), probs, proposes, logits, hidden)
+    return cands
 
 
 def tree_round(target, drafter: Drafter, drafting: TreeDrafting, dcache, scache, tcache, anchor: torch.Tensor,

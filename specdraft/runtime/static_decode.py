@@ -9,7 +9,7 @@ their outputs are ignored) until the active rows fit a smaller bucket, when they
 Every pass reads lengths on the device only: attention goes through the speculative-attention kernel, which loops
 over each row's own length, and ``KVCache.fixed_shape`` turns off the host-side room checks.
 
-One round is three captured graphs around two small eager steps::
+A chain round is three captured graphs around two small eager steps::
 
     draft   (anchor -> the drafter's block logits)       graph
     propose (argmax, or sample from the processed q)      eager, no host sync
@@ -17,24 +17,38 @@ One round is three captured graphs around two small eager steps::
     accept  (greedy or speculative sampling)              eager, no host sync
     commit  (lengths += accepted + 1, drafter ingest)     graph
 
-and one host synchronisation reads the accepted tokens. Acceptance is the engine's own functions
-(:func:`~specdraft.runtime.decode.propose`, :func:`~specdraft.runtime.decode.verify_round`), so the rules that make
-decoding lossless are shared, not copied. Without CUDA (or with ``graphs=False``) the same static rounds run eagerly:
-the CPU tests check the static-shape logic, the GPU tests the capture.
+and one host synchronisation reads the accepted tokens. A D²SD round (``tree=``) adds the second drafter's
+branches as a graph of their own, builds the tree eagerly and verifies it at a fixed node budget (the tree's
+``max_nodes``, padding nodes included, so the verify pass keeps its shape), and moves the accepted path's K/V and
+features into place before the commit graph::
 
-Scope: chain decoding with a stateless drafter (DFlash, VP) or none (AR). D²SD trees and drafters with cross-round
-state (ReTrace) run in the eager engine.
+    draft, propose  (the first draft)                     graph, eager
+    branch          (J blocks -> the second drafter's logits) graph
+    tree            (candidates -> the prefix tree)       eager, no host sync
+    verify          (tree nodes -> target logits, features) graph
+    accept, move    (the tree walk, KV compaction)        eager, no host sync
+    commit                                                graph
+
+Acceptance is the engine's own functions (:func:`~specdraft.runtime.decode.propose`,
+:func:`~specdraft.runtime.decode.verify_round`, :mod:`specdraft.runtime.d2sd`'s candidates and tree walk), so the
+rules that make decoding lossless are shared, not copied. Without CUDA (or with ``graphs=False``) the same static
+rounds run eagerly: the CPU tests check the static-shape logic, the GPU tests the capture.
+
+Scope: chains and D²SD trees with stateless drafters (DFlash, VP) or none (AR). Drafters with cross-round state
+(ReTrace) run in the eager engine.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
 from specdraft.kernels.lm_head_argmax import lm_head_argmax
+from specdraft.runtime import d2sd
+from specdraft.runtime.d2sd import TreeDrafting
 from specdraft.runtime.decode import GenerationConfig, RowResult, propose, verify_round
 from specdraft.runtime.drafter import Drafter, RoundRecord
 from specdraft.runtime.kv_cache import KVCache
@@ -90,16 +104,42 @@ class _Graphed:
 
 @dataclass
 class _Bucket:
-    """The static input/output buffers of one bucket and its three round steps (graphed or plain callables)."""
+    """The static input/output buffers of one bucket and its round steps (graphed or plain callables)."""
 
     n: int
+    tcache: KVCache  # the target cache's first n rows
     anchor: torch.Tensor  # [n] input of draft
-    verify_tokens: torch.Tensor  # [n, Bk] input of verify
+    verify_tokens: torch.Tensor  # [n, Bk] input of a chain's verify
     counts: torch.Tensor  # [n] input of commit: tokens each row commits (0 for frozen rows)
-    features: torch.Tensor | None  # [n, Bk, F] written by verify, read by commit
+    features: torch.Tensor | None  # [n, Bk, F] the committed tokens' target features, read by commit
+    branch_blocks: torch.Tensor | None = None  # [n, J, Bk] input of branch (trees)
+    tree_tokens: torch.Tensor | None = None  # [n, N] input of a tree's verify
+    tree_depth: torch.Tensor | None = None  # [n, N]
+    tree_mask: torch.Tensor | None = None  # [n, N, N]
     draft: Callable[[], tuple[torch.Tensor, ...]] | None = None
+    branch: Callable[[], tuple[torch.Tensor, ...]] | None = None
     verify: Callable[[], tuple[torch.Tensor, ...]] | None = None
     commit: Callable[[], tuple[torch.Tensor, ...]] | None = None
+
+
+class _Round(NamedTuple):
+    """One round's outcome for every bucket row (frozen rows' are ignored)."""
+
+    draft_tokens: torch.Tensor  # [n, K] the drafts verified (a tree's: the winning candidate)
+    draft_logits: torch.Tensor | None  # [n, K, V] the (first) drafter's logits; None under argmax heads or for AR
+    num_accepted: torch.Tensor  # [n]
+    next_token: torch.Tensor  # [n]
+    target_logits: torch.Tensor | None  # [n, K + 1, V] (a tree's: along the winner's path); None under argmax heads
+    nodes: torch.Tensor | None = None  # [n] a tree's real nodes
+    winner: torch.Tensor | None = None  # [n] the candidate holding the accepted path
+
+
+def slots_needed(prompts: Sequence[Sequence[int]], caps: Sequence[int], block: int,
+                 tree: TreeDrafting | None = None) -> int:
+    """Cache slots a batch needs: its longest request, a verify pass (a block, or the tree's node budget) and a
+    drafter block of scratch past it."""
+    verify = tree.max_nodes(block) if tree is not None else block
+    return max(len(p) + c for p, c in zip(prompts, caps)) + verify + block
 
 
 class StaticDecoder:
@@ -109,18 +149,26 @@ class StaticDecoder:
         target: the verifying target LM (bf16 on CUDA for serving).
         drafter: a stateless block drafter bound to ``target``, or None for AR.
         max_batch: rows the caches hold (the largest bucket used).
-        max_len: cache slots per row; a request needs ``prompt + max_new_tokens + 2 * block_size`` of them.
+        max_len: cache slots per row; a request needs :func:`slots_needed` of them.
         buckets: batch sizes with their own graphs (a batch runs in the smallest bucket that holds it).
         graphs: capture CUDA graphs (default: when the target is on CUDA); otherwise the static rounds run eagerly.
-        argmax_heads: greedy decoding only: the draft and verify steps return greedy tokens from the fused LM-head
-            argmax (:func:`~specdraft.kernels.lm_head_argmax.lm_head_argmax`) and never materialise logits.
+        argmax_heads: greedy decoding only: the verify step (and a chain's draft step) returns greedy tokens from the
+            fused LM-head argmax (:func:`~specdraft.kernels.lm_head_argmax.lm_head_argmax`) and never materialises
+            logits (a tree's first draft keeps its logits: its confidences place the branches).
+        tree: D²SD tree rounds (a stateless second drafter), verified at the tree's fixed node budget.
     """
 
     def __init__(self, target: TargetLM, drafter: Drafter | None, max_batch: int, max_len: int,
-                 buckets: Sequence[int] = BUCKETS, graphs: bool | None = None, argmax_heads: bool = False):
+                 buckets: Sequence[int] = BUCKETS, graphs: bool | None = None, argmax_heads: bool = False,
+                 tree: TreeDrafting | None = None):
         dev = target.lm_head.weight.device
         self.check_drafter(drafter)
-        self.target, self.drafter, self.dev = target, drafter, dev
+        if tree is not None:
+            if drafter is None:
+                raise ValueError("tree drafting needs a first drafter")
+            tree.check(drafter)
+            self.check_drafter(tree.second)
+        self.target, self.drafter, self.tree, self.dev = target, drafter, tree, dev
         self.block = drafter.block_size if drafter is not None else 1
         self.buckets = sorted({b for b in buckets if b < max_batch} | {max_batch})
         self.max_batch, self.max_len = max_batch, max_len
@@ -130,10 +178,12 @@ class StaticDecoder:
         self.argmax_heads = argmax_heads
         self.feature_layers = drafter.target_layer_ids if drafter is not None else ()
         self.tcache = target.new_cache(max_batch, max_len)
-        self.tcache.fixed_shape = True
         self.dcache = drafter.new_cache(max_batch, max_len) if drafter is not None else None
-        if self.dcache is not None:
-            self.dcache.fixed_shape = True
+        # a second drafter of its own keeps its own context; the first drafter re-drafting (the ablation) shares it
+        self.second = tree.second if tree is not None and tree.second is not drafter else None
+        self.scache = self.second.new_cache(max_batch, max_len) if self.second is not None else None
+        for cache in self._caches():
+            cache.fixed_shape = True
         self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self._buckets: dict[int, _Bucket] = {}
 
@@ -145,57 +195,129 @@ class StaticDecoder:
             raise ValueError(f"{type(drafter).__name__} keeps cross-round state: the static path runs stateless "
                              "drafters (dflash, vp); use the eager engine")
 
-    # ---- the three round steps of one bucket ----------------------------------------------------------------------
+    def _caches(self) -> list[KVCache]:
+        return [c for c in (self.tcache, self.dcache, self.scache) if c is not None]
+
+    # ---- the round steps of one bucket --------------------------------------------------------------------------
     def _bucket(self, n: int) -> _Bucket:
         if n in self._buckets:
             return self._buckets[n]
-        Bk, dev = self.block, self.dev
+        Bk, dev, tree = self.block, self.dev, self.tree
         feat = None
         if self.drafter is not None:
             F = len(self.feature_layers) * self.target.args.hidden_size
             feat = torch.zeros(n, Bk, F, dtype=self.target.lm_head.weight.dtype, device=dev)
-        bk = _Bucket(n, torch.zeros(n, dtype=torch.long, device=dev), torch.zeros(n, Bk, dtype=torch.long, device=dev),
-                     torch.zeros(n, dtype=torch.long, device=dev), feat)
         tcache = _rows(self.tcache, n)
+        bk = _Bucket(n, tcache, torch.zeros(n, dtype=torch.long, device=dev),
+                     torch.zeros(n, Bk, dtype=torch.long, device=dev), torch.zeros(n, dtype=torch.long, device=dev),
+                     feat)
         dcache = _rows(self.dcache, n) if self.dcache is not None else None
-        drafter, target = self.drafter, self.target
+        scache = _rows(self.scache, n) if self.scache is not None else dcache
+        drafter, target, second = self.drafter, self.target, tree.second if tree is not None else None
+        draft_heads = self.argmax_heads and tree is None  # a tree's first draft needs its confidences
+        if tree is not None:
+            J, N = tree.num_branches, tree.max_nodes(Bk)
+            bk.branch_blocks = torch.zeros(n, J, Bk, dtype=torch.long, device=dev)
+            bk.tree_tokens = torch.zeros(n, N, dtype=torch.long, device=dev)
+            bk.tree_depth = torch.zeros(n, N, dtype=torch.long, device=dev)
+            bk.tree_mask = torch.eye(N, dtype=torch.bool, device=dev).repeat(n, 1, 1)
 
         def draft():
             blk = torch.full((n, Bk), drafter.config.mask_token_id, dtype=torch.long, device=dev)
             blk[:, 0] = bk.anchor
             hidden = drafter.draft_hidden(dcache, drafter.block_embeds(blk, None))  # [n, Bk, D]
-            if self.argmax_heads:
+            if draft_heads:
                 return (lm_head_argmax(hidden[:, 1:], drafter.borrowed[1].weight),)  # [n, K] tokens
             return (drafter.logits(hidden[:, 1:]),)  # [n, K, V]
+
+        def branch():
+            embeds = second.block_embeds(bk.branch_blocks.flatten(0, 1), None)  # [n * J, Bk, D]
+            hidden = second.draft_branches(scache, embeds.view(n, J, Bk, -1))  # [n, J, Bk, D]
+            return (second.logits(hidden[:, :, 1:]),)  # [n, J, K, V]
+
+        def heads(out):
+            if self.argmax_heads:
+                return lm_head_argmax(out.hidden, target.lm_head.weight)  # [n, T] tokens
+            return out.logits  # [n, T, V]
 
         def verify():
             out = target(bk.verify_tokens, cache=tcache, feature_layers=self.feature_layers,
                          return_logits=not self.argmax_heads)
             if bk.features is not None:
                 bk.features.copy_(out.features)
-            if self.argmax_heads:
-                return (lm_head_argmax(out.hidden, target.lm_head.weight),)  # [n, Bk] tokens
-            return (out.logits,)  # [n, Bk, V]
+            return (heads(out),)
+
+        def verify_tree():
+            out = target(bk.tree_tokens, cache=tcache, positions=tcache.lengths[:, None] + bk.tree_depth,
+                         new_mask=bk.tree_mask, feature_layers=self.feature_layers,
+                         return_logits=not self.argmax_heads)
+            return heads(out), out.features  # [n, N, V] (or [n, N] tokens), [n, N, F]
 
         def commit():
             tcache.commit(bk.counts)
             if drafter is not None:
                 drafter.ingest(dcache, bk.features, bk.counts)
+            if self.second is not None:
+                self.second.ingest(scache, bk.features, bk.counts)
             return ()
 
-        # captured in the order they replay (draft, verify, commit): graphs sharing one memory pool are only safe so
-        steps = {**({"draft": draft} if drafter is not None else {}), "verify": verify, "commit": commit}
+        # captured in the order they replay: graphs sharing one memory pool are only safe so
+        steps = {**({"draft": draft} if drafter is not None else {}), **({"branch": branch} if tree else {}),
+                 "verify": verify_tree if tree is not None else verify, "commit": commit}
         if self.graphs:
-            saved = [c.lengths.clone() for c in (self.tcache, self.dcache) if c is not None]
+            saved = [c.lengths.clone() for c in self._caches()]
 
             def restore():
-                for c, s in zip((c for c in (self.tcache, self.dcache) if c is not None), saved):
+                for c, s in zip(self._caches(), saved):
                     c.lengths.copy_(s)
             steps = {k: _Graphed(fn, self.pool, restore) for k, fn in steps.items()}
         for k, fn in steps.items():
             setattr(bk, k, fn)
         self._buckets[n] = bk
         return bk
+
+    def _chain_round(self, bk: _Bucket, config: GenerationConfig, generator) -> _Round:
+        params, draft_logits, draft_probs = config.sampling, None, None
+        if self.drafter is None:
+            draft_tokens = bk.anchor.new_zeros(bk.n, 0)
+        elif self.argmax_heads:
+            draft_tokens = bk.draft()[0].clone()  # a graph output: the next replay overwrites it
+        else:
+            (draft_logits,) = bk.draft()
+            draft_tokens, draft_probs = propose(draft_logits, params, config.draft_sampling, generator)
+        bk.verify_tokens.copy_(torch.cat([bk.anchor[:, None], draft_tokens], dim=1))
+        (verified,) = bk.verify()
+        if self.argmax_heads:
+            return _Round(draft_tokens, None, *accept_greedy_tokens(draft_tokens, verified), None)
+        return _Round(draft_tokens, draft_logits, *verify_round(draft_tokens, draft_probs, verified, params,
+                                                                generator), verified)
+
+    def _tree_round(self, bk: _Bucket, config: GenerationConfig, generator) -> _Round:
+        params, tree, K = config.sampling, self.tree, self.block - 1
+        sampled = not params.greedy and config.draft_sampling == "sample"
+        (logits,) = bk.draft()  # [n, K, V]
+        first, first_q = d2sd.draw_tokens(logits, params, sampled, generator)  # [n, K], [n, K, V] or None
+        lengths, blocks = d2sd.branch_blocks(bk.anchor, first, logits, tree)  # [n, J], [n, J, Bk]
+        bk.branch_blocks.copy_(blocks)
+        (branch_logits,) = bk.branch()  # [n, J, K, V]
+        cands = d2sd.merge_candidates(first, first_q, logits, None, lengths, branch_logits, tree, params, sampled,
+                                      generator)
+        t = d2sd.build_tree(bk.anchor, cands.tokens)  # N = the node budget: no trim, no host read
+        bk.tree_tokens.copy_(t.tokens)
+        bk.tree_depth.copy_(t.depth)
+        bk.tree_mask.copy_(t.mask)
+        verified, features = bk.verify()  # [n, N, V] (or [n, N] tokens), [n, N, F]
+        if self.argmax_heads:
+            acc = d2sd.accept_tree(t, verified)  # the target's greedy token at every node
+        else:
+            acc = d2sd.verify_tree(t, verified, params, generator, cands)
+        at = bk.tcache.lengths[:, None]  # [n, 1]
+        bk.tcache.move(at + acc.path, at + torch.arange(K + 1, device=self.dev))  # KV compaction, the whole path
+        bk.features.copy_(features.gather(1, acc.path[:, :, None].expand(-1, -1, features.shape[-1])))  # [n, Bk, F]
+        winner = cands.tokens.gather(1, acc.winner[:, None, None].expand(-1, 1, K))[:, 0]  # [n, K]
+        path_logits = None if self.argmax_heads else verified.gather(
+            1, acc.path[:, :, None].expand(-1, -1, verified.shape[-1]))  # [n, K + 1, V]
+        return _Round(winner, logits, acc.num_accepted, acc.next_token, path_logits, t.num_nodes, acc.winner)
 
     def bucket_for(self, b: int) -> int:
         for n in self.buckets:
@@ -207,9 +329,7 @@ class StaticDecoder:
         """Copy rows ``keep`` to the front of every persistent buffer, in place."""
         idx = torch.tensor(keep, dtype=torch.long, device=self.dev)
         m = len(keep)
-        for cache in (self.tcache, self.dcache):
-            if cache is None:
-                continue
+        for cache in self._caches():
             for buf in (*cache.k, *cache.v):
                 buf[:m] = buf.index_select(0, idx)
             cache.lengths[:m] = cache.lengths.index_select(0, idx)
@@ -223,20 +343,19 @@ class StaticDecoder:
         the running rows only, with ``hidden`` None, and ``draft_logits``/``target_logits`` None under argmax heads)."""
         if any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt: every request needs at least one token")
-        B, Bk, dev, params = len(prompts), self.block, self.dev, config.sampling
+        B, dev, params = len(prompts), self.dev, config.sampling
         max_new = [config.max_new_tokens] * B if isinstance(config.max_new_tokens, int) else list(config.max_new_tokens)
-        need = max(len(p) + m for p, m in zip(prompts, max_new)) + 2 * Bk
+        need = slots_needed(prompts, max_new, self.block, self.tree)
         if need > self.max_len:
-            raise ValueError(f"a request needs {need} cache slots (prompt + max_new_tokens + 2 blocks), the static "
-                             f"decoder has {self.max_len}")
+            raise ValueError(f"a request needs {need} cache slots (prompt + max_new_tokens + a verify pass + a block),"
+                             f" the static decoder has {self.max_len}")
         if self.argmax_heads and not params.greedy:
             raise ValueError("argmax heads decode greedily: sampling needs the logits (argmax_heads=False)")
         n = self.bucket_for(B)
         stop = set(config.stop_token_ids)
         start = time.perf_counter()
-        for cache in (self.tcache, self.dcache):
-            if cache is not None:
-                cache.lengths.zero_()
+        for cache in self._caches():
+            cache.lengths.zero_()
 
         # prefill (eager: one pass per request batch)
         lens = torch.tensor([len(p) for p in prompts], device=dev)
@@ -247,24 +366,22 @@ class StaticDecoder:
         out = self.target(tokens, cache=tcache, feature_layers=self.feature_layers, logits_at=(lens - 1)[:, None])
         tcache.crop(lens)
         first = sample(out.logits[:, 0], params, generator)  # [B]
-        if self.drafter is not None:
-            self.drafter.ingest(_rows(self.dcache, B), out.features, lens)
+        for d, cache in ((self.drafter, self.dcache), (self.second, self.scache)):
+            if d is not None:
+                d.ingest(_rows(cache, B), out.features, lens)
 
-        generated: list[list[int]] = [[] for _ in range(B)]
-        accept_lengths: list[list[int]] = [[] for _ in range(B)]
-        accepted: list[list[int]] = [[] for _ in range(B)]
-        results: list[RowResult | None] = [None] * B
+        rows = [RowResult([], [], "", 0.0) for _ in range(B)]  # filled as rounds go; finish_reason set when done
+        done = [False] * B
 
         def emit(row: int, new_tokens: list[int]) -> int:
+            """Append committed tokens until a stop token or the cap; returns how many were emitted."""
+            r = rows[row]
             for i, t in enumerate(new_tokens):
-                if t in stop:
-                    results[row] = RowResult(generated[row], accept_lengths[row], "stop", time.perf_counter() - start,
-                                             accepted[row])
-                    return i + 1
-                generated[row].append(t)
-                if len(generated[row]) >= max_new[row]:
-                    results[row] = RowResult(generated[row], accept_lengths[row], "length",
-                                             time.perf_counter() - start, accepted[row])
+                if t not in stop:
+                    r.tokens.append(t)
+                if t in stop or len(r.tokens) >= max_new[row]:
+                    r.finish_reason = "stop" if t in stop else "length"
+                    r.time_s, done[row] = time.perf_counter() - start, True
                     return i + 1
             return len(new_tokens)
 
@@ -273,58 +390,49 @@ class StaticDecoder:
         slots = list(range(B))  # bucket slot -> request row; slots past len(slots) are padding
         anchor = first  # [len(slots)]
         active = torch.zeros(n, dtype=torch.bool, device=dev)
-        active[:B] = torch.tensor([res is None for res in results], device=dev)
-        while any(results[r] is None for r in slots):
-            live = [i for i, r in enumerate(slots) if results[r] is None]
+        active[:B] = torch.tensor([not d for d in done], device=dev)
+        while not all(done[r] for r in slots):
+            live = [i for i, r in enumerate(slots) if not done[r]]
             if self.bucket_for(len(live)) < n:  # the active rows fit a smaller bucket: move them to the front
                 self._compact(live)
                 anchor = anchor[torch.tensor(live, device=dev)]
                 slots = [slots[i] for i in live]
+                live = list(range(len(slots)))
                 n = self.bucket_for(len(live))
                 active = torch.zeros(n, dtype=torch.bool, device=dev)
                 active[:len(slots)] = True
             bk = self._bucket(n)
             bk.anchor.zero_()
             bk.anchor[:len(slots)] = anchor
-            draft_logits = None
-            if self.drafter is None:
-                draft_tokens, draft_probs = bk.anchor.new_zeros(n, 0), None
-            elif self.argmax_heads:
-                (draft_tokens,), draft_probs = bk.draft(), None
-                draft_tokens = draft_tokens.clone()  # a graph output: the next replay overwrites it
-            else:
-                (draft_logits,) = bk.draft()
-                draft_tokens, draft_probs = propose(draft_logits, params, config.draft_sampling, generator)
-            bk.verify_tokens.copy_(torch.cat([bk.anchor[:, None], draft_tokens], dim=1))
-            (verified,) = bk.verify()
-            if self.argmax_heads:
-                n_acc, nxt = accept_greedy_tokens(draft_tokens, verified)  # [n] each
-            else:
-                n_acc, nxt = verify_round(draft_tokens, draft_probs, verified, params, generator)
-            bk.counts.copy_(commit_counts(n_acc, active))
+            rnd = self._tree_round(bk, config, generator) if self.tree is not None else \
+                self._chain_round(bk, config, generator)
+            bk.counts.copy_(commit_counts(rnd.num_accepted, active))
             bk.commit()
-            anchor = nxt[:len(slots)].clone()
-            host = torch.cat([n_acc[:, None], nxt[:, None], draft_tokens], dim=1)[:len(slots)].tolist()  # the sync
+            anchor = rnd.next_token[:len(slots)].clone()
+            zeros = torch.zeros_like(rnd.num_accepted)
+            host = torch.cat([torch.stack([rnd.num_accepted, rnd.next_token, zeros if rnd.nodes is None else rnd.nodes,
+                                           zeros if rnd.winner is None else rnd.winner], 1), rnd.draft_tokens],
+                             dim=1)[:len(slots)].tolist()  # the sync
             if observer is not None:
-                live = [i for i, r in enumerate(slots) if results[r] is None]
                 at = torch.tensor(live, dtype=torch.long, device=dev)  # [b] bucket slots of the running rows
-                observer(RoundRecord(torch.tensor([slots[i] for i in live], device=dev), draft_tokens[at],
-                                     None if draft_logits is None else draft_logits[at], None, n_acc[at], nxt[at],
-                                     None if self.argmax_heads else verified[at]))
+                pick = [None if x is None else x[at] for x in rnd]
+                observer(RoundRecord(torch.tensor([slots[i] for i in live], device=dev), pick[0], pick[1], None,
+                                     *pick[2:5], nodes=pick[5], winner=pick[6]))
             finished = []
-            for i, r in enumerate(slots):
-                if results[r] is not None:
-                    continue
-                a, t, d = host[i][0], host[i][1], host[i][2:]
-                accepted[r].append(a)
-                accept_lengths[r].append(emit(r, d[:a] + [t]))
-                if results[r] is not None:
+            for i in live:
+                a, t, nodes, winner, d = *host[i][:4], host[i][4:]
+                r = rows[slots[i]]
+                r.accepted.append(a)
+                r.verified.append(len(d))
+                if self.tree is not None:
+                    r.nodes.append(nodes)
+                    r.winner.append(winner)
+                r.accept_lengths.append(emit(slots[i], d[:a] + [t]))
+                if done[slots[i]]:
                     finished.append(i)
             if finished:
                 active[torch.tensor(finished, device=dev)] = False
-        return results  # type: ignore[return-value]
-
-
+        return rows
 
 
 class StaticEngine:
@@ -333,34 +441,36 @@ class StaticEngine:
     rounded up to ``slot_step`` so growing requests rebuild rarely.
 
     Args:
-        target, drafter: as :class:`StaticDecoder`; calls must pass the same models.
+        target, drafter, tree: as :class:`StaticDecoder`; calls must pass the same models and tree.
         max_batch: the batch size of the job (the largest bucket).
         argmax_heads: greedy jobs: tokens from the fused LM-head argmax, no logits.
         graphs: as :class:`StaticDecoder`.
     """
 
     def __init__(self, target: TargetLM, drafter: Drafter | None, max_batch: int, argmax_heads: bool = False,
-                 graphs: bool | None = None, buckets: Sequence[int] = BUCKETS, slot_step: int = 256):
+                 graphs: bool | None = None, buckets: Sequence[int] = BUCKETS, slot_step: int = 256,
+                 tree: TreeDrafting | None = None):
         StaticDecoder.check_drafter(drafter)
-        self.target, self.drafter, self.max_batch = target, drafter, max_batch
+        self.target, self.drafter, self.tree, self.max_batch = target, drafter, tree, max_batch
         self.argmax_heads, self.graphs, self.buckets, self.slot_step = argmax_heads, graphs, buckets, slot_step
         self.decoder: StaticDecoder | None = None
 
     def __call__(self, target: TargetLM, prompts: Sequence[Sequence[int]], config: GenerationConfig,
-                 drafter: Drafter | None = None, generator: torch.Generator | None = None, tree=None,
-                 observer: Callable[[RoundRecord], None] | None = None, **_) -> list[RowResult]:
+                 drafter: Drafter | None = None, generator: torch.Generator | None = None,
+                 tree: TreeDrafting | None = None, observer: Callable[[RoundRecord], None] | None = None,
+                 **_) -> list[RowResult]:
         if target is not self.target or drafter is not self.drafter:
             raise ValueError("a StaticEngine decodes with the target and drafter it was built for")
-        if tree is not None:
-            raise ValueError("the static path decodes chains: D²SD trees run in the eager engine")
+        if tree != self.tree:
+            raise ValueError("a StaticEngine decodes the rounds it was built for: pass the tree it was built with "
+                             "(or none, for chains), or build another")
         caps = [config.max_new_tokens] * len(prompts) if isinstance(config.max_new_tokens, int) else \
             list(config.max_new_tokens)
-        block = drafter.block_size if drafter is not None else 1
-        need = max(len(p) + c for p, c in zip(prompts, caps)) + 2 * block
+        need = slots_needed(prompts, caps, drafter.block_size if drafter is not None else 1, tree)
         d = self.decoder
         if d is None or need > d.max_len or len(prompts) > d.max_batch:
             slots = -(-need // self.slot_step) * self.slot_step
             self.decoder = None  # free the old caches and graphs first
             d = self.decoder = StaticDecoder(self.target, self.drafter, max(self.max_batch, len(prompts)), slots,
-                                             self.buckets, self.graphs, self.argmax_heads)
+                                             self.buckets, self.graphs, self.argmax_heads, tree)
         return d.generate(prompts, config, generator, observer)

@@ -11,7 +11,9 @@ from specdraft.kernels.speculative_attention import (
     speculative_attention_reference,
     speculative_attention_triton,
 )
+from specdraft.runtime.d2sd import TreeDrafting
 from specdraft.runtime.decode import GenerationConfig, generate
+from specdraft.runtime.drafter_io import convert_drafter
 from specdraft.runtime.static_decode import StaticDecoder, StaticEngine
 from tests.helpers import make_drafter, make_target, requires_cuda
 from tests.lossless import check_conformance
@@ -74,6 +76,26 @@ def test_cuda_graph_decode_equals_eager_decode():
     heads = StaticDecoder(target, drafter, 16, 80, graphs=True, argmax_heads=True).generate(prompts, gen)
     want = eager(target, prompts, gen, drafter=drafter)
     assert [r.tokens for r in heads] == [r.tokens for r in want]  # no logits, same tokens (ties aside: none here)
+
+
+def test_cuda_graph_tree_rounds_are_the_eager_static_rounds():
+    """D²SD on the CUDA-graph path: the first draft, the branches, the tree's verify pass (at its fixed node budget)
+    and the commit replay as graphs, and every round equals the same static rounds run eagerly."""
+    prompts = [[1, 2, 3], [5, 4, 3, 2, 1, 0], [4], [2, 2], [3, 1, 4, 1, 5], [0], [1, 1, 1, 3], [1, 0], [5, 5, 1]]
+    caps = [10, 25, 17, 30, 8, 21, 14, 19, 12]
+    target = make_target(seed=7, vocab=6, std=1.0).cuda()
+    bind = (target.model.embed_tokens, target.lm_head)
+    first = make_drafter(target, seed=2, block_size=5, std=0.3).cuda().bind_target(*bind)
+    second = convert_drafter(make_drafter(target, seed=5, block_size=5, std=0.3), "vp").cuda().bind_target(*bind)
+    tree = TreeDrafting(second, 2)
+    graphed = StaticEngine(target, first, 16, graphs=True, tree=tree)
+    eager = StaticEngine(target, first, 16, graphs=False, tree=tree)
+    counts = check_conformance((target, lambda p: (first, tree), graphed), (target, lambda p: (first, tree), eager),
+                               prompts, caps)
+    assert counts["differing_rows"] == 0 and counts["accepted"] > 0, counts
+    gen = GenerationConfig(max_new_tokens=caps)
+    got = graphed(target, prompts, gen, drafter=first, tree=tree)
+    assert [r.tokens for r in got] == [r.tokens for r in generate(target, prompts, gen)]  # fp32: the target's output
 
 
 def test_lm_head_argmax_at_qwen3_vocabulary():

@@ -81,11 +81,13 @@ def test_greedy_decode_job_equals_ar_job(tiny_world, drafter_dir, tmp_path):
     outs = {}
     modes = {"false": [], "true": ["decode.cuda_graphs=true", "decode.batching=static"],
              "static": ["decode.batching=static"], "adaptive": ["decode.policy=adaptive"]}
+    tree = ["decode.second_drafter=same", "decode.tree_k=2"]  # D²SD with the first drafter re-drafting
     for method, graphs in (("ar", "false"), ("dflash", "false"), ("dflash", "true"), ("ar", "true"),
-                           ("dflash", "static"), ("dflash", "adaptive")):
+                           ("dflash", "static"), ("dflash", "adaptive"), ("d2sd", "static"), ("d2sd", "true")):
         outs[method, graphs] = tmp_path / f"{method}-{graphs}.jsonl"
-        assert main(["decode", *_args(tiny_world, drafter_dir, tmp_path, f"decode.method={method}", *modes[graphs]),
-                     "--input", str(inp), "--output", str(outs[method, graphs])]) == 0
+        extra = tree if method == "d2sd" else []
+        assert main(["decode", *_args(tiny_world, drafter_dir, tmp_path, f"decode.method={method}", *modes[graphs],
+                                      *extra), "--input", str(inp), "--output", str(outs[method, graphs])]) == 0
     comp = {m: {json.loads(line)["id"]: json.loads(line)["completion"]
                 for line in p.read_text().splitlines()} for m, p in outs.items()}
     assert comp["ar", "false"] == comp["dflash", "false"] == comp["dflash", "true"] == comp["ar", "true"]
@@ -100,9 +102,11 @@ def test_greedy_decode_job_equals_ar_job(tiny_world, drafter_dir, tmp_path):
     assert {json.loads(line)["id"]: json.loads(line)["completion"] for line in again.read_text().splitlines()} \
         == comp["dflash", "adaptive"]
     assert len(list((tmp_path / "work" / "policy").glob("*.json"))) == 1
-    tau = {g: {json.loads(line)["id"]: json.loads(line)["tau"] for line in outs["dflash", g].read_text().splitlines()}
-           for g in ("true", "false")}
-    assert tau["true"] == tau["false"]  # the static path drafts what the eager engine drafts
+    assert comp["d2sd", "static"] == comp["d2sd", "true"] == comp["ar", "false"]
+    tau = {(m, g): {json.loads(line)["id"]: json.loads(line)["tau"] for line in outs[m, g].read_text().splitlines()}
+           for m, g in (("dflash", "true"), ("dflash", "false"), ("d2sd", "true"), ("d2sd", "static"))}
+    assert tau["dflash", "true"] == tau["dflash", "false"]  # the static path drafts what the eager engine drafts
+    assert tau["d2sd", "true"] == tau["d2sd", "static"]  # and builds the same trees
 
 
 def test_a_continuous_job_killed_mid_way_resumes_with_every_request_once_and_its_own_cap(tiny_world, drafter_dir,

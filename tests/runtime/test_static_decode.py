@@ -7,11 +7,20 @@ distribution; and the checks catch each deliberately wrong bookkeeping rule."""
 import pytest
 import torch
 
+from specdraft.runtime.d2sd import TreeDrafting
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.drafter_io import convert_drafter
 from specdraft.runtime.static_decode import StaticDecoder, StaticEngine
 from tests.helpers import bigram_oracle, make_drafter, make_target, retrace_from
-from tests.lossless import EXECUTOR_WRONG_RULES, SAMPLING_SETTINGS, check_conformance, sampling_pvalues
+from tests.lossless import (
+    EXECUTOR_WRONG_RULES,
+    SAMPLING_SETTINGS,
+    TREE_WRONG_RULES,
+    check_conformance,
+    check_greedy,
+    round_trace,
+    sampling_pvalues,
+)
 
 ALPHA = 1e-3
 PROMPTS = [[1, 2, 3], [5, 4, 3, 2, 1, 0], [4], [2, 2], [3, 1, 4, 1, 5], [0], [1, 1, 1, 3], [1, 0], [5, 5, 1]]
@@ -23,7 +32,7 @@ def static_engine(buckets=(1, 2, 4, 8, 16), slot_step=256):
     decoders are kept for inspection); ``slot_step=1`` sizes its caches exactly for the requests."""
     def engine(target, prompts, gen, drafter=None, generator=None, tree=None, observer=None):
         static = StaticEngine(target, drafter, max(len(prompts), max(buckets)), graphs=False, buckets=buckets,
-                              slot_step=slot_step)
+                              slot_step=slot_step, tree=tree)
         results = static(target, prompts, gen, drafter=drafter, generator=generator, tree=tree, observer=observer)
         engine.decoders.append(static.decoder)
         return results
@@ -96,6 +105,53 @@ def test_the_checks_catch_each_wrong_bookkeeping_rule(rule, monkeypatch):
     assert caught
 
 
+def tree_factory(first, target, branches: int = 2, distinct: bool = False):
+    """``prompts -> (first drafter, TreeDrafting)`` with a real VP second drafter whose drafts follow its context."""
+    second = convert_drafter(make_drafter(target, seed=5, block_size=first.block_size, std=0.3), "vp")
+    return lambda prompts: (first, TreeDrafting(second, branches, distinct=distinct))
+
+
+@pytest.mark.parametrize(("branches", "distinct"), [(1, False), (3, True)])
+def test_d2sd_rounds_are_the_eager_engines_round_for_round(branches, distinct):
+    target = make_target(seed=7, vocab=6, std=1.0)
+    factory = tree_factory(make_drafter(target, seed=2, block_size=5, std=0.3), target, branches, distinct)
+    counts = check_conformance((target, factory, static_engine(slot_step=1)), (target, factory, None), PROMPTS,
+                               CAPS)
+    assert counts["differing_rows"] == 0 and counts["accepted"] > 0, counts  # the same trees, walks and winners
+    gen = GenerationConfig(max_new_tokens=CAPS)
+    first, tree = factory(PROMPTS)
+    got = static_engine()(target, PROMPTS, gen, drafter=first, tree=tree)
+    assert [r.tokens for r in got] == [r.tokens for r in generate(target, PROMPTS, gen)]
+    assert sum(w > 0 for r in got for w in r.winner) > 0  # branches win
+    assert all(n <= tree.max_nodes(5) for r in got for n in r.nodes)
+
+
+def _pinned_tree_check():
+    target, oracle = bigram_oracle(2, block_size=5)
+    return check_greedy(target, tree_factory(oracle, target), PROMPTS, CAPS, engine=static_engine(slot_step=1))
+
+
+def test_d2sd_greedy_output_is_the_targets_with_pinned_first_drafts():
+    counts = _pinned_tree_check()
+    assert counts["mismatches"] == 0, counts
+    assert counts["partial"] > 0 and counts["stopped_rows"] > 0, counts
+
+
+@pytest.mark.parametrize("rule", [r for r in TREE_WRONG_RULES if "sampled" not in r])
+def test_the_tree_checks_catch_each_wrong_tree_rule(rule, monkeypatch):
+    for module, attr, wrong in TREE_WRONG_RULES[rule]:
+        monkeypatch.setattr(module, attr, wrong)
+    target = make_target(seed=7, vocab=6, std=1.0)
+    factory = tree_factory(make_drafter(target, seed=2, block_size=5, std=0.3), target, 3, True)
+    caught = _pinned_tree_check()["mismatches"] > 0
+    monkeypatch.undo()  # the eager reference runs the correct rules
+    reference = round_trace(target, PROMPTS, GenerationConfig(max_new_tokens=CAPS), factory)
+    for module, attr, wrong in TREE_WRONG_RULES[rule]:
+        monkeypatch.setattr(module, attr, wrong)
+    got = round_trace(target, PROMPTS, GenerationConfig(max_new_tokens=CAPS), factory, static_engine(slot_step=1))
+    assert caught or got[1] != reference[1]
+
+
 @pytest.mark.parametrize("right", [3, 0, 2], ids=["accept-all", "accept-none", "partial"])
 def test_pinned_acceptance(right):
     target, oracle = bigram_oracle(right)
@@ -117,6 +173,17 @@ def test_sampled_output_fits_the_target_distribution(params):
     check = sampling_pvalues(target, lambda p: oracle, params, n=6000, engine=static_engine((1, 6000)))
     assert check.min_p > ALPHA, check
     assert check.profile["partial"] > check.profile["rounds"] // 4  # the oracle's drafts are accepted often
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafts", ["sample", "greedy"])
+def test_d2sd_sampled_output_fits_the_target_distribution(drafts):
+    target = make_target(seed=7, vocab=6, std=0.5)
+    factory = tree_factory(make_drafter(target, seed=2, block_size=4, std=0.3), target, 2)
+    check = sampling_pvalues(target, factory, SAMPLING_SETTINGS[1], n=6000, draft_sampling=drafts,
+                             engine=static_engine((1, 6000)))
+    assert check.min_p > ALPHA, check
+    assert check.profile["partial"] + check.profile["full"] > 0 and check.profile["branch_wins"] > 0, check
 
 
 def test_refusals_name_the_problem():
