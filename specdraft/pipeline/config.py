@@ -254,9 +254,9 @@ class DecodeConfig:
     """continuous: prompt tokens prefilled per round for a request joining running ones, so a long prompt does not
     stall them (0: the whole prompt in one pass)."""
     runner: Literal["local", "ray"] = "local"
-    """local: this process (or each torchrun rank). ray: a pool of Ray Data actors, each holding the target and the
-    drafter and decoding tasks of ``4 x batch_size`` requests with continuous batching (``pip install
-    'specdraft[ray]'``; chains with ar or a drafter, torch backend, fixed policy)."""
+    """local: this process (or each torchrun rank). ray: a pool of Ray Data actors, each building this job's decoding
+    (any method, backend, policy and batching) and decoding tasks of ``4 x batch_size`` requests (``pip install
+    'specdraft[ray]'``; single-turn requests)."""
     ray_actors: int = 2
     """ray: actors (each takes a CPU, or a GPU when ``target.device`` is cuda)."""
     ray_address: str = ""
@@ -294,10 +294,6 @@ class DecodeConfig:
                               "with decode.cuda_graphs=true")
         check_range("prefill_chunk", self.prefill_chunk, 0)
         check_range("ray_actors", self.ray_actors, 1)
-        if self.runner == "ray" and (self.method == "d2sd" or self.backend != "torch" or self.policy != "fixed"
-                                     or self.cuda_graphs or self.batching != "continuous"):
-            raise OptionError("runner", "ray actors decode chains (ar or a drafter) on the torch backend with the "
-                              "fixed policy and continuous batching")
         if self.cuda_graphs and self.method == "retrace":
             raise OptionError("cuda_graphs", "the static path runs stateless drafters (ar, dflash, vp, d2sd): retrace "
                               "carries state between rounds, so it decodes in the eager engine")

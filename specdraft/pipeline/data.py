@@ -23,8 +23,8 @@ from specdraft.pipeline.jsonl import write_jsonl
 from specdraft.pipeline.tokenizer import stop_token_ids
 from specdraft.pipeline.tracking import Tracker
 from specdraft.pipeline.world import World
+from specdraft.runtime.batch_job import Decoding, conversation, read_requests, run_batch_job, warn_stderr
 from specdraft.runtime.batch_job import completions as job_completions
-from specdraft.runtime.batch_job import conversation, read_requests, run_batch_job, warn_stderr
 from specdraft.runtime.decode import GenerationConfig
 from specdraft.runtime.load import load_target, target_fingerprint
 from specdraft.runtime.sampling import SamplingParams
@@ -117,7 +117,7 @@ def regenerate(cfg: RunConfig, world: World, tracker: Tracker, log=print) -> Pat
     generator = torch.Generator(device=target.lm_head.weight.device).manual_seed(cfg.data.seed)
     raw = data_dir / "regenerated.jsonl"
     bar = tqdm(total=sum(1 + len(r.turns) for r in requests), desc="data: regenerating responses", unit="req")
-    stats = run_batch_job(requests, raw, tokenizer, target, gen, cfg.data.batch_size, generator=generator,
+    stats = run_batch_job(requests, raw, tokenizer, Decoding(target, gen, cfg.data.batch_size, generator=generator),
                           enable_thinking=cfg.data.enable_thinking, progress=lambda n, s: bar.update(n))
     bar.update(stats["skipped_done"] + stats["rejected"])
     bar.close()

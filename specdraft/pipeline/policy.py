@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -94,9 +95,11 @@ def adaptive_policy(work_dir: Path, target, drafter, drafter_dir, calibration_pr
             calibration = Calibration()
             log("policy: no held-in prompts to calibrate on; drafter confidences are used as acceptance probabilities")
         calibrations[name] = asdict(calibration)
-    if changed:
+    if changed:  # whole files only: Ray actors of one job may measure and write at once
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(saved))
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(saved))
+        os.replace(tmp, path)
     return AdaptivePolicy(costs, calibration)
 
 

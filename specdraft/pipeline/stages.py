@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import sys
 from pathlib import Path
@@ -16,19 +17,15 @@ from specdraft.errors import SpecdraftError
 from specdraft.pipeline.bench import run_bench
 from specdraft.pipeline.config import RunConfig, dump_yaml, to_flat_dict
 from specdraft.pipeline.data import regenerate
-from specdraft.pipeline.exports import backend_models, run_export
-from specdraft.pipeline.policy import adaptive_policy, heldin_prompts
-from specdraft.pipeline.tokenizer import stop_token_ids
+from specdraft.pipeline.decoding import build_decoding, default_drafter_dir, worker_decoding
+from specdraft.pipeline.exports import run_export
 from specdraft.pipeline.tracking import Tracker, make_tracker
 from specdraft.pipeline.train import train_drafter
-from specdraft.pipeline.trees import FIRST_DRAFTERS, tree_drafting
+from specdraft.pipeline.trees import FIRST_DRAFTERS
 from specdraft.pipeline.world import build_or_load_world, cached_world, external_world, world_dir
 from specdraft.runtime.batch_job import claim_output, read_requests, run_batch_job, shard_for_rank, warn_stderr
-from specdraft.runtime.decode import GenerationConfig
-from specdraft.runtime.drafter_io import check_compatible, check_made_for, load_drafter, read_drafter_config
-from specdraft.runtime.load import load_target, read_target_args, target_fingerprint
-from specdraft.runtime.sampling import SamplingParams
-from specdraft.runtime.static_decode import StaticEngine
+from specdraft.runtime.drafter_io import check_compatible, check_made_for, read_drafter_config
+from specdraft.runtime.load import read_target_args, target_fingerprint
 
 
 def log(msg: str) -> None:
@@ -114,11 +111,6 @@ def train(cfg: RunConfig, world=None):
         return train_drafter(cfg, world, data_file, tr, log)
 
 
-def default_drafter_dir(cfg: RunConfig) -> Path:
-    """``decode.drafter``, else this config's training export (``train.export_name`` or the stage)."""
-    return cfg.named_drafter_dir(cfg.decode.drafter) if cfg.decode.drafter else cfg.drafter_dir(cfg.train.export)
-
-
 def decode(cfg: RunConfig, input_path: Path, output_path: Path):
     world = existing_world(cfg)
     d = cfg.decode
@@ -165,31 +157,12 @@ def decode(cfg: RunConfig, input_path: Path, output_path: Path):
 def _decode_here(cfg: RunConfig, world, requests, output_path: Path, drafter_dir: Path | None):
     d = cfg.decode
     with tracked(cfg, "decode") as tr:
-        if d.backend == "torch":
-            tgt = load_target(world.target_dir, dtype=cfg.target.dtype, device=cfg.target.device)
-            drafter = load_drafter(drafter_dir, tgt) if drafter_dir else None
-        else:  # the exports of the configured drafter hold the target too (for AR as well)
-            tgt, drafter = backend_models(d.backend, drafter_dir or default_drafter_dir(cfg), world,
-                                          with_drafter=drafter_dir is not None)
-        tree = tree_drafting(cfg, tgt, drafter) if d.method == "d2sd" else None
         tok = AutoTokenizer.from_pretrained(str(world.target_dir), trust_remote_code=False)
-        gen = GenerationConfig(max_new_tokens=d.max_new_tokens, stop_token_ids=stop_token_ids(tok),
-                               sampling=SamplingParams(d.temperature, d.top_k, d.top_p),
-                               draft_sampling=d.draft_sampling)
-        g = torch.Generator(device=tgt.lm_head.weight.device).manual_seed(d.seed)
-        engine = StaticEngine(tgt, drafter, d.batch_size, argmax_heads=d.temperature == 0,
-                              tree=tree) if d.cuda_graphs else None
-        policy = None
-        if d.policy == "adaptive":
-            policy = adaptive_policy(cfg.work_path, tgt, drafter, drafter_dir,
-                                     heldin_prompts(world, tok, cfg.data.enable_thinking), stop_token_ids(tok),
-                                     (d.batch_size,), log, gen.sampling, d.draft_sampling)
+        decoding = build_decoding(cfg, world, drafter_dir, tok, log=log)
         bar = tqdm(total=sum(1 + len(r.turns) for r in requests), desc=f"decode ({d.method})", unit="req",
                    file=sys.stderr)
-        stats = run_batch_job(requests, output_path, tok, tgt, gen, d.batch_size, drafter=drafter, generator=g,
-                              enable_thinking=cfg.data.enable_thinking,
-                              progress=lambda n, s: bar.update(n), tree=tree, engine=engine, policy=policy,
-                              batching=d.batching, prefill_chunk=d.prefill_chunk or None)
+        stats = run_batch_job(requests, output_path, tok, decoding, enable_thinking=cfg.data.enable_thinking,
+                              progress=lambda n, s: bar.update(n))
         bar.update(stats["skipped_done"] + stats["rejected"])
         bar.close()
         tps = stats["tokens"] / stats["seconds"] if stats["seconds"] else 0.0
@@ -198,19 +171,17 @@ def _decode_here(cfg: RunConfig, world, requests, output_path: Path, drafter_dir
 
 
 def _decode_on_ray(cfg: RunConfig, world, requests, output_path: Path, drafter_dir: Path | None):
-    """``decode.runner=ray``: the same job on a pool of Ray Data actors (:mod:`specdraft.runtime.ray_job`)."""
+    """``decode.runner=ray``: the same job on a pool of Ray Data actors (:mod:`specdraft.runtime.ray_job`), each
+    decoding as the local job does (:func:`~specdraft.pipeline.decoding.build_decoding`)."""
     from specdraft.runtime.ray_job import ActorSpec, run_ray_job  # noqa: PLC0415 (Ray is an optional extra)
 
     d = cfg.decode
     with tracked(cfg, "decode") as tr:
         tok = AutoTokenizer.from_pretrained(str(world.target_dir), trust_remote_code=False)
-        gen = GenerationConfig(max_new_tokens=d.max_new_tokens, stop_token_ids=stop_token_ids(tok),
-                               sampling=SamplingParams(d.temperature, d.top_k, d.top_p),
-                               draft_sampling=d.draft_sampling)
-        spec = ActorSpec(str(world.target_dir), str(drafter_dir) if drafter_dir else None, gen, d.batch_size,
-                         d.prefill_chunk or None, cfg.target.dtype, cfg.target.device, d.seed)
+        build = functools.partial(worker_decoding, cfg, world, str(drafter_dir) if drafter_dir else None)
+        spec = ActorSpec(build, cfg.target.device, d.seed, with_verified=d.policy == "adaptive")
         bar = tqdm(total=len(requests), desc=f"decode ({d.method}, ray)", unit="req", file=sys.stderr)
-        stats = run_ray_job(requests, output_path, tok, spec, d.ray_actors, 4 * d.batch_size,
+        stats = run_ray_job(requests, output_path, tok, spec, d.ray_actors, 4 * d.batch_size, d.max_new_tokens,
                             read_target_args(world.target_dir).max_position_embeddings, cfg.data.enable_thinking,
                             d.ray_address, progress=lambda n, s: bar.update(n))
         bar.update(stats["skipped_done"] + stats["rejected"])

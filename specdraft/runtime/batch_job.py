@@ -368,28 +368,80 @@ class ResultWriter:
         self.f.close()
 
 
-def run_batch_job(requests: list[Request], output: Path, tokenizer, target, gen: GenerationConfig, batch_size: int,
-                  drafter=None, generator=None, enable_thinking: bool = False, progress=None,
-                  warn: Callable[[str], None] = warn_stderr, tree=None, engine: Callable | None = None,
-                  policy=None, batching: str = "static", prefill_chunk: int | None = None) -> dict:
-    """Decode ``requests`` (skipping ids already in ``output``) and append results. Returns job stats.
+@dataclass
+class Decoding:
+    """How a job decodes its requests: the models and everything around them, built once per process (the local job,
+    or each Ray actor) and used for every batch."""
 
-    ``batching="static"`` decodes batches of ``batch_size`` requests (sorted by prompt length), each until its
-    longest request ends, and writes each batch when it ends; ``"continuous"`` keeps ``batch_size`` requests decoding
-    (:func:`~specdraft.runtime.decode.generate` with ``slots``: a finished request's slot is refilled at once, its
-    prompt prefilled ``prefill_chunk`` tokens per round) in input order, and writes each request when it ends. ``tree``
-    (a :class:`~specdraft.runtime.d2sd.TreeDrafting`) decodes with D²SD trees; ``engine`` (default
-    :func:`~specdraft.runtime.decode.generate`, or a :class:`~specdraft.runtime.static_decode.StaticEngine`, static
-    batches only) decodes each batch; ``policy`` (an :class:`~specdraft.runtime.policy.AdaptivePolicy`) chooses each
-    round's drafts, and every row then records them (``verified``: drafts verified per round, 0 for a plain round).
+    target: object
+    gen: GenerationConfig
+    """Sampling, stop tokens and the job's default ``max_new_tokens`` (one int: requests carry their own caps)."""
+    batch_size: int
+    drafter: object = None
+    """None: the target alone."""
+    generator: object = None
+    """The ``torch.Generator`` sampling draws from."""
+    tree: object = None
+    """A :class:`~specdraft.runtime.d2sd.TreeDrafting`: D²SD trees."""
+    engine: Callable | None = None
+    """Decodes each static batch: :func:`~specdraft.runtime.decode.generate` (None), or a
+    :class:`~specdraft.runtime.static_decode.StaticEngine`."""
+    policy: object = None
+    """An :class:`~specdraft.runtime.policy.AdaptivePolicy` choosing each round's drafts (every row then records
+    them: ``verified``, drafts verified per round, 0 for a plain round)."""
+    batching: str = "static"
+    """``static``: batches of ``batch_size`` requests sorted by prompt length, each until its longest request ends;
+    ``continuous``: ``batch_size`` requests decoding at once in input order, a finished one's slot refilled at once
+    (:func:`~specdraft.runtime.decode.generate` with ``slots``), its prompt prefilled ``prefill_chunk`` tokens per
+    round."""
+    prefill_chunk: int | None = None
 
+    def __post_init__(self):
+        if self.batching not in ("static", "continuous") or self.batching == "continuous" and self.engine is not None:
+            raise ValueError(f"batching {self.batching!r}: static, or continuous with the eager engine")
+        if not isinstance(self.gen.max_new_tokens, int):
+            raise ValueError("a job's default max_new_tokens is one int (requests carry their own)")
+
+    def decode(self, prompts: list[list[int]], caps: list[int],
+               on_results: Callable[[list[int], list[RowResult]], None] | None = None) -> list[RowResult]:
+        """Decode ``prompts`` with their ``caps``; ``on_results(indices, results)`` is called as they end (a static
+        batch at a time, or each request under continuous batching). Returns the results in ``prompts`` order."""
+        out: list[RowResult | None] = [None] * len(prompts)
+        extra = {"policy": self.policy} if self.policy is not None else {}
+        models = {"drafter": self.drafter, "generator": self.generator, "tree": self.tree, **extra}
+
+        def ended(idx: list[int], results: list[RowResult]) -> None:
+            for i, r in zip(idx, results):
+                out[i] = r
+            if on_results is not None:
+                on_results(idx, results)
+
+        if self.batching == "continuous":
+            if prompts:
+                generate(self.target, prompts, dataclasses.replace(self.gen, max_new_tokens=list(caps)),
+                         slots=self.batch_size, prefill_chunk=self.prefill_chunk,
+                         on_result=lambda i, r: ended([i], [r]), **models)
+            return out  # type: ignore[return-value]
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths per batch
+        for at in range(0, len(order), self.batch_size):
+            idx = order[at:at + self.batch_size]
+            ended(idx, (self.engine or generate)(self.target, [prompts[i] for i in idx], dataclasses.replace(
+                self.gen, max_new_tokens=[caps[i] for i in idx]), **models))
+        return out  # type: ignore[return-value]
+
+
+def run_batch_job(requests: list[Request], output: Path, tokenizer, decoding: Decoding,
+                  enable_thinking: bool = False, progress=None, warn: Callable[[str], None] = warn_stderr) -> dict:
+    """Decode ``requests`` (skipping ids already in ``output``) with ``decoding`` and append results. Returns job
+    stats.
+
+    Rows are written as requests end: each static batch (then fsynced), or each request under continuous batching.
     A request that cannot be decoded (see :func:`encode_requests`) is reported and skipped; the others are written.
     Generation stops at the request's ``max_new_tokens`` (default ``gen.max_new_tokens``) and at the target's context
     (``max_position_embeddings``) for every row. A request with follow-up ``turns`` decodes them one after another:
     each turn once the one before has its row, with the target's answers in its conversation (a resumed job picks up
     at the turn it stopped in)."""
-    job = (output, tokenizer, target, gen, batch_size, drafter, generator, enable_thinking, progress, warn, tree,
-           engine, policy, batching, prefill_chunk)
+    job = (output, tokenizer, decoding, enable_thinking, progress, warn)
     total, todo = _run_turn(requests, *job), requests
     while todo := [nxt for r, answers in _with_answers(todo, output) if (nxt := next_turn(r, answers)) is not None]:
         stats = _run_turn(todo, *job)
@@ -403,50 +455,28 @@ def _with_answers(requests: list[Request], output: Path) -> list[tuple[Request, 
     return [(r, answers[r.id]) for r in requests if r.id in answers]
 
 
-def _run_turn(requests, output, tokenizer, target, gen, batch_size, drafter, generator, enable_thinking, progress,
-              warn, tree, engine, policy, batching, prefill_chunk) -> dict:
+def _run_turn(requests, output, tokenizer, decoding: Decoding, enable_thinking, progress, warn) -> dict:
     """One pass of :func:`run_batch_job` over ``requests``: their stats, ``committed`` kept and ``seconds`` set."""
-    if batching not in ("static", "continuous") or batching == "continuous" and engine is not None:
-        raise ValueError(f"batching {batching!r}: static, or continuous with the eager engine")
-    if not isinstance(gen.max_new_tokens, int):
-        raise ValueError("a job's default max_new_tokens is one int (requests carry their own)")
-    context = getattr(getattr(target, "args", None), "max_position_embeddings", None)
+    context = getattr(getattr(decoding.target, "args", None), "max_position_embeddings", None)
     encoded, stats = pending_requests(requests, output, tokenizer, context, enable_thinking, warn)
-    if batching == "static":
-        encoded.sort(key=lambda x: len(x[1]))  # similar lengths per batch
-    caps = request_caps(encoded, gen.max_new_tokens, context)
-    why = length_reasons(encoded, caps, gen.max_new_tokens)
-    extra = {"policy": policy} if policy is not None else {}
+    caps = request_caps(encoded, decoding.gen.max_new_tokens, context)
+    why = length_reasons(encoded, caps, decoding.gen.max_new_tokens)
+    start = last = time.perf_counter()
+    writer = ResultWriter(output, decoding.batch_size)
 
-    def row(i: int, res) -> dict:
-        return result_row(encoded[i][0], res, tokenizer, stats, policy is not None, why[i])
-
-    start = time.perf_counter()
-    writer = ResultWriter(output, batch_size)
-    try:
-        if batching == "continuous" and encoded:
-            last = [time.perf_counter()]
-
-            def on_result(i: int, res) -> None:
-                writer.write([row(i, res)])
-                if progress is not None:
-                    now = time.perf_counter()
-                    progress(1, now - last[0])
-                    last[0] = now
-
-            generate(target, [ids for _, ids in encoded], dataclasses.replace(gen, max_new_tokens=caps),
-                     drafter=drafter, generator=generator, tree=tree, slots=batch_size, prefill_chunk=prefill_chunk,
-                     on_result=on_result, **extra)
-        for i in range(0, len(encoded) if batching == "static" else 0, batch_size):
-            chunk = encoded[i:i + batch_size]
-            t0 = time.perf_counter()
-            results = (engine or generate)(target, [ids for _, ids in chunk],
-                                           dataclasses.replace(gen, max_new_tokens=caps[i:i + batch_size]),
-                                           drafter=drafter, generator=generator, tree=tree, **extra)
-            writer.write([row(i + j, res) for j, res in enumerate(results)])
+    def write(idx: list[int], results: list[RowResult]) -> None:
+        nonlocal last
+        writer.write([result_row(encoded[i][0], res, tokenizer, stats, decoding.policy is not None, why[i])
+                      for i, res in zip(idx, results)])
+        if decoding.batching == "static":
             writer.sync()  # a whole batch, then fsync
-            if progress is not None:
-                progress(len(chunk), time.perf_counter() - t0)
+        if progress is not None:
+            now = time.perf_counter()
+            progress(len(idx), now - last)
+            last = now
+
+    try:
+        decoding.decode([ids for _, ids in encoded], caps, write)
     finally:
         writer.close()
     stats["seconds"] = time.perf_counter() - start

@@ -3,9 +3,10 @@
 The driver does what a local job does before and after decoding: it reads the input (bad lines reported by line),
 skips ids already in the output (resume), refuses requests that cannot be decoded (reported by id), and appends
 each result row to the output as it streams back (the same JSONL contract). Decoding runs in a pool of
-:class:`DecodeActor` s (``Dataset.map_batches`` with a callable class): each actor loads the target and the drafter
-once and decodes the request batches it is handed with continuous batching. A killed job resumes from the rows
-written so far; nothing is written twice.
+:class:`DecodeActor` s (``Dataset.map_batches`` with a callable class): each actor builds the job's
+:class:`~specdraft.runtime.batch_job.Decoding` once, as the local job does (any method, backend, policy, engine and
+batching), and decodes the request batches it is handed. A killed job resumes from the rows written so far; nothing
+is written twice.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 
 from specdraft.errors import SpecdraftError
 from specdraft.runtime.batch_job import (
+    Decoding,
     Request,
     ResultWriter,
     finish_stats,
@@ -29,50 +31,37 @@ from specdraft.runtime.batch_job import (
     result_row,
     warn_stderr,
 )
-from specdraft.runtime.decode import GenerationConfig, RowResult
+from specdraft.runtime.decode import RowResult
 
 
 @dataclass
 class ActorSpec:
-    """What every actor needs to build its engine (plain data: it travels to the workers)."""
+    """What every actor needs to build its decoding (it travels to the workers: a picklable callable and data)."""
 
-    target_dir: str
-    drafter_dir: str | None
-    """None: the target alone."""
-    gen: GenerationConfig
-    slots: int
-    """Requests decoding at once inside an actor (continuous batching)."""
-    prefill_chunk: int | None = None
-    dtype: str = "float32"
+    build: Callable[[str], Decoding]
+    """``device -> Decoding``: the job's models, engine, policy and batching, as the local job builds them."""
     device: str = "auto"
+    """``auto``: a GPU per actor when the cluster has GPUs."""
     seed: int = 0
+    with_verified: bool = False
+    """Rows record the drafts verified per round (an adaptive policy's choices)."""
 
 
 class DecodeActor:
-    """One per Ray worker: a target and a drafter, loaded once, decoding each request batch it is handed."""
+    """One per Ray worker: the job's decoding, built once, decoding each request batch it is handed."""
 
     def __init__(self, spec: ActorSpec):
-        import torch  # noqa: PLC0415 (imported in the worker process)
-
-        from specdraft.runtime.drafter_io import load_drafter  # noqa: PLC0415
-        from specdraft.runtime.load import load_target  # noqa: PLC0415
-
         self.spec = spec
-        self.target = load_target(spec.target_dir, dtype=spec.dtype, device=spec.device)
-        self.drafter = load_drafter(spec.drafter_dir, self.target) if spec.drafter_dir else None
-        self.generator = torch.Generator(device=self.target.lm_head.weight.device).manual_seed(spec.seed)
+        self.decoding = spec.build(spec.device)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        from specdraft.runtime.decode import generate  # noqa: PLC0415
-
         prompts = [list(map(int, ids)) for ids in batch["prompt_ids"]]
-        gen = dataclasses.replace(self.spec.gen, max_new_tokens=[int(c) for c in batch["max_new_tokens"]])
-        self.generator.manual_seed(self.spec.seed + int(batch["index"][0]))  # whichever actor gets the batch
-        results = generate(self.target, prompts, gen, drafter=self.drafter, generator=self.generator,
-                           slots=self.spec.slots, prefill_chunk=self.spec.prefill_chunk)
+        self.decoding.generator.manual_seed(self.spec.seed + int(batch["index"][0]))  # whichever actor gets it
+        results = self.decoding.decode(prompts, [int(c) for c in batch["max_new_tokens"]])
         return {"index": batch["index"],
                 "tokens": _ragged([r.tokens for r in results]),
                 "accept_lengths": _ragged([r.accept_lengths for r in results]),
+                "verified": _ragged([r.verified for r in results]),
                 "finish_reason": np.array([r.finish_reason for r in results]),
                 "time_s": np.array([r.time_s for r in results])}
 
@@ -86,11 +75,11 @@ def _ragged(lists: list[list[int]]) -> np.ndarray:
 
 
 def run_ray_job(requests: list[Request], output: Path, tokenizer, spec: ActorSpec, actors: int,
-                requests_per_task: int, context: int | None = None, enable_thinking: bool = False,
+                requests_per_task: int, max_new_tokens: int, context: int | None = None, enable_thinking: bool = False,
                 address: str = "", progress=None, warn: Callable[[str], None] = warn_stderr) -> dict:
     """Decode ``requests`` on ``actors`` Ray actors (``address``: a running cluster, ``""`` starts a local one with
-    a CPU per actor) in tasks of ``requests_per_task`` requests, appending each result row to ``output``. A
-    ``spec.device`` of ``auto`` means a GPU per actor when the cluster has GPUs."""
+    a CPU per actor) in tasks of ``requests_per_task`` requests, appending each result row to ``output``;
+    ``max_new_tokens`` caps requests that carry no cap of their own."""
     try:
         import ray  # noqa: PLC0415
         import ray.data  # noqa: F401, PLC0415
@@ -99,8 +88,8 @@ def run_ray_job(requests: list[Request], output: Path, tokenizer, spec: ActorSpe
     encoded, stats = pending_requests(requests, output, tokenizer, context, enable_thinking, warn)
     if not encoded:
         return finish_stats(stats, 0.0)
-    caps = request_caps(encoded, spec.gen.max_new_tokens, context)
-    why = length_reasons(encoded, caps, spec.gen.max_new_tokens)
+    caps = request_caps(encoded, max_new_tokens, context)
+    why = length_reasons(encoded, caps, max_new_tokens)
     started = not ray.is_initialized()
     if started:
         # "local": a new cluster on this machine, even where RAY_ADDRESS or `ray start` names another
@@ -121,10 +110,11 @@ def run_ray_job(requests: list[Request], output: Path, tokenizer, spec: ActorSpe
             num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0, batch_format="numpy")
         for out in ds.iter_batches(batch_size=None, batch_format="numpy"):
             rows = []
-            for i, toks, acc, reason, secs in zip(out["index"], out["tokens"], out["accept_lengths"],
-                                                  out["finish_reason"], out["time_s"]):
-                res = RowResult(list(map(int, toks)), list(map(int, acc)), str(reason), float(secs))
-                rows.append(result_row(encoded[int(i)][0], res, tokenizer, stats, length_reason=why[int(i)]))
+            for i, toks, acc, verified, reason, secs in zip(out["index"], out["tokens"], out["accept_lengths"],
+                                                            out["verified"], out["finish_reason"], out["time_s"]):
+                res = RowResult(list(map(int, toks)), list(map(int, acc)), str(reason), float(secs),
+                                verified=list(map(int, verified)))
+                rows.append(result_row(encoded[int(i)][0], res, tokenizer, stats, spec.with_verified, why[int(i)]))
             writer.write(rows)
             if progress is not None:
                 progress(len(rows), 0.0)

@@ -208,7 +208,8 @@ def test_training_data_and_decode_encode_the_same_prompt_ids(tiny_world, tmp_pat
         return [RowResult([], [], "stop", 0.0) for _ in prompts]
 
     monkeypatch.setattr(batch_job, "generate", engine)
-    batch_job.run_batch_job([Request("a", messages, 1)], tmp_path / "out.jsonl", tok, None, GenerationConfig(), 1)
+    batch_job.run_batch_job([Request("a", messages, 1)], tmp_path / "out.jsonl", tok,
+                            batch_job.Decoding(None, GenerationConfig(), 1))
     assert seen == [trained_prompt] and len(trained_prompt) > 5
 
 

@@ -1,6 +1,6 @@
 """`specdraft decode ... decode.runner=ray` on a local Ray cluster with two CPU workers (the optional `ray` extra;
 skipped without it): the JSONL contract, bad lines reported by line, resume without duplicates, and the completions
-of the local job."""
+of the local job, for chains, D²SD trees in static batches and the adaptive policy."""
 
 import json
 
@@ -41,3 +41,27 @@ def test_a_ray_job_writes_the_local_jobs_rows_once_each_and_resumes(tiny_world, 
         assert {k: v for k, v in r.items() if k != "time_s"} == {k: v for k, v in want[r["id"]].items()
                                                                  if k != "time_s"}
         assert r["num_tokens"] <= 4 + int(r["id"][1:])
+
+
+@pytest.mark.parametrize("mode", [["decode.method=d2sd", "decode.second_drafter=same", "decode.tree_k=2",
+                                   "decode.batching=static"], ["decode.policy=adaptive"]],
+                         ids=["d2sd-static-batches", "adaptive-policy"])
+def test_a_ray_job_decodes_trees_and_the_adaptive_policy_as_the_local_job(tiny_world, drafter_dir, tmp_path,  # noqa: F811
+                                                                          mode):
+    inp = tmp_path / "in.jsonl"
+    prompts = ["Mia has 3 apples.", "Tom has 12 coins. Then Tom finds 4 more coins.", "Ava", "Ben has 7 pens.",
+               "Zoe reads 9 pages.", "Leo"]
+    _write(inp, [json.dumps({"id": f"r{i}", "prompt": p}) for i, p in enumerate(prompts)])
+    args = _args(tiny_world, drafter_dir, tmp_path, "decode.batch_size=2", *mode)
+    local, on_ray = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
+    assert main(["decode", *args, "--input", str(inp), "--output", str(local)]) == 0
+    assert main(["decode", *args, "decode.runner=ray", "--input", str(inp), "--output", str(on_ray)]) == 0
+    want = {json.loads(line)["id"]: json.loads(line) for line in local.read_text().splitlines()}
+    got = {json.loads(line)["id"]: json.loads(line) for line in on_ray.read_text().splitlines()}
+    assert set(got) == set(want)
+    if "decode.policy=adaptive" in mode:  # its choices follow measured round times: the completions are the contract
+        assert {i: r["completion"] for i, r in got.items()} == {i: r["completion"] for i, r in want.items()}
+        assert all(len(r["verified"]) == len(r["accept_lengths"]) for r in got.values())
+    else:  # one task of the six requests, in the local job's batches: the same rows, accept lengths included
+        assert {i: {k: v for k, v in r.items() if k != "time_s"} for i, r in got.items()} == \
+            {i: {k: v for k, v in r.items() if k != "time_s"} for i, r in want.items()}

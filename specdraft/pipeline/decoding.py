@@ -1,0 +1,60 @@
+"""How a decode job decodes, built from the config alone, once per process (the local job, or each Ray actor): the
+target and drafter on the configured backend, D²SD's tree, the engine (the eager one, or the static/CUDA-graph path),
+the adaptive policy, sampling and batching. Every runner decodes every method through :func:`build_decoding`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from specdraft.pipeline.config import RunConfig
+from specdraft.pipeline.exports import backend_models
+from specdraft.pipeline.policy import adaptive_policy, heldin_prompts
+from specdraft.pipeline.tokenizer import stop_token_ids
+from specdraft.pipeline.trees import tree_drafting
+from specdraft.runtime.batch_job import Decoding
+from specdraft.runtime.decode import GenerationConfig
+from specdraft.runtime.drafter_io import load_drafter
+from specdraft.runtime.load import load_target
+from specdraft.runtime.sampling import SamplingParams
+from specdraft.runtime.static_decode import StaticEngine
+
+
+def default_drafter_dir(cfg: RunConfig) -> Path:
+    """``decode.drafter``, else this config's training export (``train.export_name`` or the stage)."""
+    return cfg.named_drafter_dir(cfg.decode.drafter) if cfg.decode.drafter else cfg.drafter_dir(cfg.train.export)
+
+
+def build_decoding(cfg: RunConfig, world, drafter_dir: Path | None, tokenizer, device: str | None = None,
+                   log=print) -> Decoding:
+    """The :class:`Decoding` of ``cfg.decode`` with the drafter in ``drafter_dir`` (None: the target alone), the
+    target on ``device`` (default ``target.device``)."""
+    d = cfg.decode
+    if d.backend == "torch":
+        target = load_target(world.target_dir, dtype=cfg.target.dtype, device=device or cfg.target.device)
+        drafter = load_drafter(drafter_dir, target) if drafter_dir else None
+    else:  # the exports of the configured drafter hold the target too (for AR as well)
+        target, drafter = backend_models(d.backend, drafter_dir or default_drafter_dir(cfg), world,
+                                         with_drafter=drafter_dir is not None)
+    tree = tree_drafting(cfg, target, drafter) if d.method == "d2sd" else None
+    gen = GenerationConfig(max_new_tokens=d.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer),
+                           sampling=SamplingParams(d.temperature, d.top_k, d.top_p), draft_sampling=d.draft_sampling)
+    generator = torch.Generator(device=target.lm_head.weight.device).manual_seed(d.seed)
+    engine = StaticEngine(target, drafter, d.batch_size, argmax_heads=d.temperature == 0,
+                          tree=tree) if d.cuda_graphs else None
+    policy = None
+    if d.policy == "adaptive":
+        policy = adaptive_policy(cfg.work_path, target, drafter, drafter_dir,
+                                 heldin_prompts(world, tokenizer, cfg.data.enable_thinking), stop_token_ids(tokenizer),
+                                 (d.batch_size,), log, gen.sampling, d.draft_sampling)
+    return Decoding(target, gen, d.batch_size, drafter, generator, tree, engine, policy, d.batching,
+                    d.prefill_chunk or None)
+
+
+def worker_decoding(cfg: RunConfig, world, drafter_dir: str | None, device: str) -> Decoding:
+    """:func:`build_decoding` in a worker process (a Ray actor): its own tokenizer, the worker's device."""
+    tokenizer = AutoTokenizer.from_pretrained(str(world.target_dir), trust_remote_code=False)
+    return build_decoding(cfg, world, Path(drafter_dir) if drafter_dir else None, tokenizer, device,
+                          log=lambda m: None)
