@@ -38,7 +38,11 @@ def build_decoding(cfg: RunConfig, world, drafter_dir: Path | None, tokenizer, d
     else:  # the exports of the configured drafter hold the target too (for AR as well)
         target, drafter = backend_models(d.backend, drafter_dir or default_drafter_dir(cfg), world,
                                          with_drafter=drafter_dir is not None)
-    tree = tree_drafting(cfg, target, drafter) if d.method == "d2sd" else None
+    tree = None
+    if d.method == "d2sd":  # on an engine backend the second drafter is read from its own export too
+        load = None if d.backend == "torch" else lambda where: backend_models(d.backend, where, world,
+                                                                               with_target=False)[1]
+        tree = tree_drafting(cfg, target, drafter, load=load)
     gen = GenerationConfig(max_new_tokens=d.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer),
                            sampling=SamplingParams(d.temperature, d.top_k, d.top_p), draft_sampling=d.draft_sampling)
     generator = torch.Generator(device=target.lm_head.weight.device).manual_seed(d.seed)

@@ -103,19 +103,20 @@ def drafter_weights_hash(drafter_dir: Path) -> str:
     return weights_hash(model.float())
 
 
-def backend_models(backend: str, drafter_dir: Path, world, with_drafter: bool = True):
-    """``(target, drafter or None)`` on ``backend`` (onnx, trt) from the exports of the drafter in ``drafter_dir``
-    (they hold the target too), checked against the configured target (its fingerprint) and the drafter (its
-    weights) before any session or engine is built."""
+def backend_models(backend: str, drafter_dir: Path, world, with_drafter: bool = True, with_target: bool = True):
+    """``(target or None, drafter or None)`` on ``backend`` (onnx, trt) from the exports of the drafter in
+    ``drafter_dir`` (they hold the target too), checked against the configured target (its fingerprint) and the
+    drafter (its weights) before any session or engine is built."""
     dirs = export_dirs(drafter_dir)
     drafter_sha = drafter_weights_hash(drafter_dir)
     fingerprint = target_fingerprint(world.target_dir)
     if backend == "onnx":
         m = load_manifest(dirs["onnx"], drafter_sha256=drafter_sha, target_fingerprint=fingerprint)
-        return OnnxTarget(dirs["onnx"], manifest=m), OnnxDrafter(dirs["onnx"], manifest=m) if with_drafter else None
+        return (OnnxTarget(dirs["onnx"], manifest=m) if with_target else None,
+                OnnxDrafter(dirs["onnx"], manifest=m) if with_drafter else None)
     if backend != "trt":
         raise SpecdraftError(f"backend {backend!r} is not one of torch, onnx, trt")
     fused = load_manifest(dirs["trt_onnx"], drafter_sha256=drafter_sha, target_fingerprint=fingerprint)
     m = load_engine_manifest(dirs["trt"], drafter_sha256=drafter_sha, onnx_manifest=fused)
-    return TrtTarget(dirs["trt"], manifest=m), TrtDrafter(dirs["trt"], dirs["trt_onnx"], manifest=m) if with_drafter \
-        else None
+    return (TrtTarget(dirs["trt"], manifest=m) if with_target else None,
+            TrtDrafter(dirs["trt"], dirs["trt_onnx"], manifest=m) if with_drafter else None)

@@ -193,14 +193,20 @@ def _decode_on_ray(cfg: RunConfig, world, requests, output_path: Path, drafter_d
 
 def export(cfg: RunConfig, to: str = "onnx"):
     """Write the drafter's deployment artifacts (``hf``: the training export itself; ``onnx``: both ONNX
-    flavours; ``trt``: those and the TensorRT engines) and log them to MLflow."""
+    flavours; ``trt``: those and the TensorRT engines) and log them to MLflow. With ``decode.method=d2sd`` the
+    second drafter is exported too (a tree on an engine backend drafts with both)."""
     world = existing_world(cfg)
-    drafter_dir = default_drafter_dir(cfg)
-    if not (drafter_dir / "config.json").is_file():
-        raise SpecdraftError(f"no drafter in {drafter_dir}: train one (specdraft train CONFIG) or set decode.drafter")
-    check_made_for(drafter_dir, world.target_dir, cfg.decode.allow_other_target, log)
+    drafters = [default_drafter_dir(cfg)]
+    if cfg.decode.method == "d2sd" and (second := cfg.second_drafter_dir()) is not None:
+        drafters.append(second)
+    for drafter_dir in drafters:  # every drafter checked before any export
+        if not (drafter_dir / "config.json").is_file():
+            raise SpecdraftError(f"no drafter in {drafter_dir}: train one (specdraft train CONFIG) or set "
+                                 f"{'decode.drafter' if drafter_dir == drafters[0] else 'decode.second_drafter'}")
+        check_made_for(drafter_dir, world.target_dir, cfg.decode.allow_other_target, log)
     with tracked(cfg, "export") as tr:
-        return run_export(cfg, world, drafter_dir, to, tr, log)
+        written = [run_export(cfg, world, drafter_dir, to, tr, log) for drafter_dir in drafters]
+    return written[0]
 
 
 def bench(cfg: RunConfig, world=None):

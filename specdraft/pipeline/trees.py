@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Callable
+
 from specdraft.errors import SpecdraftError
 from specdraft.pipeline.config import RunConfig
 from specdraft.runtime.d2sd import TreeDrafting
@@ -11,13 +14,16 @@ FIRST_DRAFTERS = ("dflash", "vp")
 """Architectures a tree round can draft first with (no cross-round state)."""
 
 
-def tree_drafting(cfg: RunConfig, target, first, num_branches: int | None = None) -> TreeDrafting:
+def tree_drafting(cfg: RunConfig, target, first, num_branches: int | None = None,
+                  load: Callable[[Path], object] | None = None) -> TreeDrafting:
     """The :class:`TreeDrafting` of ``decode.second_drafter`` / ``decode.tree_placement`` with ``num_branches``
-    (default ``decode.tree_k``) for ``first``; a mismatch is one clear error before any decoding."""
+    (default ``decode.tree_k``) for ``first``; a mismatch is one clear error before any decoding. ``load`` reads the
+    second drafter's directory (default the torch drafter bound to ``target``; an engine backend reads its export)."""
     k = num_branches or cfg.decode.tree_k
-    if first.arch_name not in FIRST_DRAFTERS:
+    arch = getattr(first, "arch_name", None) or ("retrace" if getattr(first, "retrace", None) else None)
+    if arch is not None and arch not in FIRST_DRAFTERS:  # an export without ReTrace: its arch was checked by decode
         raise SpecdraftError(f"config key 'decode.method': d2sd drafts first with a {' or '.join(FIRST_DRAFTERS)} "
-                             f"drafter, not {first.arch_name!r} (its cross-round state has no meaning in a tree)")
+                             f"drafter, not {arch!r} (its cross-round state has no meaning in a tree)")
     if not 1 <= k <= first.block_size - 2:
         raise SpecdraftError(f"config key 'decode.tree_k': {k} branches need 1..{first.block_size - 2} boundaries "
                              f"(block size {first.block_size})")
@@ -28,7 +34,7 @@ def tree_drafting(cfg: RunConfig, target, first, num_branches: int | None = None
             raise SpecdraftError(f"config key 'decode.second_drafter': no drafter at {where}; train one with "
                                  "train.stage=vp, or set decode.second_drafter (a directory, an export name, or "
                                  "'same')")
-        second = load_drafter(where, target)
+        second = load(where) if load is not None else load_drafter(where, target)
     tree = TreeDrafting(second, k, cfg.decode.tree_placement, cfg.decode.tree_distinct)
     try:
         tree.check(first)

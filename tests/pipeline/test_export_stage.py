@@ -75,6 +75,29 @@ def test_decode_on_the_onnx_backend_writes_what_torch_writes(exported_drafter, t
     assert "another drafter" in capsys.readouterr().err
 
 
+def test_d2sd_on_the_onnx_backend_writes_what_torch_writes(tiny_world, tmp_path):
+    """``export`` with ``decode.method=d2sd`` exports the second drafter too; the tree then drafts with both exports
+    and verifies with the exported target."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    for out, seed in ((first, 0), (second, 5)):
+        assert main(["init-drafter", "--target", str(tiny_world.target_dir), "--out", str(out), "--layers", "1",
+                     "--block-size", "4", "--seed", str(seed)]) == 0
+    tree = ["decode.method=d2sd", f"decode.second_drafter={second}", "decode.tree_k=2"]
+    assert main(["export", *_args(tiny_world, first, tmp_path, *tree), "--to", "onnx"]) == 0
+    assert (second / "onnx" / "decomposed" / "manifest.json").is_file()
+    inp = tmp_path / "in.jsonl"
+    _write(inp, [json.dumps({"id": str(i), "prompt": p}) for i, p in
+                 enumerate(["Mia has 3 apples.", "Tom has 12 coins. Then Tom finds 4 more coins.", "Ava"])])
+    rows = {}
+    for backend in ("torch", "onnx"):
+        out = tmp_path / f"{backend}.jsonl"
+        assert main(["decode", *_args(tiny_world, first, tmp_path, *tree, f"decode.backend={backend}"), "--input",
+                     str(inp), "--output", str(out)]) == 0
+        rows[backend] = {json.loads(line)["id"]: {k: v for k, v in json.loads(line).items() if k != "time_s"}
+                         for line in out.read_text().splitlines()}
+    assert rows["onnx"] == rows["torch"]  # completions and accept lengths, round for round
+
+
 def test_decode_without_an_export_says_which_command_writes_it(drafter_dir, tiny_world, tmp_path, capsys):  # noqa: F811
     inp = tmp_path / "in.jsonl"
     _write(inp, [json.dumps({"id": "a", "prompt": "Ava"})])
