@@ -281,12 +281,12 @@ class DecodeConfig:
         if self.backend != "torch" and self.cuda_graphs:
             raise OptionError("backend", f"decode.cuda_graphs captures the torch models' rounds; the {self.backend} "
                               "backend runs its own graphs (set decode.cuda_graphs=false)")
-        if self.policy == "adaptive" and (self.method in ("ar", "d2sd", "retrace") or self.cuda_graphs
-                                          or self.backend != "torch"):
-            how = (f"method {self.method!r}" + (" with cuda_graphs" if self.cuda_graphs else "")
-                   + (f" on the {self.backend} backend" if self.backend != "torch" else ""))
-            raise OptionError("policy", f"adaptive chooses chain rounds of the eager engine with a dflash or vp "
-                              f"drafter, not {how}")
+        if self.policy == "adaptive" and self.method == "ar":
+            raise OptionError("policy", "adaptive chooses how many drafts to verify: method 'ar' has no drafter")
+        if self.policy == "adaptive" and (self.method in ("d2sd", "retrace") or self.cuda_graphs):
+            how = f"method {self.method!r}" + (" with cuda_graphs" if self.cuda_graphs else "")
+            raise OptionError("policy", f"adaptive chooses chain rounds of the eager engine (any backend) with a "
+                              f"dflash or vp drafter, not {how} (not built yet)")
         if self.batching not in ("continuous", "static"):
             raise OptionError("batching", f"{self.batching!r} is not one of continuous, static")
         if self.cuda_graphs and self.batching == "continuous":

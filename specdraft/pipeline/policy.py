@@ -14,6 +14,7 @@ import torch
 
 from specdraft.runtime.batch_job import encode_requests, read_requests
 from specdraft.runtime.decode import GenerationConfig, draft_confidence, generate
+from specdraft.runtime.models.target import TargetLM
 from specdraft.runtime.policy import AdaptivePolicy, Calibration, CostModel, measure_costs
 from specdraft.runtime.sampling import SamplingParams, logits_to_probs
 
@@ -26,7 +27,8 @@ def _key(target, drafter, drafter_dir: str | Path | None) -> dict:
     return {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
             "threads": torch.get_num_threads(), "dtype": str(target.lm_head.weight.dtype), "torch": torch.__version__,
             "target": json.dumps(vars(target.args), sort_keys=True, default=str),
-            "drafter": hashlib.sha256(weights.read_bytes()).hexdigest()[:16] if weights and weights.is_file() else ""}
+            "drafter": hashlib.sha256(weights.read_bytes()).hexdigest()[:16] if weights and weights.is_file() else "",
+            **({} if isinstance(target, TargetLM) else {"backend": type(target).__name__})}  # an engine's own costs
 
 
 def calibrate(target, drafter, prompts: list[list[int]], stop_token_ids=(), max_new_tokens: int = 64,

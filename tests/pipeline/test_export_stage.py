@@ -43,16 +43,18 @@ def test_decode_on_the_onnx_backend_writes_what_torch_writes(exported_drafter, t
     _write(inp, [json.dumps({"id": str(i), "prompt": p}) for i, p in
                  enumerate(["Mia has 3 apples.", "Tom has 12 coins. Then Tom finds 4 more coins.", "Ava"])])
     outs = {}
-    for backend, method in (("torch", "dflash"), ("onnx", "dflash"), ("onnx", "ar")):
+    for backend, method in (("torch", "dflash"), ("onnx", "dflash"), ("onnx", "ar"), ("onnx", "adaptive")):
         outs[backend, method] = tmp_path / f"{backend}-{method}.jsonl"
-        assert main(["decode", *_args(tiny_world, exported_drafter, tmp_path, f"decode.backend={backend}",
-                                      f"decode.method={method}"),
+        how = {"adaptive": ["decode.method=dflash", "decode.policy=adaptive"]}.get(method, [f"decode.method={method}"])
+        assert main(["decode", *_args(tiny_world, exported_drafter, tmp_path, f"decode.backend={backend}", *how),
                      "--input", str(inp), "--output", str(outs[backend, method])]) == 0
     rows = {k: {json.loads(line)["id"]: json.loads(line) for line in p.read_text().splitlines()}
             for k, p in outs.items()}
     assert {i: r["completion"] for i, r in rows["onnx", "dflash"].items()} == \
         {i: r["completion"] for i, r in rows["torch", "dflash"].items()} == \
-        {i: r["completion"] for i, r in rows["onnx", "ar"].items()}
+        {i: r["completion"] for i, r in rows["onnx", "ar"].items()} == \
+        {i: r["completion"] for i, r in rows["onnx", "adaptive"].items()}
+    assert all("verified" in r for r in rows["onnx", "adaptive"].values())  # the planner ran on the engine
     assert {i: r["accept_lengths"] for i, r in rows["onnx", "dflash"].items()} == \
         {i: r["accept_lengths"] for i, r in rows["torch", "dflash"].items()}
 

@@ -65,9 +65,16 @@ class StackedKVCache(KVCache):
         """Nothing to do: the stacked buffers are reallocated on admission (:meth:`cat_rows`)."""
 
     def cat_rows(self, other: "StackedKVCache") -> None:
-        """Append ``other``'s rows (requests admitted by continuous batching)."""
-        self.K, self.V = torch.cat([self.K, other.K], 1), torch.cat([self.V, other.V], 1)
+        """Append ``other``'s rows (requests admitted by continuous batching; either may hold fewer slots, e.g. one
+        for rows whose drafter ingest an adaptive policy deferred: the shorter is padded with empty slots)."""
+        S = max(self.K.shape[3], other.K.shape[3])
+
+        def slots(x: torch.Tensor) -> torch.Tensor:  # [L, B, H_kv, S, Dh]
+            return x if x.shape[3] == S else torch.nn.functional.pad(x, (0, 0, 0, S - x.shape[3]))
+        self.K = torch.cat([slots(self.K), slots(other.K)], 1)
+        self.V = torch.cat([slots(self.V), slots(other.V)], 1)
         self.lengths = torch.cat([self.lengths, other.lengths])
+        self.max_len = S
 
 
 class ExportedTarget:
