@@ -539,13 +539,25 @@ def _drafter_cache_left_behind(self, keep):
         self.dcache = dcache
 
 
+_static_carry_prior = StaticDecoder._carry_prior
+
+
+def _prior_dropped_at_a_bucket_move(bk, prior):
+    """ReTrace's prior is kept round to round but not carried into a smaller bucket: moved rows draft as if their
+    last round had accepted everything."""
+    _static_carry_prior(bk, prior if prior is not None and prior.valid.shape[0] == bk.n else None)
+
+
 EXECUTOR_WRONG_RULES: dict[str, list[tuple[object, str, Callable]]] = {
     "static path: drafter cache left uncompacted after a bucket move": [
         (StaticDecoder, "_compact", _drafter_cache_left_behind)],
     "static path: frozen rows still commit": [(static_decode, "commit_counts", lambda n_acc, active: n_acc + 1)],
+    "static path: ReTrace's prior dropped at a bucket move": [
+        (StaticDecoder, "_carry_prior", staticmethod(_prior_dropped_at_a_bucket_move))],
 }
-"""The same for an executor's bookkeeping: output equality passes under each; acceptance conformance (the first) or
-a decoder sized exactly for its requests (the second: frozen rows grow past their caches) catches it."""
+"""The same for an executor's bookkeeping: output equality passes under each; acceptance conformance (the first and
+the third, the latter with a ReTrace drafter) or a decoder sized exactly for its requests (the second: frozen rows
+grow past their caches) catches it."""
 
 SAMPLING_SETTINGS = [SamplingParams(0.7, top_k=4, top_p=0.9), SamplingParams(1.0, top_k=4, top_p=0.9),
                      SamplingParams(1.5, top_k=4, top_p=0.9)]

@@ -294,9 +294,6 @@ class DecodeConfig:
                               "with decode.cuda_graphs=true")
         check_range("prefill_chunk", self.prefill_chunk, 0)
         check_range("ray_actors", self.ray_actors, 1)
-        if self.cuda_graphs and self.method == "retrace":
-            raise OptionError("cuda_graphs", "the static path runs stateless drafters (ar, dflash, vp, d2sd): retrace "
-                              "carries state between rounds, so it decodes in the eager engine")
         if self.method not in ("ar", "d2sd", *available_drafters()):
             raise OptionError("method", f"{self.method!r} is not one of ar, d2sd, {', '.join(available_drafters())}")
         check_range("tree_k", self.tree_k, 1)

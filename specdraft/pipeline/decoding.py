@@ -46,8 +46,8 @@ def build_decoding(cfg: RunConfig, world, drafter_dir: Path | None, tokenizer, d
     gen = GenerationConfig(max_new_tokens=d.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer),
                            sampling=SamplingParams(d.temperature, d.top_k, d.top_p), draft_sampling=d.draft_sampling)
     generator = torch.Generator(device=target.lm_head.weight.device).manual_seed(d.seed)
-    engine = StaticEngine(target, drafter, d.batch_size, argmax_heads=d.temperature == 0,
-                          tree=tree) if d.cuda_graphs else None
+    engine = StaticEngine(target, drafter, d.batch_size, tree=tree,  # ReTrace's prior reads the verify logits
+                          argmax_heads=d.temperature == 0 and d.method != "retrace") if d.cuda_graphs else None
     policy = None
     if d.policy == "adaptive":
         policy = adaptive_policy(cfg.work_path, target, drafter, drafter_dir,

@@ -34,8 +34,10 @@ Acceptance is the engine's own functions (:func:`~specdraft.runtime.decode.propo
 rules that make decoding lossless are shared, not copied. Without CUDA (or with ``graphs=False``) the same static
 rounds run eagerly: the CPU tests check the static-shape logic, the GPU tests the capture.
 
-Scope: chains and D²SD trees with stateless drafters (DFlash, VP) or none (AR). Drafters with cross-round state
-(ReTrace) run in the eager engine.
+Scope: chains with a DFlash, VP or ReTrace drafter or none (AR), and D²SD trees of stateless drafters. ReTrace's
+prior (the rejected suffix it carries into the next round) lives in fixed-shape buffers of each bucket: the draft
+step fuses it into every slot (slots no prior lands on add zero), the commit step returns the drafter's fused view
+of the verify pass, and the next prior is built eagerly from the round's outputs.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from specdraft.runtime.decode import GenerationConfig, RowResult, propose, verif
 from specdraft.runtime.drafter import Drafter, RoundRecord
 from specdraft.runtime.kv_cache import KVCache
 from specdraft.runtime.models.dflash import DFlashDrafter
+from specdraft.runtime.models.retrace import Prior, ReTraceDrafter
 from specdraft.runtime.models.target import TargetLM
 from specdraft.runtime.sampling import sample
 from specdraft.runtime.verify import accept_greedy_tokens
@@ -112,6 +115,7 @@ class _Bucket:
     verify_tokens: torch.Tensor  # [n, Bk] input of a chain's verify
     counts: torch.Tensor  # [n] input of commit: tokens each row commits (0 for frozen rows)
     features: torch.Tensor | None  # [n, Bk, F] the committed tokens' target features, read by commit
+    prior: Prior | None = None  # ReTrace: the rejected suffix each row carries, [n, Bk, ...] buffers read by draft
     branch_blocks: torch.Tensor | None = None  # [n, J, Bk] input of branch (trees)
     tree_tokens: torch.Tensor | None = None  # [n, N] input of a tree's verify
     tree_depth: torch.Tensor | None = None  # [n, N]
@@ -132,6 +136,7 @@ class _Round(NamedTuple):
     target_logits: torch.Tensor | None  # [n, K + 1, V] (a tree's: along the winner's path); None under argmax heads
     nodes: torch.Tensor | None = None  # [n] a tree's real nodes
     winner: torch.Tensor | None = None  # [n] the candidate holding the accepted path
+    hidden: torch.Tensor | None = None  # [n, Bk, D] ReTrace: the drafter's hidden states of the block
 
 
 def slots_needed(prompts: Sequence[Sequence[int]], caps: Sequence[int], block: int,
@@ -147,7 +152,7 @@ class StaticDecoder:
 
     Args:
         target: the verifying target LM (bf16 on CUDA for serving).
-        drafter: a stateless block drafter bound to ``target``, or None for AR.
+        drafter: a block drafter bound to ``target`` (DFlash, VP, ReTrace), or None for AR.
         max_batch: rows the caches hold (the largest bucket used).
         max_len: cache slots per row; a request needs :func:`slots_needed` of them.
         buckets: batch sizes with their own graphs (a batch runs in the smallest bucket that holds it).
@@ -175,6 +180,10 @@ class StaticDecoder:
         self.graphs = dev.type == "cuda" if graphs is None else graphs
         if self.graphs and dev.type != "cuda":
             raise ValueError("CUDA graphs need the target on a CUDA device")
+        self.stateful = isinstance(drafter, ReTraceDrafter)
+        if self.stateful and (argmax_heads or tree is not None):
+            raise ValueError("a ReTrace drafter's prior reads the verify logits and has no meaning in a tree: "
+                             "argmax_heads=False, no tree")
         self.argmax_heads = argmax_heads
         self.feature_layers = drafter.target_layer_ids if drafter is not None else ()
         self.tcache = target.new_cache(max_batch, max_len)
@@ -191,8 +200,8 @@ class StaticDecoder:
     def check_drafter(drafter: Drafter | None) -> None:
         """Refuse, in one line, a drafter the static path cannot run."""
         stateless = getattr(type(drafter), "next_round_state", None) is DFlashDrafter.next_round_state
-        if drafter is not None and not stateless:
-            raise ValueError(f"{type(drafter).__name__} keeps cross-round state: the static path runs stateless "
+        if drafter is not None and not stateless and not isinstance(drafter, ReTraceDrafter):
+            raise ValueError(f"{type(drafter).__name__} keeps cross-round state the static path cannot hold: it runs "
                              "drafters (dflash, vp); use the eager engine")
 
     def _caches(self) -> list[KVCache]:
@@ -215,6 +224,8 @@ class StaticDecoder:
         scache = _rows(self.scache, n) if self.scache is not None else dcache
         drafter, target, second = self.drafter, self.target, tree.second if tree is not None else None
         draft_heads = self.argmax_heads and tree is None  # a tree's first draft needs its confidences
+        if self.stateful:
+            bk.prior = drafter.empty_prior(n)
         if tree is not None:
             J, N = tree.num_branches, tree.max_nodes(Bk)
             bk.branch_blocks = torch.zeros(n, J, Bk, dtype=torch.long, device=dev)
@@ -225,9 +236,13 @@ class StaticDecoder:
         def draft():
             blk = torch.full((n, Bk), drafter.config.mask_token_id, dtype=torch.long, device=dev)
             blk[:, 0] = bk.anchor
-            hidden = drafter.draft_hidden(dcache, drafter.block_embeds(blk, None))  # [n, Bk, D]
+            embeds = drafter.block_embeds(blk, bk.prior, fixed_shape=True) if self.stateful else \
+                drafter.block_embeds(blk, None)  # [n, Bk, D]
+            hidden = drafter.draft_hidden(dcache, embeds)  # [n, Bk, D]
             if draft_heads:
                 return (lm_head_argmax(hidden[:, 1:], drafter.borrowed[1].weight),)  # [n, K] tokens
+            if self.stateful:  # the next prior retains the block's hidden states
+                return drafter.logits(hidden[:, 1:]), hidden  # [n, K, V], [n, Bk, D]
             return (drafter.logits(hidden[:, 1:]),)  # [n, K, V]
 
         def branch():
@@ -255,11 +270,10 @@ class StaticDecoder:
 
         def commit():
             tcache.commit(bk.counts)
-            if drafter is not None:
-                drafter.ingest(dcache, bk.features, bk.counts)
+            fused = drafter.ingest(dcache, bk.features, bk.counts) if drafter is not None else None  # [n, Bk, D]
             if self.second is not None:
                 self.second.ingest(scache, bk.features, bk.counts)
-            return ()
+            return (fused,) if self.stateful else ()  # ReTrace: the drafter's view of the verify pass
 
         # captured in the order they replay: graphs sharing one memory pool are only safe so
         steps = {**({"draft": draft} if drafter is not None else {}), **({"branch": branch} if tree else {}),
@@ -277,20 +291,21 @@ class StaticDecoder:
         return bk
 
     def _chain_round(self, bk: _Bucket, config: GenerationConfig, generator) -> _Round:
-        params, draft_logits, draft_probs = config.sampling, None, None
+        params, draft_logits, draft_probs, hidden = config.sampling, None, None, None
         if self.drafter is None:
             draft_tokens = bk.anchor.new_zeros(bk.n, 0)
         elif self.argmax_heads:
             draft_tokens = bk.draft()[0].clone()  # a graph output: the next replay overwrites it
         else:
-            (draft_logits,) = bk.draft()
+            draft_logits, *rest = bk.draft()  # ReTrace's draft step returns the block's hidden states too
+            hidden = rest[0] if rest else None
             draft_tokens, draft_probs = propose(draft_logits, params, config.draft_sampling, generator)
         bk.verify_tokens.copy_(torch.cat([bk.anchor[:, None], draft_tokens], dim=1))
         (verified,) = bk.verify()
         if self.argmax_heads:
             return _Round(draft_tokens, None, *accept_greedy_tokens(draft_tokens, verified), None)
         return _Round(draft_tokens, draft_logits, *verify_round(draft_tokens, draft_probs, verified, params,
-                                                                generator), verified)
+                                                                generator), verified, hidden=hidden)
 
     def _tree_round(self, bk: _Bucket, config: GenerationConfig, generator) -> _Round:
         params, tree, K = config.sampling, self.tree, self.block - 1
@@ -318,6 +333,16 @@ class StaticDecoder:
         path_logits = None if self.argmax_heads else verified.gather(
             1, acc.path[:, :, None].expand(-1, -1, verified.shape[-1]))  # [n, K + 1, V]
         return _Round(winner, logits, acc.num_accepted, acc.next_token, path_logits, t.num_nodes, acc.winner)
+
+    @staticmethod
+    def _carry_prior(bk: _Bucket, prior: Prior | None) -> None:
+        """Write ``prior`` (of the first ``m <= n`` rows; None: none) into the bucket's buffers, the rest empty."""
+        m = 0 if prior is None else prior.valid.shape[0]
+        for buf, new in zip(bk.prior, prior or bk.prior):
+            if m:
+                buf[:m] = new
+            buf[m:] = 0
+        bk.prior.shift[m:] = bk.prior.valid.shape[1]  # lands past the block: nothing
 
     def bucket_for(self, b: int) -> int:
         for n in self.buckets:
@@ -389,12 +414,18 @@ class StaticDecoder:
             emit(r, [t])
         slots = list(range(B))  # bucket slot -> request row; slots past len(slots) are padding
         anchor = first  # [len(slots)]
+        if self.stateful:  # a first round carries no prior
+            self._carry_prior(self._bucket(n), None)
         active = torch.zeros(n, dtype=torch.bool, device=dev)
         active[:B] = torch.tensor([not d for d in done], device=dev)
         while not all(done[r] for r in slots):
             live = [i for i, r in enumerate(slots) if not done[r]]
             if self.bucket_for(len(live)) < n:  # the active rows fit a smaller bucket: move them to the front
                 self._compact(live)
+                if self.stateful:
+                    at = torch.tensor(live, device=dev)
+                    carried = Prior(*(t[at] for t in self._bucket(n).prior))
+                    self._carry_prior(self._bucket(self.bucket_for(len(live))), carried)
                 anchor = anchor[torch.tensor(live, device=dev)]
                 slots = [slots[i] for i in live]
                 live = list(range(len(slots)))
@@ -407,7 +438,11 @@ class StaticDecoder:
             rnd = self._tree_round(bk, config, generator) if self.tree is not None else \
                 self._chain_round(bk, config, generator)
             bk.counts.copy_(commit_counts(rnd.num_accepted, active))
-            bk.commit()
+            committed = bk.commit()
+            if self.stateful:  # the rejected suffix each row carries into its next round
+                prior = self.drafter.next_round_state(None, rnd.hidden, rnd.draft_tokens, rnd.num_accepted,
+                                                      rnd.target_logits, committed[0])
+                self._carry_prior(bk, prior)
             anchor = rnd.next_token[:len(slots)].clone()
             zeros = torch.zeros_like(rnd.num_accepted)
             host = torch.cat([torch.stack([rnd.num_accepted, rnd.next_token, zeros if rnd.nodes is None else rnd.nodes,

@@ -15,7 +15,7 @@ from specdraft.runtime.d2sd import TreeDrafting
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.drafter_io import convert_drafter
 from specdraft.runtime.static_decode import StaticDecoder, StaticEngine
-from tests.helpers import make_drafter, make_target, requires_cuda
+from tests.helpers import make_drafter, make_target, requires_cuda, retrace_from
 from tests.lossless import check_conformance
 
 pytestmark = [pytest.mark.gpu, requires_cuda,
@@ -96,6 +96,20 @@ def test_cuda_graph_tree_rounds_are_the_eager_static_rounds():
     gen = GenerationConfig(max_new_tokens=caps)
     got = graphed(target, prompts, gen, drafter=first, tree=tree)
     assert [r.tokens for r in got] == [r.tokens for r in generate(target, prompts, gen)]  # fp32: the target's output
+
+
+def test_cuda_graph_retrace_rounds_are_the_eager_static_rounds():
+    """ReTrace on the CUDA-graph path: the draft graph fuses the prior from its bucket's buffers (the fused kernel),
+    the commit graph returns the fused verify context, and every round equals the same static rounds run eagerly."""
+    prompts = [[1, 2, 3], [5, 4, 3, 2, 1, 0], [4], [2, 2], [3, 1, 4, 1, 5], [0], [1, 1, 1, 3], [1, 0], [5, 5, 1]]
+    caps = [10, 25, 17, 30, 8, 21, 14, 19, 12]
+    target = make_target(seed=7, vocab=6, std=1.0).cuda()
+    drafter = retrace_from(make_drafter(target, seed=2, block_size=4, std=0.3), active=True).cuda().bind_target(
+        target.model.embed_tokens, target.lm_head)
+    graphed = StaticEngine(target, drafter, 16, graphs=True)
+    eager = StaticEngine(target, drafter, 16, graphs=False)
+    counts = check_conformance((target, lambda p: drafter, graphed), (target, lambda p: drafter, eager), prompts, caps)
+    assert counts["differing_rows"] == 0 and counts["accepted"] > 0, counts
 
 
 def test_lm_head_argmax_at_qwen3_vocabulary():

@@ -42,7 +42,7 @@ def test_dotted_overrides_are_typed():
     (["target.tiny.num_layers=2.5"], "target.tiny.num_layers"),
     (["train.retrace_chain=1.5"], "train.retrace_chain"),
     (["train.prior_dropout=-0.1"], "train.prior_dropout"),
-    (["decode.method=retrace", "decode.cuda_graphs=true", "decode.batching=static"], "decode.cuda_graphs"),
+    (["decode.backend=onnx", "decode.cuda_graphs=true", "decode.batching=static"], "decode.backend"),
     (["decode.cuda_graphs=true"], "decode.batching"),
     (["decode.prefill_chunk=-1"], "decode.prefill_chunk"),
     (["bench.batching=[]"], "bench.batching"),

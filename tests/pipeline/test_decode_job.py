@@ -21,6 +21,7 @@ from specdraft.runtime import batch_job
 from specdraft.runtime.batch_job import Request, done_ids, read_requests
 from specdraft.runtime.chat import encode_chat
 from specdraft.runtime.decode import GenerationConfig, RowResult, generate
+from specdraft.runtime.drafter_io import convert_drafter, load_drafter, record_target, save_drafter
 from specdraft.runtime.load import load_target
 
 
@@ -107,6 +108,29 @@ def test_greedy_decode_job_equals_ar_job(tiny_world, drafter_dir, tmp_path):
            for m, g in (("dflash", "true"), ("dflash", "false"), ("d2sd", "true"), ("d2sd", "static"))}
     assert tau["dflash", "true"] == tau["dflash", "false"]  # the static path drafts what the eager engine drafts
     assert tau["d2sd", "true"] == tau["d2sd", "static"]  # and builds the same trees
+
+
+def test_a_retrace_job_on_the_static_path_writes_the_eager_jobs_rows(tiny_world, drafter_dir, tmp_path):
+    """decode.cuda_graphs with a ReTrace drafter (an active fusion: its prior changes the drafts): the static rounds
+    carry the prior as the eager engine does."""
+    target = load_target(tiny_world.target_dir)
+    retrace = convert_drafter(load_drafter(drafter_dir, target), "retrace")
+    with torch.no_grad():
+        torch.manual_seed(0)
+        torch.nn.init.normal_(retrace.retrace_gate_out.weight, std=0.5)
+    out = save_drafter(retrace, tmp_path / "retrace")
+    record_target(out, tiny_world.target_dir)
+    inp = tmp_path / "in.jsonl"
+    _write(inp, [json.dumps({"id": str(i), "prompt": p}) for i, p in
+                 enumerate(["Mia has 3 apples.", "Tom has 12 coins. Then Tom finds 4 more coins.", "Ava"])])
+    rows = {}
+    for graphs in ("false", "true"):
+        path = tmp_path / f"{graphs}.jsonl"
+        assert main(["decode", *_args(tiny_world, out, tmp_path, "decode.method=retrace", "decode.batching=static",
+                                      f"decode.cuda_graphs={graphs}"), "--input", str(inp), "--output", str(path)]) == 0
+        rows[graphs] = {json.loads(line)["id"]: {k: v for k, v in json.loads(line).items() if k != "time_s"}
+                        for line in path.read_text().splitlines()}
+    assert rows["true"] == rows["false"]  # completions and accept lengths
 
 
 def test_a_continuous_job_killed_mid_way_resumes_with_every_request_once_and_its_own_cap(tiny_world, drafter_dir,

@@ -61,17 +61,20 @@ def test_greedy_output_is_the_targets_across_buckets_padding_and_stops():
     assert [r.tokens for r in ar] == [r.tokens for r in want]
 
 
-def _conformance(kind: str) -> dict:
+def _conformance(kind: str, alignment: str = "hard") -> dict:
     target = make_target(seed=7, vocab=6, std=1.0)
     drafter = make_drafter(target, seed=2, block_size=4, std=0.3)  # its drafts follow its context
     drafter = convert_drafter(drafter, "vp") if kind == "vp" else drafter
+    if kind == "retrace":  # an active fusion: the prior changes the drafts
+        drafter = retrace_from(drafter, active=True, alignment=alignment)
     return check_conformance((target, lambda p: drafter, static_engine(slot_step=1)), (target, lambda p: drafter, None),
                              PROMPTS, CAPS)
 
 
-@pytest.mark.parametrize("kind", ["dflash", "vp"])
-def test_rounds_are_the_eager_engines_round_for_round(kind):
-    counts = _conformance(kind)
+@pytest.mark.parametrize(("kind", "alignment"), [("dflash", ""), ("vp", ""), ("retrace", "hard"),
+                                               ("retrace", "soft")])
+def test_rounds_are_the_eager_engines_round_for_round(kind, alignment):
+    counts = _conformance(kind, alignment or "hard")
     assert counts["differing_rows"] == 0, counts
     assert counts["accepted"] > 0 and counts["rounds"] > len(PROMPTS), counts
 
@@ -99,7 +102,8 @@ def test_the_checks_catch_each_wrong_bookkeeping_rule(rule, monkeypatch):
     got = static_engine()(target, PROMPTS, gen, drafter=make_drafter(target, seed=2, block_size=4))
     assert [r.tokens for r in got] == [r.tokens for r in generate(target, PROMPTS, gen)]  # output equality passes
     try:
-        caught = _conformance("dflash")["differing_rows"] > 0 or not _early_finishers()
+        caught = any(_conformance(kind)["differing_rows"] > 0 for kind in ("dflash", "retrace")) or \
+            not _early_finishers()
     except IndexError:  # a write past an exactly sized cache
         caught = True
     assert caught
@@ -186,10 +190,19 @@ def test_d2sd_sampled_output_fits_the_target_distribution(drafts):
     assert check.profile["partial"] + check.profile["full"] > 0 and check.profile["branch_wins"] > 0, check
 
 
+@pytest.mark.slow
+def test_retrace_sampled_output_fits_the_target_distribution():
+    target = make_target(seed=7, vocab=6, std=0.5)
+    drafter = retrace_from(make_drafter(target, seed=2, block_size=4, std=0.3), active=True)
+    check = sampling_pvalues(target, lambda p: drafter, SAMPLING_SETTINGS[0], n=6000, engine=static_engine((1, 6000)))
+    assert check.min_p > ALPHA, check
+    assert check.profile["partial"] + check.profile["full"] > 0, check
+
+
 def test_refusals_name_the_problem():
     target = make_target(seed=7, vocab=6)
-    with pytest.raises(ValueError, match="cross-round state"):
-        StaticDecoder(target, retrace_from(make_drafter(target), active=True), 4, 32)
+    with pytest.raises(ValueError, match="reads the verify logits"):
+        StaticDecoder(target, retrace_from(make_drafter(target), active=True), 4, 32, argmax_heads=True)
     decoder = StaticDecoder(target, make_drafter(target, block_size=4), 2, 32, graphs=False)
     with pytest.raises(ValueError, match="batch slots"):
         decoder.generate([[1]] * 3, GenerationConfig(max_new_tokens=2))

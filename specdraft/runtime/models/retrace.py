@@ -251,19 +251,28 @@ class ReTraceDrafter(DFlashDrafter):
         return FusionWeights(ln.weight, ln.bias, ln.eps, self.retrace_refiner.weight, self.retrace_refiner.bias,
                              gate_out.weight, gate_out.bias)
 
-    def block_embeds(self, block_tokens: torch.Tensor, state: Prior | None) -> torch.Tensor:
+    def block_embeds(self, block_tokens: torch.Tensor, state: Prior | None, fixed_shape: bool = False) -> torch.Tensor:
         """``e(block)`` plus the gated residual from the previous round's rejected suffix (if any): the fused kernel
-        under hard alignment (:func:`~specdraft.kernels.retrace_fusion.retrace_fusion`), eager PyTorch under soft."""
+        under hard alignment (:func:`~specdraft.kernels.retrace_fusion.retrace_fusion`), eager PyTorch under soft.
+        ``fixed_shape`` (the static path): no host reads, every slot fused (slots no prior lands on add zero)."""
         x = self.embed(block_tokens)  # [b, Bk, D]
-        if state is None or not bool(state.valid.any()):
+        if state is None or not fixed_shape and not bool(state.valid.any()):
             return x
         opts = self.config.retrace
         if opts.alignment == "hard":
             return retrace_fusion(x, state.hidden, state.signals, state.valid, state.shift, self.fusion_weights(),
                                   lo=0 if opts.gate_anchor else 1, use_correction=opts.use_correction)
-        return x + self.fusion_delta(state).to(x.dtype)
+        return x + self.fusion_delta(state, fixed_shape).to(x.dtype)
 
-    def fusion_delta(self, prior: Prior) -> torch.Tensor:
+    def empty_prior(self, b: int) -> Prior:
+        """A prior of ``b`` rows that carries nothing (what a first round, or a fully accepted one, leaves)."""
+        D, Bk, p = self.config.hidden_size, self.block_size, self.fc.weight
+        h_dim = 2 * D if self.config.retrace.embed_drafted else D
+        return Prior(p.new_zeros(b, Bk, h_dim), p.new_zeros(b, Bk, 2 * D + N_SCALARS),
+                     torch.zeros(b, Bk, dtype=torch.bool, device=p.device),
+                     torch.full((b,), Bk, dtype=torch.long, device=p.device))
+
+    def fusion_delta(self, prior: Prior, fixed_shape: bool = False) -> torch.Tensor:
         """``m * g * W_o u`` per NEW slot ``[b, Bk, E]``, computed only on the new slots that can carry a prior.
 
         New slots past ``Bk - min(shift)`` hold no retained slot in any row, and slot 0 (the anchor) is fused only
@@ -272,7 +281,7 @@ class ReTraceDrafter(DFlashDrafter):
         """
         Bk = prior.valid.shape[1]
         lo = 0 if self.config.retrace.gate_anchor else 1
-        hi = Bk - int(prior.shift.min())  # [lo, hi): new slots that some row can fill
+        hi = Bk if fixed_shape else Bk - int(prior.shift.min())  # [lo, hi): new slots that some row can fill
         if hi <= lo:
             return prior.hidden.new_zeros(*prior.hidden.shape[:2], self.config.hidden_size)
         if self.config.retrace.alignment == "hard":
