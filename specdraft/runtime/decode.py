@@ -19,9 +19,11 @@ from typing import Callable, Sequence
 
 import torch
 
+from specdraft.runtime.backlog import Backlog
 from specdraft.runtime.d2sd import TreeDrafting, tree_round
 from specdraft.runtime.drafter import Drafter, RoundRecord
-from specdraft.runtime.models.target import TargetLM, TargetOutput
+from specdraft.runtime.explore import explorers, explores_rows, scatter_rows, verifies_apart, verify_apart
+from specdraft.runtime.models.target import TargetLM
 from specdraft.runtime.phase_clock import PhaseClock, wall_seconds
 from specdraft.runtime.policy import AdaptivePolicy
 from specdraft.runtime.sampling import SamplingParams, logits_to_probs, sample, sample_from_probs
@@ -91,146 +93,6 @@ MAX_DEFERRED_TOKENS = 32_768
 of several target layers take more memory per token than the drafter's own K/V."""
 
 
-class _Backlog:
-    """Target features not yet fed to the drafter: under an adaptive policy, plain rounds and the prefill of admitted
-    prompts defer the drafter's ingest, and the whole backlog goes in one batched pass when drafting resumes (a row
-    that never drafts again never pays for it). Kept per row, as views; plain rounds in a :class:`_Run`, one entry per
-    round for every row, each row holding its place in it: deferring, admissions and compactions copy no features and
-    a plain round costs one append, and a flush copies each piece once, into the batch it feeds."""
-
-    def __init__(self):
-        self.rows: list[list[_Piece | _RunRow]] = []  # per batch row, its deferred features in order
-        self.tokens = 0  # deferred entries, all rows
-        self._run: _Run | None = None  # the run plain rounds add to, while the rows stand
-
-    def add(self, features: torch.Tensor | tuple[torch.Tensor, ...], counts: torch.Tensor | None = None) -> None:
-        """Defer ``features`` ``[b, t, F]`` (or the feature layers' outputs ``[b, t, D]`` each, in order, not yet
-        concatenated), of which row ``i`` holds its first ``counts[i]`` (default all: a plain round's, added whole to
-        the run). Split layers' outputs are kept as views (a padded prefill chunk stays alive until its rows are fed
-        or finished); a concatenated tensor's rows with counts are copied."""
-        layers = features if isinstance(features, tuple) else (features,)
-        if not self.rows:
-            self.rows = [[] for _ in range(layers[0].shape[0])]
-        if counts is None:
-            run = self._run
-            if run is None or isinstance(run.entries[0], tuple) != isinstance(features, tuple):
-                run = self._run = _Run()
-                for i, row in enumerate(self.rows):
-                    row.append(_RunRow(run, i))
-            run.entries.append(features)
-            run.length += layers[0].shape[1]
-            self.tokens += layers[0].shape[0] * layers[0].shape[1]
-            return
-        self._run = None
-        for i, (row, c) in enumerate(zip(self.rows, counts.tolist())):
-            if c:
-                # the layers' outputs as views (the padded chunk is kept, nothing copied); of a concatenated
-                # tensor, each row's piece is a copy (a verify pass's [b, T, F] is not kept for its first tokens)
-                row.append(tuple(x[i, :c] for x in layers) if len(layers) > 1 else layers[0][i, :c].clone())
-        self.tokens += int(counts.sum())
-
-    def select(self, keep: torch.Tensor) -> None:
-        """Keep only rows ``keep``."""
-        self._run = None  # the rows move: later plain rounds start a run of their own
-        order = keep.tolist()
-        kept = set(order)
-        self.tokens -= sum(_piece_len(x) for i, row in enumerate(self.rows) if i not in kept for x in row)
-        self.rows = [self.rows[i] for i in order] if self.rows else []
-
-    def cat_rows(self, other: "_Backlog", rows: int, other_rows: int) -> None:
-        """Append ``other``'s ``other_rows`` rows after this backlog's ``rows`` (requests admitted by continuous
-        batching)."""
-        self._run = None
-        self.rows = (self.rows or [[] for _ in range(rows)]) + (other.rows or [[] for _ in range(other_rows)])
-        self.tokens += other.tokens
-
-    def flush(self, drafter, cache, rows: torch.Tensor | None = None) -> None:
-        """Feed rows their deferred features in order: every row (``ingest`` of ``[b, n, F]``, each row's entries
-        first), or only ``rows`` (the drafter's ``ingest_rows`` of ``[m, n, F]``; the other rows keep theirs)."""
-        self._run = None
-        fed = list(range(len(self.rows))) if rows is None else rows.tolist()
-        counts = [sum(_piece_len(x) for x in self.rows[i]) for i in fed]
-        self.tokens -= sum(counts)
-        if max(counts, default=0) == 0:
-            return
-        parts = next(x for i in fed for x in self.rows[i])
-        parts = parts.run.entries[0] if isinstance(parts, _RunRow) else parts
-        parts = parts if isinstance(parts, tuple) else (parts,)  # the feature layers' outputs, or all of them
-        feats = parts[0].new_zeros(len(fed), max(counts), sum(x.shape[-1] for x in parts))  # [b or m, n, F]
-        for j, i in enumerate(fed):
-            _write_row(feats[j], self.rows[i])
-            self.rows[i] = []
-        counts = torch.tensor(counts, device=feats.device)
-        if rows is None:
-            drafter.ingest(cache, feats, counts)
-        else:
-            drafter.ingest_rows(cache, feats, counts, rows)
-
-
-_Piece = torch.Tensor | tuple[torch.Tensor, ...]
-"""One deferred stretch of a row: ``[t, F]``, or the feature layers' ``[t, D]`` each (to be concatenated)."""
-
-
-class _Run:
-    """Plain rounds' features for every row of the batch as it stood when the run began: entries ``[b, t, F]`` (or the
-    feature layers' ``[b, t, D]`` each), ``length`` entries per row; a row's part is cut out when it is fed."""
-
-    __slots__ = ("entries", "length", "_whole")
-
-    def __init__(self):
-        self.entries: list[_Piece] = []
-        self.length = 0
-        self._whole: _Piece | None = None  # the entries concatenated, once the first row is fed
-
-    def piece(self, row: int) -> _Piece:
-        """Row ``row``'s entries: ``[length, F]`` (or ``[length, D]`` per layer)."""
-        if self._whole is None:
-            e = self.entries
-            if isinstance(e[0], tuple):
-                self._whole = tuple(p[0] if len(e) == 1 else torch.cat(p, 1) for p in zip(*e))  # [b, length, D] each
-            else:
-                self._whole = e[0] if len(e) == 1 else torch.cat(e, 1)  # [b, length, F]
-        w = self._whole
-        return tuple(x[row] for x in w) if isinstance(w, tuple) else w[row]
-
-
-class _RunRow:
-    """A row's place in a :class:`_Run` (its index in the batch when the run began)."""
-
-    __slots__ = ("run", "row")
-
-    def __init__(self, run: _Run, row: int):
-        self.run, self.row = run, row
-
-
-def _piece_len(piece: _Piece | _RunRow) -> int:
-    if isinstance(piece, _RunRow):
-        return piece.run.length
-    return (piece[0] if isinstance(piece, tuple) else piece).shape[0]
-
-
-def _write_row(out: torch.Tensor, pieces: list[_Piece | _RunRow]) -> None:
-    """Copy a row's pieces in order into ``out`` ``[n, F]`` (consecutive ``[t, F]`` pieces in one concatenation,
-    split pieces layer by layer into their column ranges)."""
-    at, run = 0, []
-    for piece in [*pieces, None]:
-        if isinstance(piece, _RunRow):
-            piece = piece.run.piece(piece.row)
-        if isinstance(piece, torch.Tensor):
-            run.append(piece)
-            continue
-        if run:  # the plain rounds' [1, F] pieces since the last split one
-            n = sum(x.shape[0] for x in run)
-            out[at:at + n] = run[0] if len(run) == 1 else torch.cat(run)
-            at, run = at + n, []
-        if piece is not None:
-            n, col = piece[0].shape[0], 0
-            for x in piece:  # [t, D]
-                out[at:at + n, col:col + x.shape[-1]] = x
-                col += x.shape[-1]
-            at += n
-
-
 def _drafter_cache(drafter, rows: int, length: int, deferred: bool):
     """The drafter's context cache for ``rows`` requests being admitted, room for ``length`` slots: allocated now, or,
     when the ingest is deferred and the cache can grow (:attr:`KVCache.grow_to`), one slot growing up to ``length``
@@ -259,7 +121,7 @@ class _Prefill:
     def __init__(self, rows: list[int], prompts: Sequence[Sequence[int]], target: TargetLM, drafter, second,
                  feature_layers, max_len: int, drafter_len: int, dev, defer: bool = False):
         self.rows = rows
-        self.backlog = _Backlog() if defer else None
+        self.backlog = Backlog() if defer else None
         """Set: the drafter's ingest of the prompts waits here (an adaptive policy may never draft for them)."""
         self.tokens, self.lens = _pad([prompts[r] for r in rows], dev)  # [n, P], [n]
         self.target, self.drafter, self.second, self.feature_layers = target, drafter, second, feature_layers
@@ -391,7 +253,7 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
                                                                                          device=dev))
     caches: dict[str, object] = {}  # "t": target, "d": drafter, "s": second drafter (D²SD), rows as in ``state``
     pending: _Prefill | None = None
-    backlog = _Backlog()
+    backlog = Backlog()
 
     def admit() -> None:
         """Fill free slots from the queue: start a prefill, advance it one chunk (all of it when no row is running,
@@ -491,24 +353,24 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
         elif drafter is not None and (m := b if policy is None else policy.draft_rows(b, len(fresh), ids, opening)) > 0:
             # m rows draft (fewer than b: an exploring round, when the drafter can draft for a subset of rows)
             widths = None  # [b] drafts each row verifies, when only a few rows drafted
-            if m < b and not _explores_rows(drafter, dcache):
+            if m < b and not explores_rows(drafter, dcache):
                 m = b
             if m < b:
                 # an adaptive policy exploring: a few rows draft (new requests first), the others decode plainly
-                few = _explorers(m, state.rows, fresh, explored)  # [m]
+                few = explorers(m, state.rows, fresh, explored)  # [m]
                 explored += 1
                 fresh.clear()  # a probe of some new requests stands for all of them, as a full round did
                 flush(few)
                 part = _draft(drafter, dcache.gather_rows(few, block), state.anchor[few], None, params,
                               config.draft_sampling, generator)
                 conf = draft_confidence(*part[1:])  # [m, K]
-                k, apart = (policy.explore_len(conf, rows=b) if _verifies_apart(tcache)
+                k, apart = (policy.explore_len(conf, rows=b) if verifies_apart(tcache)
                             else (policy.verify_len(conf, rows=b), False))
                 widths = torch.zeros(b, dtype=torch.long, device=dev)
                 widths[few] = k
                 own_drafts = part[2][:, :k]  # [m, k] (a pass apart verifies these, not their padded rows)
                 hidden, draft_logits, draft_tokens, draft_probs = (
-                    None if x is None else _scatter_rows(x[:, :k] if i else x, few, b) for i, x in enumerate(part))
+                    None if x is None else scatter_rows(x[:, :k] if i else x, few, b) for i, x in enumerate(part))
             else:
                 fresh.clear()
                 flush()  # plain rounds' features, deferred until drafting resumed
@@ -520,7 +382,7 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
                     draft_probs = draft_probs[:, :k] if draft_probs is not None else None
             clock.lap("draft")
             if apart:  # the explorers' drafts in a pass of their own rows, after every row's plain pass
-                out = _verify_apart(target, tcache, state.anchor, few, own_drafts, feature_layers)
+                out = verify_apart(target, tcache, state.anchor, few, own_drafts, feature_layers)
             else:
                 out = target(torch.cat([state.anchor[:, None], draft_tokens], dim=1), cache=tcache,
                              feature_layers=feature_layers)  # verify [anchor, d_1..d_K]
@@ -597,65 +459,6 @@ def _draft(drafter, cache, anchor: torch.Tensor, draft_state, params: SamplingPa
     return (hidden, draft_logits, *propose(draft_logits, params, draft_sampling, generator))
 
 
-def _explores_rows(drafter, cache) -> bool:
-    """Whether a few rows can draft while the others decode plainly: the drafter carries no state between rounds and
-    ingests for a subset of rows (``ingest_rows``), and its cache lends copies of rows (``gather_rows``)."""
-    return (not getattr(drafter, "carries_state", True) and getattr(drafter, "ingest_rows", None) is not None
-            and getattr(cache, "gather_rows", None) is not None)
-
-
-def _verifies_apart(cache) -> bool:
-    """Whether a few rows can verify in a target pass of their own: the target's cache lends copies of rows
-    (``gather_rows``) and takes their new entries back (``put_rows``)."""
-    return getattr(cache, "gather_rows", None) is not None and getattr(cache, "put_rows", None) is not None
-
-
-def _verify_apart(target, cache, anchor: torch.Tensor, rows: torch.Tensor, drafts: torch.Tensor,
-                  feature_layers) -> TargetOutput:
-    """Verify ``drafts`` ``[m, k]`` of rows ``rows`` ``[m]`` in a pass of those rows alone, after a plain pass of every
-    row's ``anchor`` ``[b]``: the pass over ``[anchor, d_1..d_k]`` that :func:`generate` verifies, as ``logits``
-    ``[b, k + 1, V]`` and ``features`` ``[b, k + 1, F]`` (zeros past the first token of the other rows, which verify
-    nothing), at the cost of ``[b, 1]`` and ``[m, k]`` passes and a copy of the explorers' rows rather than a
-    ``[b, k + 1]`` pass. The explorers' rows are copied (:meth:`KVCache.gather_rows`, with their anchors), extended by
-    their drafts, and the drafts' entries written back (:meth:`KVCache.put_rows`); the cache's lengths are left as
-    they were, as a verify pass leaves them. ``k >= 1``."""
-    if drafts.shape[1] == 0 or cache.fixed_shape:
-        raise ValueError("a pass apart verifies at least one draft, on a cache that may change shape")
-    cache.check_room(drafts.shape[1] + 1)  # room for the anchors and the drafts written back, before any write
-    first = target(anchor[:, None], cache=cache, feature_layers=feature_layers)  # [b, 1, V], [b, 1, F]
-    lengths = cache.lengths.clone()  # [b]
-    cache.crop(lengths + 1)  # the anchors' entries are the explorers' context
-    own = cache.gather_rows(rows, drafts.shape[1])
-    cache.crop(lengths)
-    rest = target(drafts, cache=own, feature_layers=feature_layers)  # [m, k, V], [m, k, F]
-    cache.put_rows(own, rows, lengths[rows] + 1, drafts.shape[1])
-    b, k = anchor.shape[0], drafts.shape[1]
-    logits = first.logits.new_zeros(b, k + 1, first.logits.shape[-1])  # [b, k + 1, V]
-    features = first.features.new_zeros(b, k + 1, first.features.shape[-1])  # [b, k + 1, F]
-    logits[:, :1], features[:, :1] = first.logits, first.features
-    logits[rows, 1:], features[rows, 1:] = rest.logits, rest.features
-    return TargetOutput(logits=logits, features=features)
-
-
-def _explorers(m: int, rows: torch.Tensor, fresh: set[int], turn: int) -> torch.Tensor:
-    """``[m]`` batch positions that draft in an exploring round: requests not yet drafted for first, then the others
-    in turns (a window that moves by ``m`` each exploring round)."""
-    ids = rows.tolist()
-    new = [i for i, r in enumerate(ids) if r in fresh]
-    old = [i for i, r in enumerate(ids) if r not in fresh]
-    if old:
-        start = (turn * m) % len(old)
-        old = old[start:] + old[:start]
-    return torch.tensor(sorted((new + old)[:m]), dtype=torch.long, device=rows.device)
-
-
-def _scatter_rows(x: torch.Tensor, rows: torch.Tensor, b: int) -> torch.Tensor:
-    """``x`` ``[m, ...]`` placed at ``rows`` of a zero ``[b, ...]`` (the rows that did not draft: padding)."""
-    out = x.new_zeros(b, *x.shape[1:])
-    out[rows] = x
-    return out
-
-
 def draft_confidence(draft_logits: torch.Tensor, draft_tokens: torch.Tensor,
                      draft_probs: torch.Tensor | None) -> torch.Tensor:
     """``[b, K]``: the drafter's probability of each of its drafts (under the distribution they were drawn from, or
@@ -689,7 +492,7 @@ def verify_round(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, t
 
 
 def _compact(state: _State, caches: dict[str, object], keep: list[int], current: int,
-             backlog: _Backlog | None = None) -> None:
+             backlog: Backlog | None = None) -> None:
     """Drop finished rows from the state and every cache, so they stop costing compute (rows keep no order)."""
     if len(keep) == current:
         return

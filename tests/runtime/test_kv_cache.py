@@ -4,7 +4,7 @@ uneven ingests land where padded ones would."""
 
 import torch
 
-from specdraft.runtime.decode import _verify_apart
+from specdraft.runtime.explore import verify_apart
 from specdraft.runtime.kv_cache import KVCache
 from tests.helpers import make_drafter, make_target
 
@@ -152,7 +152,7 @@ def test_a_growing_drafter_cache_drafts_as_one_allocated_at_full_length():
 
 @torch.inference_mode()
 def test_a_few_rows_verified_in_a_pass_of_their_own_equal_the_padded_pass():
-    """``_verify_apart``: a plain pass of every row's anchor, then the explorers' drafts in a pass over copies of
+    """``verify_apart``: a plain pass of every row's anchor, then the explorers' drafts in a pass over copies of
     their rows (``gather_rows``), their entries written back (``put_rows``). Logits and features at every position a
     row verifies, and every committed and drafted cache entry, must be the padded ``[anchor, d_1..d_k]`` pass's."""
     target = make_target(seed=1, vocab=64, layers=4)
@@ -170,7 +170,7 @@ def test_a_few_rows_verified_in_a_pass_of_their_own_equal_the_padded_pass():
     drafts = torch.randint(0, 64, (5, 3), generator=g)
     rows = torch.tensor([3, 0])
     padded = target(torch.cat([anchor[:, None], drafts], 1), cache=caches[0], feature_layers=layers)  # [5, 4, V]
-    apart = _verify_apart(target, caches[1], anchor, rows, drafts[rows], layers)
+    apart = verify_apart(target, caches[1], anchor, rows, drafts[rows], layers)
     assert apart.logits.shape == padded.logits.shape and apart.features.shape == padded.features.shape
     torch.testing.assert_close(apart.logits[:, 0], padded.logits[:, 0], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(apart.features[:, 0], padded.features[:, 0], rtol=1e-4, atol=1e-5)  # the backlog's

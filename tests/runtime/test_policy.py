@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from specdraft.runtime import decode
-from specdraft.runtime.decode import GenerationConfig, _Backlog, generate
+from specdraft.runtime.backlog import Backlog
+from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.policy import AdaptivePolicy, Calibration, CostModel, expected_committed, measure_costs
 from tests.helpers import bigram_oracle, make_drafter, make_target
 from tests.lossless import (
@@ -703,7 +704,7 @@ def test_greedy_output_is_the_targets_with_explorers_verifying_apart(batching, m
     drafts accepted in those rounds. (This bigram target reads no cache: the entries written back are checked in
     ``test_a_few_rows_verified_in_a_pass_of_their_own_equal_the_padded_pass``.)"""
     target, oracle = bigram_oracle(2)
-    real = decode._verify_apart
+    real = decode.verify_apart
     sure = Calibration(bins=1, table=[[0.9]] * 3)
     totals = []  # per job: rounds verified apart, the drafts they accepted
     for stop in ((3,), ()):
@@ -714,7 +715,7 @@ def test_greedy_output_is_the_targets_with_explorers_verifying_apart(batching, m
             apart.append((anchor.shape[0], rows.shape[0], drafts.shape[1]))
             return out
 
-        monkeypatch.setattr(decode, "_verify_apart", spy)
+        monkeypatch.setattr(decode, "verify_apart", spy)
         accepted = []
         gen = GenerationConfig(max_new_tokens=CAPS, stop_token_ids=stop)
         want = generate(target, PROMPTS, gen)
@@ -766,8 +767,8 @@ def test_sampled_output_fits_the_target_distribution_under_the_policy(right, exp
     half = Calibration(bins=1, table=[[0.5]] * 3)  # every slot accepted half the time: one draft pays, not three
     widths, first, apart = [], [], []
     batching = {} if right else {"slots": 1024, "prefill_chunk": 1}
-    real = decode._verify_apart
-    monkeypatch.setattr(decode, "_verify_apart", lambda *a: apart.append(a[3].shape[0]) or real(*a))
+    real = decode.verify_apart
+    monkeypatch.setattr(decode, "verify_apart", lambda *a: apart.append(a[3].shape[0]) or real(*a))
 
     def engine(*args, **kwargs):
         results = generate(*args, **kwargs, **batching,
@@ -814,7 +815,7 @@ def test_deferred_ingest_fills_the_drafter_context_as_ingesting_every_round():
     split = target(tokens, feature_layers=drafter.target_layer_ids, concat_features=False).features  # [3, 8, D] each
     ref, got = drafter.new_cache(2, 40), drafter.new_cache(2, 40)  # ingested pass by pass / deferred
     drafter.ingest(ref, feats[:2, :3], torch.tensor([3, 2]))  # two prompts (3 and 2 tokens)
-    backlog = _Backlog()
+    backlog = Backlog()
     backlog.add(feats[:2, :3], torch.tensor([3, 2]))
     one = torch.ones(2, dtype=torch.long)
     for t in (3, 4):  # two plain rounds
@@ -822,7 +823,7 @@ def test_deferred_ingest_fills_the_drafter_context_as_ingesting_every_round():
         backlog.add(feats[:2, t:t + 1])
     new_ref, new_got = drafter.new_cache(1, 40), drafter.new_cache(1, 40)  # a third request joins with its prompt
     drafter.ingest(new_ref, feats[2:, :4], torch.tensor([4]))
-    joining = _Backlog()
+    joining = Backlog()
     joining.add(tuple(x[2:, :6] for x in split), torch.tensor([4]))  # the layers' outputs, padded past 4: views
     ref.cat_rows(new_ref)
     got.cat_rows(new_got)
@@ -851,6 +852,6 @@ def test_deferred_ingest_fills_the_drafter_context_as_ingesting_every_round():
             torch.testing.assert_close(a[row, :, :n], b[row, :, :n], rtol=1e-5, atol=1e-5)
     backlog.add(feats[1:, 7:8])  # rows holding chunks all end, and a request joins after them: nothing to feed
     backlog.select(torch.tensor([], dtype=torch.long))
-    backlog.cat_rows(_Backlog(), 0, 1)
+    backlog.cat_rows(Backlog(), 0, 1)
     backlog.flush(drafter, None)
     assert backlog.rows == [[]]
