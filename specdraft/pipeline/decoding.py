@@ -10,7 +10,7 @@ import torch
 from transformers import AutoTokenizer
 
 from specdraft.pipeline.config import RunConfig
-from specdraft.pipeline.exports import backend_models
+from specdraft.pipeline.exports import backend_models, check_branch_tokens
 from specdraft.pipeline.policy import adaptive_policy, heldin_prompts
 from specdraft.pipeline.tokenizer import stop_token_ids
 from specdraft.pipeline.trees import tree_drafting
@@ -43,6 +43,9 @@ def build_decoding(cfg: RunConfig, world, drafter_dir: Path | None, tokenizer, d
         load = None if d.backend == "torch" else lambda where: backend_models(d.backend, where, world,
                                                                                with_target=False)[1]
         tree = tree_drafting(cfg, target, drafter, load=load)
+        if d.backend == "trt":  # the branches are one draft pass of tree_k blocks: the engine's profile must hold it
+            check_branch_tokens(cfg.second_drafter_dir() or drafter_dir or default_drafter_dir(cfg),
+                                tree.num_branches * tree.second.block_size)
     gen = GenerationConfig(max_new_tokens=d.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer),
                            sampling=SamplingParams(d.temperature, d.top_k, d.top_p), draft_sampling=d.draft_sampling)
     generator = torch.Generator(device=target.lm_head.weight.device).manual_seed(d.seed)

@@ -103,6 +103,16 @@ def drafter_weights_hash(drafter_dir: Path) -> str:
     return weights_hash(model.float())
 
 
+def check_branch_tokens(drafter_dir: Path, tokens: int) -> None:
+    """Refuse, before decoding, D²SD branches of ``tokens`` tokens that the drafter's TensorRT draft engine was not
+    built for (``export.trt.max_new`` new tokens per pass)."""
+    built = load_engine_manifest(export_dirs(drafter_dir)["trt"], check_runtime=False)["shapes"]["max_new"]
+    if tokens > built:
+        raise SpecdraftError(f"config key 'decode.tree_k': the branches draft {tokens} tokens in one pass, the "
+                             f"TensorRT engines in {export_dirs(drafter_dir)['trt']} take at most {built} "
+                             "(rebuild with a larger export.trt.max_new, or lower decode.tree_k)")
+
+
 def backend_models(backend: str, drafter_dir: Path, world, with_drafter: bool = True, with_target: bool = True):
     """``(target or None, drafter or None)`` on ``backend`` (onnx, trt) from the exports of the drafter in
     ``drafter_dir`` (they hold the target too), checked against the configured target (its fingerprint) and the

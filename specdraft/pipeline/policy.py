@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
@@ -28,7 +29,17 @@ def _key(target, drafter, drafter_dir: str | Path | None) -> dict:
             "threads": torch.get_num_threads(), "dtype": str(target.lm_head.weight.dtype), "torch": torch.__version__,
             "target": json.dumps(vars(target.args), sort_keys=True, default=str),
             "drafter": hashlib.sha256(weights.read_bytes()).hexdigest()[:16] if weights and weights.is_file() else "",
-            **({} if isinstance(target, TargetLM) else {"backend": type(target).__name__})}  # an engine's own costs
+            **({} if isinstance(target, TargetLM) else _engine_key(target))}
+
+
+def _engine_key(target) -> dict:
+    """What tells an engine's costs apart: the backend, the export's graphs and dtype, and ONNX Runtime's providers
+    (an export run by the CPU provider and by the CUDA provider are two machines)."""
+    m = getattr(target, "manifest", None) or {}
+    verify = getattr(target, "verify", None)
+    providers = getattr(getattr(verify, "session", None), "get_providers", lambda: [])()
+    return {"backend": type(target).__name__, "export": json.dumps(m.get("graphs", {}), sort_keys=True),
+            "export_dtype": m.get("dtype", ""), "providers": list(providers)}
 
 
 def calibrate(target, drafter, prompts: list[list[int]], stop_token_ids=(), max_new_tokens: int = 64,
@@ -99,8 +110,9 @@ def adaptive_policy(work_dir: Path, target, drafter, drafter_dir, calibration_pr
         calibrations[name] = asdict(calibration)
     if changed:  # whole files only: Ray actors of one job may measure and write at once
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(saved))
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(saved))
         os.replace(tmp, path)
     return AdaptivePolicy(costs, calibration)
 

@@ -178,7 +178,8 @@ def _decode_on_ray(cfg: RunConfig, world, requests, output_path: Path, drafter_d
     d = cfg.decode
     with tracked(cfg, "decode") as tr:
         tok = AutoTokenizer.from_pretrained(str(world.target_dir), trust_remote_code=False)
-        build = functools.partial(worker_decoding, cfg, world, str(drafter_dir) if drafter_dir else None)
+        here = dataclasses.replace(cfg, work_dir=str(cfg.work_path.resolve()))  # a worker's directory may differ
+        build = functools.partial(worker_decoding, here, world, str(drafter_dir.resolve()) if drafter_dir else None)
         spec = ActorSpec(build, cfg.target.device, d.seed, with_verified=d.policy == "adaptive")
         bar = tqdm(total=len(requests), desc=f"decode ({d.method}, ray)", unit="req", file=sys.stderr)
         stats = run_ray_job(requests, output_path, tok, spec, d.ray_actors, 4 * d.batch_size, d.max_new_tokens,
@@ -204,8 +205,10 @@ def export(cfg: RunConfig, to: str = "onnx"):
             raise SpecdraftError(f"no drafter in {drafter_dir}: train one (specdraft train CONFIG) or set "
                                  f"{'decode.drafter' if drafter_dir == drafters[0] else 'decode.second_drafter'}")
         check_made_for(drafter_dir, world.target_dir, cfg.decode.allow_other_target, log)
-    with tracked(cfg, "export") as tr:
-        written = [run_export(cfg, world, drafter_dir, to, tr, log) for drafter_dir in drafters]
+    written = []
+    for drafter_dir in drafters:  # a run each: its artifacts, metrics and registered version apart
+        with tracked(cfg, "export") as tr:
+            written.append(run_export(cfg, world, drafter_dir, to, tr, log))
     return written[0]
 
 

@@ -85,8 +85,14 @@ def test_d2sd_on_the_onnx_backend_writes_what_torch_writes(tiny_world, tmp_path)
         assert main(["init-drafter", "--target", str(tiny_world.target_dir), "--out", str(out), "--layers", "1",
                      "--block-size", "4", "--seed", str(seed)]) == 0
     tree = ["decode.method=d2sd", f"decode.second_drafter={second}", "decode.tree_k=2"]
-    assert main(["export", *_args(tiny_world, first, tmp_path, *tree), "--to", "onnx"]) == 0
+    tracking = ["tracking.enabled=true", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+    assert main(["export", *_args(tiny_world, first, tmp_path, *tree), *tracking, "--to", "onnx"]) == 0
     assert (second / "onnx" / "decomposed" / "manifest.json").is_file()
+    import mlflow  # noqa: PLC0415  (slow to import; this test only)
+
+    versions = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}").search_model_versions()
+    assert sorted(v.tags["drafter"] for v in versions) == sorted([str(first), str(second)])
+    assert len({v.run_id for v in versions}) == 2  # each drafter's artifacts in a run of its own
     inp = tmp_path / "in.jsonl"
     _write(inp, [json.dumps({"id": str(i), "prompt": p}) for i, p in
                  enumerate(["Mia has 3 apples.", "Tom has 12 coins. Then Tom finds 4 more coins.", "Ava"])])

@@ -58,6 +58,11 @@ class StackedKVCache(KVCache):
         self.K, self.V = self.K.index_select(1, rows), self.V.index_select(1, rows)
         self.lengths = self.lengths.index_select(0, rows)
 
+    def check_room(self, new_tokens: int) -> None:
+        need = int(self.lengths.max()) + new_tokens if self.batch_size else 0
+        if need > self.max_len:
+            raise ValueError(f"KV cache overflow: need {need} slots, have {self.max_len}")
+
     gather_rows = None
     """No row copies for a few rows' drafts: the exported drafter's graphs take the stacked layout (all rows draft)."""
 
