@@ -255,8 +255,8 @@ class DecodeConfig:
     stall them (0: the whole prompt in one pass)."""
     runner: Literal["local", "ray"] = "local"
     """local: this process (or each torchrun rank). ray: a pool of Ray Data actors, each building this job's decoding
-    (any method, backend, policy and batching) and decoding tasks of ``4 x batch_size`` requests (``pip install
-    'specdraft[ray]'``; single-turn requests)."""
+    (any method, backend, policy and batching) and decoding tasks of ``4 x batch_size`` requests, a turn at a time
+    (``pip install 'specdraft[ray]'``)."""
     ray_actors: int = 2
     """ray: actors (each takes a CPU, or a GPU when ``target.device`` is cuda)."""
     ray_address: str = ""

@@ -119,9 +119,6 @@ def decode(cfg: RunConfig, input_path: Path, output_path: Path):
                              "once, not under torchrun")
     bad: list[str] = []
     requests = read_requests(input_path, lambda m: (bad.append(m), warn_stderr(m)))
-    if d.runner == "ray" and (multi := sum(1 for r in requests if r.turns)):
-        raise SpecdraftError(f"config key 'decode.runner': {multi} requests in {input_path} have follow-up turns, "
-                             "which Ray actors do not decode (a turn waits for the one before); use runner=local")
     requests, output_path = shard_for_rank(requests, output_path)
     drafter_dir = None
     if d.method != "ar":
@@ -181,7 +178,8 @@ def _decode_on_ray(cfg: RunConfig, world, requests, output_path: Path, drafter_d
         here = dataclasses.replace(cfg, work_dir=str(cfg.work_path.resolve()))  # a worker's directory may differ
         build = functools.partial(worker_decoding, here, world, str(drafter_dir.resolve()) if drafter_dir else None)
         spec = ActorSpec(build, cfg.target.device, d.seed, with_verified=d.policy == "adaptive")
-        bar = tqdm(total=len(requests), desc=f"decode ({d.method}, ray)", unit="req", file=sys.stderr)
+        bar = tqdm(total=sum(1 + len(r.turns) for r in requests), desc=f"decode ({d.method}, ray)", unit="req",
+                   file=sys.stderr)
         stats = run_ray_job(requests, output_path, tok, spec, d.ray_actors, 4 * d.batch_size, d.max_new_tokens,
                             read_target_args(world.target_dir).max_position_embeddings, cfg.data.enable_thinking,
                             d.ray_address, progress=lambda n, s: bar.update(n))

@@ -443,13 +443,13 @@ def run_batch_job(requests: list[Request], output: Path, tokenizer, decoding: De
     at the turn it stopped in)."""
     job = (output, tokenizer, decoding, enable_thinking, progress, warn)
     total, todo = _run_turn(requests, *job), requests
-    while todo := [nxt for r, answers in _with_answers(todo, output) if (nxt := next_turn(r, answers)) is not None]:
+    while todo := [nxt for r, answers in with_answers(todo, output) if (nxt := next_turn(r, answers)) is not None]:
         stats = _run_turn(todo, *job)
         total = {k: total[k] + stats[k] for k in total}
     return finish_stats(total, total["seconds"])
 
 
-def _with_answers(requests: list[Request], output: Path) -> list[tuple[Request, str]]:
+def with_answers(requests: list[Request], output: Path) -> list[tuple[Request, str]]:
     """The requests of a turn that have their row in ``output``, each with its completion."""
     answers = completions(output)
     return [(r, answers[r.id]) for r in requests if r.id in answers]

@@ -5,8 +5,8 @@ skips ids already in the output (resume), refuses requests that cannot be decode
 each result row to the output as it streams back (the same JSONL contract). Decoding runs in a pool of
 :class:`DecodeActor` s (``Dataset.map_batches`` with a callable class): each actor builds the job's
 :class:`~specdraft.runtime.batch_job.Decoding` once, as the local job does (any method, backend, policy, engine and
-batching), and decodes the request batches it is handed. A killed job resumes from the rows written so far; nothing
-is written twice.
+batching), and decodes the request batches it is handed. Follow-up turns run as later passes, each turn once the one
+before has its row. A killed job resumes from the rows written so far; nothing is written twice.
 """
 
 from __future__ import annotations
@@ -26,10 +26,12 @@ from specdraft.runtime.batch_job import (
     ResultWriter,
     finish_stats,
     length_reasons,
+    next_turn,
     pending_requests,
     request_caps,
     result_row,
     warn_stderr,
+    with_answers,
 )
 from specdraft.runtime.decode import RowResult
 
@@ -79,34 +81,62 @@ def run_ray_job(requests: list[Request], output: Path, tokenizer, spec: ActorSpe
                 address: str = "", progress=None, warn: Callable[[str], None] = warn_stderr) -> dict:
     """Decode ``requests`` on ``actors`` Ray actors (``address``: a running cluster, ``""`` starts a local one with
     a CPU per actor) in tasks of ``requests_per_task`` requests, appending each result row to ``output``;
-    ``max_new_tokens`` caps requests that carry no cap of their own."""
+    ``max_new_tokens`` caps requests that carry no cap of their own. Follow-up ``turns`` decode as a local job's do:
+    each turn once the one before has its row, with the target's answers in its conversation."""
     try:
         import ray  # noqa: PLC0415
         import ray.data  # noqa: F401, PLC0415
     except ImportError:
         raise SpecdraftError("decode.runner=ray needs Ray Data: pip install 'specdraft[ray]'") from None
+    cluster: dict = {}  # started on the first pass with work to do: its spec, and whether this job started it
+
+    def ready() -> ActorSpec:
+        if not cluster:
+            cluster["started"] = not ray.is_initialized()
+            if cluster["started"]:
+                # "local": a new cluster on this machine, even where RAY_ADDRESS or `ray start` names another
+                ray.init(address=address or "local", num_cpus=None if address else actors, include_dashboard=False,
+                         log_to_driver=False, configure_logging=False)
+            s = spec
+            if s.device == "auto":
+                s = dataclasses.replace(s, device="cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu")
+            if s.device.startswith("cuda"):  # Ray gives each actor its own GPU as device 0
+                s = dataclasses.replace(s, device="cuda")
+            cluster["spec"] = s
+        return cluster["spec"]
+
+    job = (output, tokenizer, ready, actors, requests_per_task, max_new_tokens, context, enable_thinking, progress,
+           warn, ray)
+    try:
+        total, todo = _ray_pass(requests, *job), requests
+        while todo := [nxt for r, answers in with_answers(todo, output) if (nxt := next_turn(r, answers)) is not None]:
+            stats = _ray_pass(todo, *job)
+            total = {k: total[k] + stats[k] for k in total}
+    finally:
+        if cluster.get("started"):
+            ray.shutdown()
+    return finish_stats(total, total["seconds"])
+
+
+def _ray_pass(requests, output, tokenizer, ready, actors, requests_per_task, max_new_tokens, context,
+              enable_thinking, progress, warn, ray) -> dict:
+    """One pass of :func:`run_ray_job` over ``requests`` (one turn of each): their stats, ``seconds`` set."""
     encoded, stats = pending_requests(requests, output, tokenizer, context, enable_thinking, warn)
+    start = time.perf_counter()
     if not encoded:
-        return finish_stats(stats, 0.0)
+        stats["seconds"] = 0.0
+        return stats
+    spec = ready()
     caps = request_caps(encoded, max_new_tokens, context)
     why = length_reasons(encoded, caps, max_new_tokens)
-    started = not ray.is_initialized()
-    if started:
-        # "local": a new cluster on this machine, even where RAY_ADDRESS or `ray start` names another
-        ray.init(address=address or "local", num_cpus=None if address else actors, include_dashboard=False,
-                 log_to_driver=False, configure_logging=False)
-    if spec.device == "auto":
-        spec = dataclasses.replace(spec, device="cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu")
-    if spec.device.startswith("cuda"):  # Ray gives each actor its own GPU as device 0
-        spec = dataclasses.replace(spec, device="cuda")
-    start = time.perf_counter()
     writer = ResultWriter(output, requests_per_task)
     try:
         items = [{"index": i, "prompt_ids": ids, "max_new_tokens": cap} for i, ((_, ids), cap) in
                  enumerate(zip(encoded, caps))]
         gpu = spec.device.startswith("cuda")
         ds = ray.data.from_items(items).map_batches(
-            DecodeActor, fn_constructor_kwargs={"spec": spec}, batch_size=requests_per_task, concurrency=actors,
+            DecodeActor, fn_constructor_kwargs={"spec": spec}, batch_size=requests_per_task,
+            concurrency=min(actors, -(-len(items) // requests_per_task)),  # no actor loads models for nothing
             num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0, batch_format="numpy")
         for out in ds.iter_batches(batch_size=None, batch_format="numpy"):
             rows = []
@@ -120,6 +150,5 @@ def run_ray_job(requests: list[Request], output: Path, tokenizer, spec: ActorSpe
                 progress(len(rows), 0.0)
     finally:
         writer.close()
-        if started:
-            ray.shutdown()
-    return finish_stats(stats, time.perf_counter() - start)
+    stats["seconds"] = time.perf_counter() - start
+    return stats

@@ -65,3 +65,20 @@ def test_a_ray_job_decodes_trees_and_the_adaptive_policy_as_the_local_job(tiny_w
     else:  # one task of the six requests, in the local job's batches: the same rows, accept lengths included
         assert {i: {k: v for k, v in r.items() if k != "time_s"} for i, r in got.items()} == \
             {i: {k: v for k, v in r.items() if k != "time_s"} for i, r in want.items()}
+
+
+def test_a_ray_job_decodes_follow_up_turns_as_the_local_job(tiny_world, drafter_dir, tmp_path):  # noqa: F811
+    inp = tmp_path / "in.jsonl"
+    _write(inp, [json.dumps({"id": "a", "prompt": "Mia has 3 apples.", "turns": ["And Tom?", "How many now?"]}),
+                 json.dumps({"id": "b", "prompt": "Ava"}),
+                 json.dumps({"id": "c", "prompt": "Ben has 7 pens.", "turns": ["Why?"]})])
+    args = _args(tiny_world, drafter_dir, tmp_path)
+    local, on_ray = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
+    assert main(["decode", *args, "--input", str(inp), "--output", str(local)]) == 0
+    assert main(["decode", *args, "decode.runner=ray", "--input", str(inp), "--output", str(on_ray)]) == 0
+
+    def rows(path):
+        return {(r["id"], r.get("turn", 1)): {k: v for k, v in r.items() if k != "time_s"}
+                for r in map(json.loads, path.read_text().splitlines())}
+    assert set(rows(on_ray)) == {("a", 1), ("a", 2), ("a", 3), ("b", 1), ("c", 1), ("c", 2)}
+    assert rows(on_ray) == rows(local)  # each turn after the target's own answers, as the local job decodes it
