@@ -20,10 +20,9 @@ def tree_drafting(cfg: RunConfig, target, first, num_branches: int | None = None
     (default ``decode.tree_k``) for ``first``; a mismatch is one clear error before any decoding. ``load`` reads the
     second drafter's directory (default the torch drafter bound to ``target``; an engine backend reads its export)."""
     k = num_branches or cfg.decode.tree_k
-    arch = getattr(first, "arch_name", None) or ("retrace" if getattr(first, "retrace", None) else None)
-    if arch is not None and arch not in FIRST_DRAFTERS:  # an export without ReTrace: its arch was checked by decode
+    if first.arch_name not in FIRST_DRAFTERS:
         raise SpecdraftError(f"config key 'decode.method': d2sd drafts first with a {' or '.join(FIRST_DRAFTERS)} "
-                             f"drafter, not {arch!r} (its cross-round state has no meaning in a tree)")
+                             f"drafter, not {first.arch_name!r} (its cross-round state has no meaning in a tree)")
     if not 1 <= k <= first.block_size - 2:
         raise SpecdraftError(f"config key 'decode.tree_k': {k} branches need 1..{first.block_size - 2} boundaries "
                              f"(block size {first.block_size})")

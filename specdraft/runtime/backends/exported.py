@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from specdraft.runtime.kv_cache import KVCache
+from specdraft.runtime.models.registry import HF_ARCHITECTURES
 from specdraft.runtime.models.retrace import N_SCALARS, Prior, build_prior, verify_stats
 from specdraft.runtime.models.target import TargetOutput
 
@@ -138,6 +139,7 @@ class ExportedDrafter:
 
     def __init__(self, manifest: dict, open_graph, embed_weight: torch.Tensor, device: torch.device | str = "cpu"):
         self.manifest = m = manifest
+        self.arch_name = HF_ARCHITECTURES.get(m["drafter"]["arch"], m["drafter"]["arch"])  # as a torch drafter's
         self.dtype = DTYPES[m["dtype"]]
         self.device = torch.device(device)
         self.ingest_graph = open_graph("drafter_ingest")
