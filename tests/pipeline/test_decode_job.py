@@ -40,6 +40,19 @@ def drafter_dir(tiny_world, tmp_path):
     return out
 
 
+def _three_prompts(path):
+    """A JSONL of three requests, ids ``0`` to ``2``: a sentence, two sentences, one word."""
+    _write(path, [json.dumps({"id": str(i), "prompt": p}) for i, p in
+                  enumerate(["Mia has 3 apples.", "Tom has 12 coins. Then Tom finds 4 more coins.", "Ava"])])
+    return path
+
+
+def _rows(path) -> dict:
+    """A job's output rows by id, without ``time_s`` (a wall time: it differs run to run)."""
+    rows = map(json.loads, path.read_text().splitlines())
+    return {r["id"]: {k: v for k, v in r.items() if k != "time_s"} for r in rows}
+
+
 def _args(world, drafter, tmp_path, *extra):
     return ["configs/tiny.yaml", f"target.path={world.target_dir}", f"decode.drafter={drafter}",
             "tracking.enabled=false", f"work_dir={tmp_path / 'work'}", "decode.max_new_tokens=12",
@@ -77,8 +90,7 @@ def test_decode_contract_malformed_lines_and_resume(tiny_world, drafter_dir, tmp
 
 def test_greedy_decode_job_equals_ar_job(tiny_world, drafter_dir, tmp_path):
     inp = tmp_path / "in.jsonl"
-    _write(inp, [json.dumps({"id": str(i), "prompt": p}) for i, p in
-                 enumerate(["Mia has 3 apples.", "Tom has 12 coins. Then Tom finds 4 more coins.", "Ava"])])
+    _three_prompts(inp)
     outs = {}
     modes = {"false": [], "true": ["decode.cuda_graphs=true", "decode.batching=static"],
              "static": ["decode.batching=static"], "adaptive": ["decode.policy=adaptive"]}
@@ -121,15 +133,13 @@ def test_a_retrace_job_on_the_static_path_writes_the_eager_jobs_rows(tiny_world,
     out = save_drafter(retrace, tmp_path / "retrace")
     record_target(out, tiny_world.target_dir)
     inp = tmp_path / "in.jsonl"
-    _write(inp, [json.dumps({"id": str(i), "prompt": p}) for i, p in
-                 enumerate(["Mia has 3 apples.", "Tom has 12 coins. Then Tom finds 4 more coins.", "Ava"])])
+    _three_prompts(inp)
     rows = {}
     for graphs in ("false", "true"):
         path = tmp_path / f"{graphs}.jsonl"
         assert main(["decode", *_args(tiny_world, out, tmp_path, "decode.method=retrace", "decode.batching=static",
                                       f"decode.cuda_graphs={graphs}"), "--input", str(inp), "--output", str(path)]) == 0
-        rows[graphs] = {json.loads(line)["id"]: {k: v for k, v in json.loads(line).items() if k != "time_s"}
-                        for line in path.read_text().splitlines()}
+        rows[graphs] = _rows(path)
     assert rows["true"] == rows["false"]  # completions and accept lengths
 
 

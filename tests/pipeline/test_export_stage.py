@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from specdraft.pipeline.cli import main
-from tests.pipeline.test_decode_job import _args, _write, drafter_dir  # noqa: F401  (a fixture)
+from tests.pipeline.test_decode_job import _args, _rows, _three_prompts, _write, drafter_dir  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.integration  # `make test-fast` leaves it out
 
@@ -40,8 +40,7 @@ def test_export_writes_both_flavours_with_manifests_and_registers_them(exported_
 
 def test_decode_on_the_onnx_backend_writes_what_torch_writes(exported_drafter, tiny_world, tmp_path, capsys):
     inp = tmp_path / "in.jsonl"
-    _write(inp, [json.dumps({"id": str(i), "prompt": p}) for i, p in
-                 enumerate(["Mia has 3 apples.", "Tom has 12 coins. Then Tom finds 4 more coins.", "Ava"])])
+    _three_prompts(inp)
     outs = {}
     for backend, method in (("torch", "dflash"), ("onnx", "dflash"), ("onnx", "ar"), ("onnx", "adaptive")):
         outs[backend, method] = tmp_path / f"{backend}-{method}.jsonl"
@@ -94,15 +93,13 @@ def test_d2sd_on_the_onnx_backend_writes_what_torch_writes(tiny_world, tmp_path)
     assert sorted(v.tags["drafter"] for v in versions) == sorted([str(first), str(second)])
     assert len({v.run_id for v in versions}) == 2  # each drafter's artifacts in a run of its own
     inp = tmp_path / "in.jsonl"
-    _write(inp, [json.dumps({"id": str(i), "prompt": p}) for i, p in
-                 enumerate(["Mia has 3 apples.", "Tom has 12 coins. Then Tom finds 4 more coins.", "Ava"])])
+    _three_prompts(inp)
     rows = {}
     for backend in ("torch", "onnx"):
         out = tmp_path / f"{backend}.jsonl"
         assert main(["decode", *_args(tiny_world, first, tmp_path, *tree, f"decode.backend={backend}"), "--input",
                      str(inp), "--output", str(out)]) == 0
-        rows[backend] = {json.loads(line)["id"]: {k: v for k, v in json.loads(line).items() if k != "time_s"}
-                         for line in out.read_text().splitlines()}
+        rows[backend] = _rows(out)
     assert rows["onnx"] == rows["torch"]  # completions and accept lengths, round for round
 
 

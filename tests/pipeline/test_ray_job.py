@@ -7,7 +7,7 @@ import json
 import pytest
 
 from specdraft.pipeline.cli import main
-from tests.pipeline.test_decode_job import _args, _write, drafter_dir  # noqa: F401 (a fixture)
+from tests.pipeline.test_decode_job import _args, _rows, _write, drafter_dir  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.integration  # `make test-fast` leaves it out
 
@@ -56,15 +56,13 @@ def test_a_ray_job_decodes_trees_and_the_adaptive_policy_as_the_local_job(tiny_w
     local, on_ray = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
     assert main(["decode", *args, "--input", str(inp), "--output", str(local)]) == 0
     assert main(["decode", *args, "decode.runner=ray", "--input", str(inp), "--output", str(on_ray)]) == 0
-    want = {json.loads(line)["id"]: json.loads(line) for line in local.read_text().splitlines()}
-    got = {json.loads(line)["id"]: json.loads(line) for line in on_ray.read_text().splitlines()}
+    want, got = _rows(local), _rows(on_ray)
     assert set(got) == set(want)
     if "decode.policy=adaptive" in mode:  # its choices follow measured round times: the completions are the contract
         assert {i: r["completion"] for i, r in got.items()} == {i: r["completion"] for i, r in want.items()}
         assert all(len(r["verified"]) == len(r["accept_lengths"]) for r in got.values())
     else:  # one task of the six requests, in the local job's batches: the same rows, accept lengths included
-        assert {i: {k: v for k, v in r.items() if k != "time_s"} for i, r in got.items()} == \
-            {i: {k: v for k, v in r.items() if k != "time_s"} for i, r in want.items()}
+        assert got == want
 
 
 def test_a_ray_job_decodes_follow_up_turns_as_the_local_job(tiny_world, drafter_dir, tmp_path):  # noqa: F811
