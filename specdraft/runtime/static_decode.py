@@ -450,9 +450,10 @@ class StaticDecoder:
                              dim=1)[:len(slots)].tolist()  # the sync
             if observer is not None:
                 at = torch.tensor(live, dtype=torch.long, device=dev)  # [b] bucket slots of the running rows
-                pick = [None if x is None else x[at] for x in rnd]
-                observer(RoundRecord(torch.tensor([slots[i] for i in live], device=dev), pick[0], pick[1], None,
-                                     *pick[2:5], nodes=pick[5], winner=pick[6]))
+                run = rnd._replace(**{k: v[at] for k, v in rnd._asdict().items() if v is not None and k != "hidden"})
+                observer(RoundRecord(torch.tensor([slots[i] for i in live], device=dev), run.draft_tokens,
+                                     run.draft_logits, None, run.num_accepted, run.next_token, run.target_logits,
+                                     nodes=run.nodes, winner=run.winner))
             finished = []
             for i in live:
                 a, t, nodes, winner, d = *host[i][:4], host[i][4:]
