@@ -441,15 +441,21 @@ def run_batch_job(requests: list[Request], output: Path, tokenizer, decoding: De
     (``max_position_embeddings``) for every row. A request with follow-up ``turns`` decodes them one after another:
     each turn once the one before has its row, with the target's answers in its conversation (a resumed job picks up
     at the turn it stopped in)."""
-    job = (output, tokenizer, decoding, enable_thinking, progress, warn)
-    total, todo = _run_turn(requests, *job), requests
-    while todo := [nxt for r, answers in with_answers(todo, output) if (nxt := next_turn(r, answers)) is not None]:
-        stats = _run_turn(todo, *job)
+    return run_turns(requests, output, lambda todo: _run_turn(todo, output, tokenizer, decoding, enable_thinking,
+                                                              progress, warn))
+
+
+def run_turns(requests: list[Request], output: Path, one_pass: Callable[[list[Request]], dict]) -> dict:
+    """``one_pass`` (decode a turn of some requests into ``output``, return its stats with ``seconds``) over
+    ``requests``, then over the next turn of each that has its row, until no turn is left; the stats summed."""
+    total, todo = one_pass(requests), requests
+    while todo := [nxt for r, answers in _with_answers(todo, output) if (nxt := next_turn(r, answers)) is not None]:
+        stats = one_pass(todo)
         total = {k: total[k] + stats[k] for k in total}
     return finish_stats(total, total["seconds"])
 
 
-def with_answers(requests: list[Request], output: Path) -> list[tuple[Request, str]]:
+def _with_answers(requests: list[Request], output: Path) -> list[tuple[Request, str]]:
     """The requests of a turn that have their row in ``output``, each with its completion."""
     answers = completions(output)
     return [(r, answers[r.id]) for r in requests if r.id in answers]

@@ -24,14 +24,12 @@ from specdraft.runtime.batch_job import (
     Decoding,
     Request,
     ResultWriter,
-    finish_stats,
     length_reasons,
-    next_turn,
     pending_requests,
     request_caps,
     result_row,
+    run_turns,
     warn_stderr,
-    with_answers,
 )
 from specdraft.runtime.decode import RowResult
 
@@ -108,14 +106,10 @@ def run_ray_job(requests: list[Request], output: Path, tokenizer, spec: ActorSpe
     job = (output, tokenizer, ready, actors, requests_per_task, max_new_tokens, context, enable_thinking, progress,
            warn, ray)
     try:
-        total, todo = _ray_pass(requests, *job), requests
-        while todo := [nxt for r, answers in with_answers(todo, output) if (nxt := next_turn(r, answers)) is not None]:
-            stats = _ray_pass(todo, *job)
-            total = {k: total[k] + stats[k] for k in total}
+        return run_turns(requests, output, lambda todo: _ray_pass(todo, *job))
     finally:
         if cluster.get("started"):
             ray.shutdown()
-    return finish_stats(total, total["seconds"])
 
 
 def _ray_pass(requests, output, tokenizer, ready, actors, requests_per_task, max_new_tokens, context,
