@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from specdraft.runtime import d2sd, decode, static_decode, tree
+from specdraft.runtime import d2sd, decode, one_pass, static_decode, tree
 from specdraft.runtime.decode import GenerationConfig, RowResult, generate
 from specdraft.runtime.kv_cache import KVCache
 from specdraft.runtime.sampling import SamplingParams, sample_from_probs
@@ -133,9 +133,10 @@ class ControlledDrafter:
     """
 
     def __init__(self, target, prompts: list[list[int]], block_size: int = 4, mode: str = "mix", alpha: float = 0.8,
-                 right: float = 0.85, inner=None, seed: int = 0, alternative: bool = False):
+                 right: float = 0.85, inner=None, seed: int = 0, alternative: bool = False, runner_up: bool = False):
         self.target, self.prompts, self.mode, self.alpha, self.right, self.inner = (target, prompts, mode, alpha,
                                                                                     right, inner)
+        self.runner_up = runner_up
         self.V = target.args.vocab_size
         self._block_size = inner.block_size if inner is not None else block_size
         self.config = inner.config if inner is not None else type("Cfg", (), {"mask_token_id": self.V - 1})()
@@ -220,6 +221,7 @@ class ControlledDrafter:
         if self.mode == "oracle":
             tok = p.argmax(-1).flatten(0, -2)  # [n, K]
             scale = torch.full(tok.shape, 30.0)
+            right_tok = tok.clone()
             for i in range(tok.shape[0]):
                 for k in range(tok.shape[1]):
                     # right or wrong as a function of the row's text alone, so a row decodes the same in any batch
@@ -229,6 +231,9 @@ class ControlledDrafter:
                         scale[i, k] = 1.5  # a wrong draft is a less confident one (D²SD branches there)
             point = torch.nn.functional.one_hot(tok.view(p.shape[:-1]), self.V).float() * scale.view(
                 p.shape[:-1])[..., None]  # [..., K, V]
+            if self.runner_up:  # a wrong draft's second choice is the path token (a one-pass tree's sibling)
+                wrong = (tok != right_tok).float().view(p.shape[:-1])[..., None]
+                point = point + wrong * torch.nn.functional.one_hot(right_tok.view(p.shape[:-1]), self.V).float()
             return point + self.inner.logits(hidden).float() if self.inner is not None else point
         other = torch.full_like(p, 1.0 / self.V)
         if self.inner is not None:
@@ -433,6 +438,20 @@ def sampling_pvalues(target, factory: DrafterFactory, params: SamplingParams, n:
     return SamplingCheck(first, bonus, later, profile)
 
 
+def wrong_rule_caught(patches, monkeypatch, factory: Callable, sampled: bool, alpha: float):
+    """Apply a wrong rule's ``patches`` and run the harness on the tree path ``factory(target, mode, block_size)``
+    builds: goodness of fit under sampling (``sampled``), else greedy equality. ``(caught, the harness's report)``."""
+    for module, attr, wrong in patches:
+        monkeypatch.setattr(module, attr, wrong)
+    if sampled:
+        target = make_target(seed=7, vocab=6, std=0.5)
+        got = sampling_pvalues(target, factory(target, "mix", 4), SAMPLING_SETTINGS[0])
+        return got.min_p < alpha, got
+    target = make_target(seed=3, vocab=48)
+    got = check_greedy(target, factory(target, "oracle", 6), RAGGED_PROMPTS, RAGGED_CAPS)
+    return got["mismatches"] > 0, got
+
+
 # ---- deliberately wrong verification rules (the harness must catch each) -------------------------------------------
 
 
@@ -467,9 +486,9 @@ _verify_round, _propose = decode.verify_round, decode.propose  # the correct rul
 _build_tree, _accept_tree = d2sd.build_tree, d2sd.accept_tree
 
 
-def _sibling_visible_tree(anchor, candidates):
+def _sibling_visible_tree(anchor, candidates, lengths=None):
     """A causal mask over the node order instead of the ancestor mask: nodes see their earlier siblings' branches."""
-    tree = _build_tree(anchor, candidates)
+    tree = _build_tree(anchor, candidates, lengths)
     N = tree.mask.shape[-1]
     return tree._replace(mask=torch.ones(N, N, dtype=torch.bool).tril().expand_as(tree.mask))
 
@@ -526,6 +545,30 @@ TREE_WRONG_RULES: dict[str, list[tuple[object, str, Callable]]] = {
 }
 """The same for the D²SD tree path (each passes the chain tests: only a tree round exposes it; the last one only
 under sampling with sampled drafts)."""
+
+_build_nodes, _accept_nodes = one_pass.build_nodes, one_pass.accept_nodes
+
+
+def _siblings_visible(anchor, shape, tokens, max_depth):
+    """A causal mask over the node order instead of the ancestor mask (a node sees every node numbered before it)."""
+    tree = _build_nodes(anchor, shape, tokens, max_depth)
+    N = tree.mask.shape[-1]
+    return tree._replace(mask=torch.ones(N, N, dtype=torch.bool).tril().expand_as(tree.mask))
+
+
+def _nodes_bonus_from_the_root(tree, node_targets):
+    return _accept_nodes(tree, node_targets)._replace(next_token=node_targets[:, 0])
+
+
+ONE_PASS_WRONG_RULES: dict[str, list[tuple[object, str, Callable]]] = {
+    "tree mask lets a node see the nodes numbered before it": [(one_pass, "build_nodes", _siblings_visible)],
+    "token after the accepted path taken at the root": [(one_pass, "accept_nodes", _nodes_bonus_from_the_root)],
+    "sampled siblings: each tried against q, not q without the earlier draws": [
+        (one_pass, "without_drawn", lambda q, x: q)],
+    "sampled siblings: the target's distribution not reduced after a rejected sibling": [
+        (one_pass, "rejection_residual", lambda p, q: p)],
+}
+"""The same for one-pass trees (the sampled ones only under sampling with sampled siblings)."""
 
 _static_compact = StaticDecoder._compact
 

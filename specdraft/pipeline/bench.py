@@ -29,11 +29,12 @@ from specdraft.pipeline.exports import backend_models
 from specdraft.pipeline.policy import adaptive_policy, heldin_prompts, policy_summary
 from specdraft.pipeline.tokenizer import stop_token_ids
 from specdraft.pipeline.tracking import Tracker
-from specdraft.pipeline.trees import FIRST_DRAFTERS, tree_drafting
+from specdraft.pipeline.trees import FIRST_DRAFTERS, one_pass_drafting, tree_drafting
 from specdraft.runtime.batch_job import encode_requests, next_turn, read_requests, warn_stderr
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.drafter_io import check_made_for, load_drafter
 from specdraft.runtime.load import load_target
+from specdraft.runtime.one_pass import OnePassDrafting
 from specdraft.runtime.sampling import SamplingParams
 from specdraft.runtime.suites import PACKAGED, packaged_path, parse_suite
 
@@ -60,8 +61,25 @@ def summarize(results, block_size: int) -> dict:
 
 
 def tree_summary(results, tree) -> dict:
+    """Tree rows: :func:`d2sd_summary` or :func:`one_pass_summary`."""
+    return one_pass_summary(results, tree) if isinstance(tree, OnePassDrafting) else d2sd_summary(results, tree)
+
+
+def one_pass_summary(results, tree: OnePassDrafting) -> dict:
+    """ddtree rows: the node budget, real nodes verified per round, the share of rounds whose accepted path left the
+    drafter's most likely tokens (a sibling won) and drafts accepted per round."""
+    nodes = [n for r in results for n in r.nodes]
+    rounds = max(len(nodes), 1)
+    return {"tree_nodes": tree.nodes, "tree_budget": "fixed" if tree.budget is None else "measured",
+            "nodes_per_round": sum(nodes) / rounds,
+            "sibling_share": sum(w > 0 for r in results for w in r.winner) / rounds,
+            "accepted_per_round": sum(a for r in results for a in r.accepted) / rounds}
+
+
+def d2sd_summary(results, tree) -> dict:
     """D²SD rows: nodes verified per round, tree slots saved by deduplication per round (the candidates' tokens minus
-    the nodes), the share of rounds each candidate won (index 0 = the first draft) and drafts accepted per round."""
+    the nodes), the share of rounds each candidate won (index 0 = the first draft; with siblings, the share a sibling
+    path won) and drafts accepted per round."""
     nodes = [n for r in results for n in r.nodes]
     winners = [w for r in results for w in r.winner]
     accepted = [a for r in results for a in r.accepted]
@@ -70,6 +88,7 @@ def tree_summary(results, tree) -> dict:
     return {"tree_k": tree.num_branches, "placement": tree.placement, "distinct": tree.distinct,
             "nodes_per_round": sum(nodes) / rounds, "dedup_saved_per_round": sum(full - n for n in nodes) / rounds,
             "winner_share": [sum(w == j for w in winners) / rounds for j in range(tree.num_branches + 1)],
+            "siblings": tree.siblings, "sibling_share": sum(w > tree.num_branches for w in winners) / rounds,
             "accepted_per_round": sum(accepted) / rounds}
 
 
@@ -236,7 +255,13 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
         for k in b.tree_ks if drafter.arch_name in FIRST_DRAFTERS else []:
             trees[k] = replace(trees[min(trees)], num_branches=k) if trees else tree_drafting(cfg, tgt, drafter, k)
             trees[k].check(drafter)
-            loaded[f"d2sd{k}:{st}"] = _Entry(drafter, "d2sd", st, str(d), trees[k], tgt, "torch")
+            for n in b.tree_siblings or [trees[k].siblings]:
+                name = f"d2sd{k}:{st}" + (f"+{n}" if n else "")
+                loaded[name] = _Entry(drafter, "d2sd", st, str(d), replace(trees[k], siblings=n), tgt, "torch")
+        for n in b.tree_nodes if drafter.arch_name in FIRST_DRAFTERS else []:
+            for how in b.tree_budgets or [cfg.decode.tree_budget]:
+                loaded[f"ddtree{n}:{st}" + ("+measured" if how == "measured" else "")] = _Entry(
+                    drafter, "ddtree", st, str(d), one_pass_drafting(cfg, drafter, n, how), tgt, "torch")
 
     d = cfg.decode
     settings = {"top_k": d.top_k, "top_p": d.top_p, "draft_sampling": d.draft_sampling, "repeats": b.repeats,
@@ -372,7 +397,11 @@ def write_reports(rows: list[dict], out_dir: Path) -> dict:
     for r in rows:
         lo, hi = r["tau_ci95"]
         method = (f"d2sd K={r['tree_k']}" + (f" {r['placement']}" if r["placement"] != "confidence" else "")
-                  + (" distinct" if r.get("distinct") else "")) if r["method"] == "d2sd" else r["method"]
+                  + (" distinct" if r.get("distinct") else "")
+                  + (f" +{r['siblings']} siblings" if r.get("siblings") else "")) \
+            if r["method"] == "d2sd" else r["method"]
+        if r["method"] == "ddtree":
+            method = f"ddtree N={r['tree_nodes']}" + (" measured" if r.get("tree_budget") == "measured" else "")
         if r.get("backend", "torch") != "torch":
             method += f" @{r['backend']}"
         if r.get("policy") == "adaptive":
@@ -390,6 +419,8 @@ def write_reports(rows: list[dict], out_dir: Path) -> dict:
     _plot(rows, out_dir / "bench.png")
     if len({r["batch_size"] for r in rows}) > 1:
         _plot_batch_sizes(rows, out_dir / "bench_batch_sizes.png")
+    if any(r["method"] == "ddtree" for r in rows):
+        _plot_tree_nodes(rows, out_dir / "bench_tree_nodes.png")
     return {"results": rows, "markdown": md, "dir": str(out_dir)}
 
 
@@ -431,12 +462,50 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 
 def _label(r: dict) -> str:
-    """A drafted row's method as plots name it (``dflash:sft``, ``d2sd2:sft``, ``dflash:sft+adaptive``)."""
+    """A drafted row's method as plots name it (``dflash:sft``, ``d2sd2:sft``, ``d2sd2:sft+24`` with 24 siblings,
+    ``ddtree32:sft``, ``dflash:sft+adaptive``)."""
     backend = f"@{r['backend']}" if r.get("backend", "torch") != "torch" else ""
     policy = "+adaptive" if r.get("policy") == "adaptive" else ""
     batching = " (continuous)" if r.get("batching") == "continuous" else ""
-    name = "ar" if r["method"] == "ar" else f"{r['method']}{r.get('tree_k', '')}:{r['stage']}"
+    name = "ar" if r["method"] == "ar" else f"{r['method']}{r.get('tree_k', r.get('tree_nodes', ''))}:{r['stage']}"
+    name += f"+{r['siblings']}" if r.get("siblings") else ""
+    name += "+measured" if r.get("tree_budget") == "measured" else ""
     return f"{name}{backend}{policy}{batching}"
+
+
+def _plot_tree_nodes(rows: list[dict], path: Path) -> None:
+    """tau and speedup over AR against the ddtree node budget, a line per suite, temperature and batch size, the
+    fixed DFlash chain of the same stage drawn at its block's nodes (the picture to choose a budget by)."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    trees = [r for r in rows if r["method"] == "ddtree" and r["batching"] == "static"
+             and r.get("tree_budget") != "measured"]
+    chains = {(r["stage"], r["suite"], r["temperature"], r["batch_size"]): r for r in rows
+              if r["method"] in FIRST_DRAFTERS and r.get("policy") == "fixed" and r["batching"] == "static"
+              and r.get("backend", "torch") == "torch"}
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    for key in sorted({(r["stage"], r["suite"], r["temperature"], r["batch_size"]) for r in trees}):
+        pts = sorted((r["tree_nodes"], r["tau"], r["speedup"]) for r in trees
+                     if (r["stage"], r["suite"], r["temperature"], r["batch_size"]) == key)
+        chain = chains.get(key)
+        if chain is not None:  # the chain verifies its block: K drafts and the anchor
+            pts = sorted([*pts, (len(chain["per_position_acceptance"]) + 1, chain["tau"], chain["speedup"])])
+        label = f"{key[1]} T={key[2]:g} bs={key[3]}"
+        for ax, i in zip(axes, (1, 2)):
+            ax.plot([p[0] for p in pts], [p[i] for p in pts], marker="o", label=label)
+    axes[0].set_title("tau against the node budget")
+    axes[1].set_title("speedup vs AR against the node budget")
+    axes[1].axhline(1.0, color="gray", lw=1, ls="--")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("nodes verified per row and round (chain: its block)")
+    axes[0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _plot_batch_sizes(rows: list[dict], path: Path) -> None:

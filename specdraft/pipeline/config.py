@@ -28,6 +28,7 @@ from specdraft.lit_modules.stage_table import STAGES, Objective
 from specdraft.runtime.models import available_drafters
 from specdraft.runtime.models.retrace import ReTraceOptions
 from specdraft.runtime.models.vp import VPOptions
+from specdraft.runtime.one_pass import MAX_NODES
 from specdraft.runtime.suites import format_name, parse_suite
 from specdraft.runtime.tree import Placement
 
@@ -216,9 +217,9 @@ class TrainConfig(Objective):
 @dataclass
 class DecodeConfig:
     method: str = "dflash"
-    """ar (target alone), a registered drafter architecture (dflash, retrace; must match the drafter), or d2sd (a
+    """ar (target alone), a registered drafter architecture (dflash, retrace; must match the drafter), d2sd (a
     DFlash first drafter and a second drafter re-drafting from its likely rejection points; a prefix tree per
-    round)."""
+    round), or ddtree (a tree from the DFlash drafter's one pass, best-first under ``tree_nodes``)."""
     drafter: str = ""
     """The drafter: an HF-format directory, or an export name under ``<work_dir>/drafter/`` (default: the run's
     training export; for d2sd, the first drafter)."""
@@ -226,6 +227,16 @@ class DecodeConfig:
     """Use a drafter made for another target checkpoint than ``target.path`` (a fine-tuned or quantised copy of
     it, deliberately): logged instead of refused. The check reads the fingerprint the drafter's ``specdraft.json``
     records (training and ``init-drafter`` write it)."""
+    tree_nodes: int = 32
+    """ddtree: nodes each row verifies per round, the root included (the most likely paths under the drafter's
+    per-slot distributions)."""
+    tree_budget: Literal["fixed", "measured"] = "fixed"
+    """ddtree: fixed verifies ``tree_nodes`` every round; measured verifies, each round, the budget up to
+    ``tree_nodes`` (from the drafter's block up) that maximises expected committed tokens per second, the verify pass
+    timed at the batch's rows on this machine and the tree's path probabilities calibrated by the rounds so far."""
+    tree_chain: bool = True
+    """ddtree: the drafter's own block is always in the tree (a round accepts at least what a chain round would under
+    greedy verification), best-first nodes filling the rest; false: the most likely paths alone."""
     tree_k: int = 4
     """d2sd: branches the second drafter re-drafts per round (at most block_size - 2)."""
     second_drafter: str = ""
@@ -237,6 +248,9 @@ class DecodeConfig:
     tree_distinct: bool = False
     """d2sd: a branch never repeats the first draft's token at its first free slot (it takes the second drafter's
     best other token there)."""
+    tree_siblings: int = 0
+    """d2sd: the first drafter's most likely paths (one-pass, best-first) added to the tree, this many nodes at most;
+    with siblings the tree drafts ranked tokens at every temperature (0: D²SD's tree alone)."""
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -283,10 +297,15 @@ class DecodeConfig:
                               "backend runs its own graphs (set decode.cuda_graphs=false)")
         if self.policy == "adaptive" and self.method == "ar":
             raise OptionError("policy", "adaptive chooses how many drafts to verify: method 'ar' has no drafter")
-        if self.policy == "adaptive" and (self.method in ("d2sd", "retrace") or self.cuda_graphs):
+        if self.cuda_graphs and (self.method == "ddtree" or self.method == "d2sd" and self.tree_siblings):
+            raise OptionError("cuda_graphs", "one-pass trees (ddtree, d2sd with tree_siblings) run on the eager engine "
+                              "(the static path's one-pass round is not built yet): set decode.cuda_graphs=false")
+        if self.policy == "adaptive" and (self.method in ("d2sd", "ddtree", "retrace") or self.cuda_graphs):
             how = f"method {self.method!r}" + (" with cuda_graphs" if self.cuda_graphs else "")
             raise OptionError("policy", f"adaptive chooses chain rounds of the eager engine (any backend) with a "
                               f"dflash or vp drafter, not {how} (not built yet)")
+        if self.tree_budget not in ("fixed", "measured"):
+            raise OptionError("tree_budget", f"{self.tree_budget!r} is not one of fixed, measured")
         if self.batching not in ("continuous", "static"):
             raise OptionError("batching", f"{self.batching!r} is not one of continuous, static")
         if self.cuda_graphs and self.batching == "continuous":
@@ -294,9 +313,12 @@ class DecodeConfig:
                               "with decode.cuda_graphs=true")
         check_range("prefill_chunk", self.prefill_chunk, 0)
         check_range("ray_actors", self.ray_actors, 1)
-        if self.method not in ("ar", "d2sd", *available_drafters()):
-            raise OptionError("method", f"{self.method!r} is not one of ar, d2sd, {', '.join(available_drafters())}")
+        if self.method not in ("ar", "d2sd", "ddtree", *available_drafters()):
+            raise OptionError("method", f"{self.method!r} is not one of ar, d2sd, ddtree, "
+                              f"{', '.join(available_drafters())}")
         check_range("tree_k", self.tree_k, 1)
+        check_range("tree_nodes", self.tree_nodes, 2, MAX_NODES)
+        check_range("tree_siblings", self.tree_siblings, 0)
         check_range("temperature", self.temperature, 0.0)
         check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
         check_range("top_k", self.top_k, 0)
@@ -340,10 +362,22 @@ class BenchConfig:
     tree_ks: list[int] = field(default_factory=list)
     """D²SD rows: for each DFlash drafter in ``stages`` and each K here, a d2sd row with that first drafter and K
     branches (second drafter and placement from ``decode.second_drafter`` / ``decode.tree_placement``)."""
+    tree_siblings: list[int] = field(default_factory=list)
+    """D²SD rows with one-pass siblings: for each K in ``tree_ks`` and each count here, a d2sd row with that many
+    sibling nodes (empty: ``decode.tree_siblings`` only)."""
+    tree_budgets: list[Literal["fixed", "measured"]] = field(default_factory=list)
+    """ddtree rows: for each node budget, a row per way of spending it (empty: ``decode.tree_budget`` only)."""
+    tree_nodes: list[int] = field(default_factory=list)
+    """ddtree rows: for each DFlash drafter in ``stages`` and each node budget here, a one-pass tree row (and a plot of
+    tau and tokens/s against the budget, ``bench_tree_nodes.png``)."""
 
     def __post_init__(self):
         for k in self.tree_ks:
             check_range("tree_ks", k, 1)
+        for n in self.tree_nodes:
+            check_range("tree_nodes", n, 2, MAX_NODES)
+        for n in self.tree_siblings:
+            check_range("tree_siblings", n, 0)
         for st in self.stages:
             if not _is_folder_name(st):
                 raise OptionError("stages", f"{st!r} is not a drafter name under <work_dir>/drafter/")

@@ -1,6 +1,7 @@
 """How a decode job decodes, built from the config alone, once per process (the local job, or each Ray actor): the
-target and drafter on the configured backend, D²SD's tree, the engine (the eager one, or the static/CUDA-graph path),
-the adaptive policy, sampling and batching. Every runner decodes every method through :func:`build_decoding`."""
+target and drafter on the configured backend, the tree (D²SD's or one-pass), the engine (the eager one, or the
+static/CUDA-graph path), the adaptive policy, sampling and batching. Every runner decodes every method through
+:func:`build_decoding`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from specdraft.pipeline.config import RunConfig
 from specdraft.pipeline.exports import backend_models, check_branch_tokens
 from specdraft.pipeline.policy import adaptive_policy, heldin_prompts
 from specdraft.pipeline.tokenizer import stop_token_ids
-from specdraft.pipeline.trees import tree_drafting
+from specdraft.pipeline.trees import one_pass_drafting, tree_drafting
 from specdraft.runtime.batch_job import Decoding
 from specdraft.runtime.decode import GenerationConfig
 from specdraft.runtime.drafter_io import load_drafter
@@ -46,6 +47,8 @@ def build_decoding(cfg: RunConfig, world, drafter_dir: Path | None, tokenizer, d
         if d.backend == "trt":  # the branches are one draft pass of tree_k blocks: the engine's profile must hold it
             check_branch_tokens(cfg.second_drafter_dir() or drafter_dir or default_drafter_dir(cfg),
                                 tree.num_branches * tree.second.block_size)
+    if d.method == "ddtree":
+        tree = one_pass_drafting(cfg, drafter)
     gen = GenerationConfig(max_new_tokens=d.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer),
                            sampling=SamplingParams(d.temperature, d.top_k, d.top_p), draft_sampling=d.draft_sampling)
     generator = torch.Generator(device=target.lm_head.weight.device).manual_seed(d.seed)

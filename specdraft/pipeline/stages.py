@@ -124,7 +124,7 @@ def decode(cfg: RunConfig, input_path: Path, output_path: Path):
     if d.method != "ar":
         drafter_dir = default_drafter_dir(cfg)
         arch, dcfg = read_drafter_config(drafter_dir)  # checked against the target before loading any weights
-        if arch != d.method and not (d.method == "d2sd" and arch in FIRST_DRAFTERS):
+        if arch != d.method and not (d.method in ("d2sd", "ddtree") and arch in FIRST_DRAFTERS):
             raise SpecdraftError(f"config key 'decode.method': {d.method!r} but the drafter in {drafter_dir} is "
                                  f"a {arch!r} drafter")
         check_compatible(dcfg, read_target_args(world.target_dir))

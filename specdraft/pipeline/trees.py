@@ -1,4 +1,5 @@
-"""D²SD's drafters from a run config: the second drafter next to a first (DFlash) drafter, checked against it."""
+"""Tree rounds from a run config: D²SD's second drafter next to a first (DFlash) drafter, checked against it, and
+the one-pass tree of a DFlash drafter."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from specdraft.errors import SpecdraftError
 from specdraft.pipeline.config import RunConfig
 from specdraft.runtime.d2sd import TreeDrafting
 from specdraft.runtime.drafter_io import load_drafter
+from specdraft.runtime.node_budget import NodeBudget, budget_choices
+from specdraft.runtime.one_pass import OnePassDrafting
 
 FIRST_DRAFTERS = ("dflash", "vp")
 """Architectures a tree round can draft first with (no cross-round state)."""
@@ -34,9 +37,21 @@ def tree_drafting(cfg: RunConfig, target, first, num_branches: int | None = None
                                  "train.stage=vp, or set decode.second_drafter (a directory, an export name, or "
                                  "'same')")
         second = load(where) if load is not None else load_drafter(where, target)
-    tree = TreeDrafting(second, k, cfg.decode.tree_placement, cfg.decode.tree_distinct)
+    tree = TreeDrafting(second, k, cfg.decode.tree_placement, cfg.decode.tree_distinct, cfg.decode.tree_siblings)
     try:
         tree.check(first)
     except ValueError as e:
         raise SpecdraftError(f"config key 'decode.second_drafter': {where}: {e}") from None
     return tree
+
+
+def one_pass_drafting(cfg: RunConfig, first, nodes: int | None = None, budget: str | None = None) -> OnePassDrafting:
+    """The :class:`OnePassDrafting` of ``nodes`` (default ``decode.tree_nodes``) spent as ``budget`` (default
+    ``decode.tree_budget``) for ``first``, refused in one line unless ``first`` keeps no cross-round state."""
+    if first.arch_name not in FIRST_DRAFTERS:
+        raise SpecdraftError(f"config key 'decode.method': ddtree drafts with a {' or '.join(FIRST_DRAFTERS)} drafter, "
+                             f"not {first.arch_name!r} (its cross-round state has no meaning in a tree)")
+    nodes = nodes or cfg.decode.tree_nodes
+    measured = (budget or cfg.decode.tree_budget) == "measured"
+    return OnePassDrafting(nodes, cfg.decode.tree_chain,
+                           NodeBudget(budget_choices(first.block_size, nodes)) if measured else None)

@@ -382,7 +382,8 @@ class Decoding:
     generator: object = None
     """The ``torch.Generator`` sampling draws from."""
     tree: object = None
-    """A :class:`~specdraft.runtime.d2sd.TreeDrafting`: D²SD trees."""
+    """Tree rounds: a :class:`~specdraft.runtime.d2sd.TreeDrafting` (D²SD) or a
+    :class:`~specdraft.runtime.one_pass.OnePassDrafting`."""
     engine: Callable | None = None
     """Decodes each static batch: :func:`~specdraft.runtime.decode.generate` (None), or a
     :class:`~specdraft.runtime.static_decode.StaticEngine`."""

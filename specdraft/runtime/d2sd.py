@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 
 from specdraft.runtime.drafter import Drafter
+from specdraft.runtime.one_pass import best_first, node_paths
 from specdraft.runtime.phase_clock import PhaseClock
 from specdraft.runtime.sampling import SamplingParams, logits_to_probs, sample, sample_from_probs
 from specdraft.runtime.tree import (
@@ -35,6 +36,7 @@ from specdraft.runtime.tree import (
     build_tree,
     prefix_lengths,
 )
+from specdraft.runtime.tree_round import TreeRound, commit_path
 
 
 @dataclass
@@ -51,9 +53,20 @@ class TreeDrafting:
     distinct: bool = False
     """A branch drafts the second drafter's best token OTHER than the first draft's at its first free slot (the one
     the posterior expects rejected), so no branch repeats the first draft there. Off: its argmax, as published."""
+    siblings: int = 0
+    """One-pass siblings: the first drafter's ``siblings`` most likely paths (best-first over its per-slot
+    distributions, :mod:`specdraft.runtime.one_pass`) join the tree, where its distribution is flat. With siblings
+    the tree's tokens are the drafters' ranked ones at every temperature (under sampling the walk samples the target
+    at each node: lossless for a deterministic tree). 0: D²SD's tree alone (``decode.tree_siblings``)."""
 
     def max_nodes(self, block_size: int) -> int:
-        return 1 + (self.num_branches + 1) * (block_size - 1)
+        return 1 + (self.num_branches + 1) * (block_size - 1) + self.siblings
+
+    def round(self, target, drafter: Drafter, dcache, scache, tcache, anchor: torch.Tensor, params: SamplingParams,
+              feature_layers: tuple[int, ...], generator: torch.Generator | None, clock: PhaseClock,
+              draft_sampling: str = "sample") -> TreeRound:
+        return tree_round(target, drafter, self, dcache, scache, tcache, anchor, params, feature_layers, generator,
+                          clock, draft_sampling)
 
     def check(self, first: Drafter) -> None:
         """Raise ``ValueError`` unless the second drafter can branch from ``first``'s blocks."""
@@ -67,18 +80,6 @@ class TreeDrafting:
         if not 1 <= self.num_branches <= first.block_size - 2:
             raise ValueError(f"{self.num_branches} branches need 1..{first.block_size - 2} boundaries (block size "
                              f"{first.block_size})")
-
-
-class TreeRound(NamedTuple):
-    """What a D²SD round hands back to the engine (the committed part of the target cache already compacted)."""
-
-    draft_tokens: torch.Tensor  # [b, K] the winning candidate (its first num_accepted tokens are accepted)
-    draft_logits: torch.Tensor  # [b, K, V] the first drafter's logits
-    hidden: torch.Tensor  # [b, Bk, D] the first drafter's hidden states
-    acceptance: TreeAcceptance
-    path_logits: torch.Tensor  # [b, K + 1, V] the target's logits along the winner's path (index i scores slot i + 1)
-    path_features: torch.Tensor | None  # [b, A, F] the target features of the root and the accepted nodes (A = 1 + max)
-    tree: Tree
 
 
 class Candidates(NamedTuple):
@@ -138,6 +139,22 @@ def merge_candidates(first: torch.Tensor, first_q: torch.Tensor | None, first_lo
     return Candidates(torch.cat([first[:, None], branch], dim=1), probs, proposes, first_logits, hidden)
 
 
+def with_siblings(candidates: torch.Tensor, first_logits: torch.Tensor, siblings: int):
+    """D²SD's candidates ``[b, J + 1, K]`` and, after them, the first drafter's ``siblings`` most likely paths by its
+    per-slot distributions (one candidate per path, as long as its depth): ``(candidates [b, J + 1 + S, K], lengths
+    [b, J + 1 + S])``."""
+    b, C, K = candidates.shape
+    q = first_logits.float().softmax(-1)  # [b, K, V]
+    top, ranked = q.topk(min(siblings, q.shape[-1]), dim=-1)  # [b, K, W]
+    shape = best_first(top, siblings + 1)
+    slot = (shape.depth - 1).clamp_min(0)  # [b, S]
+    tokens = ranked.gather(1, slot[:, :, None].expand(-1, -1, top.shape[-1])).gather(2, shape.rank[:, :, None])[..., 0]
+    paths = node_paths(shape, tokens)  # [b, S, K'] (K' the deepest sibling)
+    paths = torch.cat([paths, paths.new_full((b, siblings, K - paths.shape[-1]), -1)], -1)  # [b, S, K]
+    lengths = torch.cat([torch.full((b, C), K, device=candidates.device), torch.where(shape.valid, shape.depth, 0)], 1)
+    return torch.cat([candidates, paths], 1), lengths
+
+
 def draft_candidates(drafter: Drafter, drafting: TreeDrafting, dcache, scache, anchor: torch.Tensor,
                      clock: PhaseClock, params: SamplingParams = SamplingParams(), sampled: bool = False,
                      generator: torch.Generator | None = None) -> Candidates:
@@ -165,24 +182,19 @@ def tree_round(target, drafter: Drafter, drafting: TreeDrafting, dcache, scache,
                clock: PhaseClock, draft_sampling: str = "sample") -> TreeRound:
     """One D²SD round for every active row. The target cache's committed lengths are left for the engine to raise by
     ``num_accepted + 1``; the accepted path's K/V already sit in those slots."""
-    sampled = not params.greedy and draft_sampling == "sample"
+    sampled = not params.greedy and draft_sampling == "sample" and not drafting.siblings
     cands = draft_candidates(drafter, drafting, dcache, scache, anchor, clock, params, sampled, generator)
     candidates, draft_logits, hidden = cands.tokens, cands.first_logits, cands.hidden
-    tree = build_tree(anchor, candidates)
+    lengths = None
+    if drafting.siblings:
+        candidates, lengths = with_siblings(candidates, draft_logits, drafting.siblings)
+    tree = build_tree(anchor, candidates, lengths)
     tree = tree.trimmed(int(tree.num_nodes.max()))  # the ragged batch's largest tree (one host read)
     clock.lap("tree")
-    lengths = tcache.lengths
-    out = target(tree.tokens, cache=tcache, positions=lengths[:, None] + tree.depth, new_mask=tree.mask,
+    out = target(tree.tokens, cache=tcache, positions=tcache.lengths[:, None] + tree.depth, new_mask=tree.mask,
                  feature_layers=feature_layers)  # logits [b, N, V]
     acc = verify_tree(tree, out.logits, params, generator, cands)
     clock.lap("verify")
-    A = int(acc.num_accepted.max()) + 1
-    steps = torch.arange(A, device=anchor.device)
-    tcache.move(lengths[:, None] + acc.path[:, :A], lengths[:, None] + steps)  # KV compaction
-    features = None
-    if out.features is not None:
-        features = out.features.gather(1, acc.path[:, :A, None].expand(-1, -1, out.features.shape[-1]))  # [b, A, F]
-    path_logits = out.logits.gather(1, acc.path[:, :, None].expand(-1, -1, out.logits.shape[-1]))  # [b, K + 1, V]
     winner = candidates.gather(1, acc.winner[:, None, None].expand(-1, 1, candidates.shape[-1]))[:, 0]  # [b, K]
-    clock.lap("compaction")
-    return TreeRound(winner, draft_logits, hidden, acc, path_logits, features, tree)
+    winner = winner.clamp_min(0)  # a sibling's slots past its depth (never accepted) hold -1
+    return commit_path(tree.num_nodes, acc, out, tcache, winner, draft_logits, hidden, clock)

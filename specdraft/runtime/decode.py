@@ -6,8 +6,9 @@ pass -> accept ``a`` drafts + one target token -> commit (each row's target cach
 ``a + 1`` committed tokens' target features to the drafter's context cache (right away, so the next round starts
 drafting at once). The AR baseline (no drafter) is the same
 loop with a block of one token, so speedups compare like with like. Finished rows are compacted away so they stop
-costing compute; stop tokens and ``max_new_tokens`` are per row. With ``tree=`` a round drafts and verifies a D²SD
-prefix tree instead of one block (:mod:`specdraft.runtime.d2sd`); everything around the round is shared.
+costing compute; stop tokens and ``max_new_tokens`` are per row. With ``tree=`` a round drafts and verifies a tree
+instead of one block: D²SD's (:mod:`specdraft.runtime.d2sd`) or a one-pass tree (:mod:`specdraft.runtime.one_pass`);
+everything around the round is shared.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from typing import Callable, Sequence
 import torch
 
 from specdraft.runtime.backlog import Backlog
-from specdraft.runtime.d2sd import TreeDrafting, tree_round
+from specdraft.runtime.d2sd import TreeDrafting
 from specdraft.runtime.drafter import Drafter, RoundRecord
 from specdraft.runtime.explore import explorers, explores_rows, scatter_rows, verifies_apart, verify_apart
 from specdraft.runtime.models.target import TargetLM
+from specdraft.runtime.one_pass import OnePassDrafting
 from specdraft.runtime.phase_clock import PhaseClock, wall_seconds
 from specdraft.runtime.policy import AdaptivePolicy
 from specdraft.runtime.sampling import SamplingParams, logits_to_probs, sample, sample_from_probs
@@ -160,7 +162,8 @@ class _Prefill:
 @torch.inference_mode()
 def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: GenerationConfig,
              drafter: Drafter | None = None, generator: torch.Generator | None = None,
-             observer: Callable[[RoundRecord], None] | None = None, tree: TreeDrafting | None = None,
+             observer: Callable[[RoundRecord], None] | None = None,
+             tree: TreeDrafting | OnePassDrafting | None = None,
              timings: dict[str, float] | None = None, policy: AdaptivePolicy | None = None,
              slots: int | None = None, prefill_chunk: int | None = None,
              on_result: Callable[[int, RowResult], None] | None = None) -> list[RowResult]:
@@ -173,7 +176,7 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
         drafter: a block drafter bound to ``target`` (a :class:`Drafter`), or ``None`` for AR.
         generator: RNG for sampling (on the target's device).
         observer: called once per verify round with its :class:`RoundRecord` (analysis, on-policy rollouts).
-        tree: D²SD tree drafting (needs ``drafter``, a first drafter without cross-round state).
+        tree: tree rounds, D²SD's or one-pass (needs ``drafter``, a first drafter without cross-round state).
         timings: when given, wall seconds per round phase are added to it (prefill, draft, second_draft, tree,
             verify, compaction, commit), synchronising the device at each phase boundary.
         policy: chain rounds only: an :class:`AdaptivePolicy` choosing whether to draft and how many drafts to
@@ -201,7 +204,7 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
     B = len(prompts)
     S = B if slots is None else min(slots, B)
     block = drafter.block_size if drafter is not None else 1
-    verify_len = tree.max_nodes(block) if tree is not None else block
+    verify_len = max(tree.max_nodes(block), block) if tree is not None else block  # the drafter's block fits too
     max_new = [config.max_new_tokens] * B if isinstance(config.max_new_tokens, int) else list(config.max_new_tokens)
     stop = set(config.stop_token_ids)
     params = config.sampling
@@ -345,11 +348,11 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
             policy.before_round((made + sum(cache_offset[r] for r in ids)) / b, sum(max_new[r] for r in ids) - made,
                                 backlog.tokens)
         if tree is not None:
-            rnd = tree_round(target, drafter, tree, dcache, scache if second is not None else dcache, tcache,
-                             state.anchor, params, feature_layers, generator, clock, config.draft_sampling)
+            rnd = tree.round(target, drafter, dcache, scache if second is not None else dcache, tcache, state.anchor,
+                             params, feature_layers, generator, clock, config.draft_sampling)
             draft_tokens, draft_logits, hidden = rnd.draft_tokens, rnd.draft_logits, rnd.hidden
             n_acc, nxt, target_logits = rnd.acceptance.num_accepted, rnd.acceptance.next_token, rnd.path_logits
-            features, tree_nodes, tree_winner = rnd.path_features, rnd.tree.num_nodes, rnd.acceptance.winner
+            features, tree_nodes, tree_winner = rnd.path_features, rnd.num_nodes, rnd.acceptance.winner
         elif drafter is not None and (m := b if policy is None else policy.draft_rows(b, len(fresh), ids, opening)) > 0:
             # m rows draft (fewer than b: an exploring round, when the drafter can draft for a subset of rows)
             widths = None  # [b] drafts each row verifies, when only a few rows drafted

@@ -169,6 +169,8 @@ class StaticDecoder:
         dev = target.lm_head.weight.device
         self.check_drafter(drafter)
         if tree is not None:
+            if not isinstance(tree, TreeDrafting) or tree.siblings:
+                raise ValueError("the static path runs D²SD trees; one-pass trees and siblings run on the eager engine")
             if drafter is None:
                 raise ValueError("tree drafting needs a first drafter")
             tree.check(drafter)

@@ -62,7 +62,7 @@ class Tree(NamedTuple):
                              mask=self.mask[:, :num_nodes, :num_nodes])
 
 
-def build_tree(anchor: torch.Tensor, candidates: torch.Tensor) -> Tree:
+def build_tree(anchor: torch.Tensor, candidates: torch.Tensor, lengths: torch.Tensor | None = None) -> Tree:
     """Merge candidates that share prefixes into one tree per row.
 
     Candidate ``c`` slot ``k`` is a new node unless an earlier candidate carries the same tokens at slots ``0..k``;
@@ -71,34 +71,40 @@ def build_tree(anchor: torch.Tensor, candidates: torch.Tensor) -> Tree:
     Args:
         anchor: ``[b]`` the committed token every candidate continues.
         candidates: ``[b, C, K]`` draft tokens.
+        lengths: ``[b, C]`` slots each candidate holds (default all ``K``); the slots past them are no nodes, and the
+            tree's ``candidates`` hold -1 there (a token no target emits, so no walk goes past a candidate's end).
     """
     b, C, K = candidates.shape
     dev = candidates.device
+    valid = torch.ones(b, C, K, dtype=torch.bool, device=dev) if lengths is None else (
+        torch.arange(K, device=dev) < lengths[:, :, None])  # [b, C, K]
+    candidates = torch.where(valid, candidates, -1)
     same = (candidates[:, :, None, :] == candidates[:, None, :, :]).long().cumprod(-1).bool()  # [b, C, C, K]
     earlier = torch.ones(C, C, dtype=torch.bool, device=dev).tril(-1)  # [C, C] c' < c
-    dup = same & earlier[None, :, :, None]  # [b, C, C', K] same prefix as an earlier candidate c'
-    is_new = ~dup.any(2)  # [b, C, K]
+    dup = same & earlier[None, :, :, None] & valid[:, None]  # [b, C, C', K] same prefix as an earlier candidate c'
+    is_new = ~dup.any(2) & valid  # [b, C, K]
     new_id = is_new.flatten(1).long().cumsum(-1).view(b, C, K)  # [b, C, K] 1-based among new nodes = node id
     first = torch.where(dup, torch.arange(C, device=dev)[None, None, :, None], C).amin(2)  # [b, C, K]
-    owner = torch.where(is_new, torch.arange(C, device=dev)[None, :, None], first)  # [b, C, K] first with the prefix
-    node_of = new_id.gather(1, owner)  # [b, C, K] new_id[b, owner[b, c, k], k]
+    owner = torch.where(is_new | ~valid, torch.arange(C, device=dev)[None, :, None], first)  # [b, C, K]
+    N = 1 + C * K
+    node_of = torch.where(valid, new_id.gather(1, owner), 0)  # [b, C, K] new_id[b, owner[b, c, k], k]
     parent_of = torch.cat([node_of.new_zeros(b, C, 1), node_of[:, :, :-1]], dim=-1)  # [b, C, K]
     num_nodes = 1 + is_new.flatten(1).sum(-1)  # [b]
-    N = 1 + C * K
+    write = torch.where(valid, node_of, N)  # [b, C, K] slots past a candidate write to a dropped column
     rows = torch.arange(b, device=dev)[:, None]
-    tokens = anchor[:, None].expand(b, N).clone()  # [b, N] padding nodes repeat the anchor at depth 0
-    depth = torch.zeros(b, N, dtype=torch.long, device=dev)
-    tokens[rows, node_of.flatten(1)] = candidates.flatten(1)
-    depth[rows, node_of.flatten(1)] = (torch.arange(K, device=dev) + 1).expand(b, C, K).flatten(1)
+    tokens = anchor[:, None].expand(b, N + 1).clone()  # [b, N + 1] padding nodes repeat the anchor at depth 0
+    depth = torch.zeros(b, N + 1, dtype=torch.long, device=dev)
+    tokens[rows, write.flatten(1)] = candidates.flatten(1)
+    depth[rows, write.flatten(1)] = (torch.arange(K, device=dev) + 1).expand(b, C, K).flatten(1)
     # node_of[c, k] sees node_of[c, j] for j <= k (j > k points at the root instead), itself and the root;
     # candidates that share a prefix write the same entries
-    mask = torch.eye(N, dtype=torch.bool, device=dev).repeat(b, 1, 1)  # [b, N, N]
+    mask = torch.eye(N + 1, dtype=torch.bool, device=dev).repeat(b, 1, 1)  # [b, N + 1, N + 1]
     mask[:, :, 0] = True
     on_path = torch.ones(K, K, dtype=torch.bool, device=dev).tril()  # [K, K] (query slot k, key slot j)
-    src = node_of[:, :, :, None].expand(b, C, K, K)  # [b, C, K, K]
+    src = write[:, :, :, None].expand(b, C, K, K)  # [b, C, K, K]
     dst = torch.where(on_path, node_of[:, :, None, :], 0)  # [b, C, K, K]
     mask[rows[:, :, None, None].expand(b, C, K, K), src, dst] = True
-    return Tree(tokens, depth, mask, num_nodes, node_of, parent_of, candidates)
+    return Tree(tokens[:, :N], depth[:, :N], mask[:, :N, :N], num_nodes, node_of, parent_of, candidates)
 
 
 class TreeAcceptance(NamedTuple):

@@ -96,9 +96,10 @@ def test_greedy_decode_job_equals_ar_job(tiny_world, drafter_dir, tmp_path):
              "static": ["decode.batching=static"], "adaptive": ["decode.policy=adaptive"]}
     tree = ["decode.second_drafter=same", "decode.tree_k=2"]  # D²SD with the first drafter re-drafting
     for method, graphs in (("ar", "false"), ("dflash", "false"), ("dflash", "true"), ("ar", "true"),
-                           ("dflash", "static"), ("dflash", "adaptive"), ("d2sd", "static"), ("d2sd", "true")):
+                           ("dflash", "static"), ("dflash", "adaptive"), ("d2sd", "static"), ("d2sd", "true"),
+                           ("ddtree", "false")):
         outs[method, graphs] = tmp_path / f"{method}-{graphs}.jsonl"
-        extra = tree if method == "d2sd" else []
+        extra = {"d2sd": tree, "ddtree": ["decode.tree_nodes=6"]}.get(method, [])
         assert main(["decode", *_args(tiny_world, drafter_dir, tmp_path, f"decode.method={method}", *modes[graphs],
                                       *extra), "--input", str(inp), "--output", str(outs[method, graphs])]) == 0
     comp = {m: {json.loads(line)["id"]: json.loads(line)["completion"]
@@ -115,7 +116,7 @@ def test_greedy_decode_job_equals_ar_job(tiny_world, drafter_dir, tmp_path):
     assert {json.loads(line)["id"]: json.loads(line)["completion"] for line in again.read_text().splitlines()} \
         == comp["dflash", "adaptive"]
     assert len(list((tmp_path / "work" / "policy").glob("*.json"))) == 1
-    assert comp["d2sd", "static"] == comp["d2sd", "true"] == comp["ar", "false"]
+    assert comp["d2sd", "static"] == comp["d2sd", "true"] == comp["ar", "false"] == comp["ddtree", "false"]
     tau = {(m, g): {json.loads(line)["id"]: json.loads(line)["tau"] for line in outs[m, g].read_text().splitlines()}
            for m, g in (("dflash", "true"), ("dflash", "false"), ("d2sd", "true"), ("d2sd", "static"))}
     assert tau["dflash", "true"] == tau["dflash", "false"]  # the static path drafts what the eager engine drafts

@@ -70,6 +70,15 @@ def test_run_end_to_end_and_rerun_is_cached(tmp_path, monkeypatch, capsys):
         assert sum(r["winner_share"]) == pytest.approx(1.0) and len(r["winner_share"]) == r["tree_k"] + 1
     assert "| d2sd K=2 | sft |" in (w / "bench" / "bench.md").read_text()
 
+    # one-pass tree rows at two node budgets, with the budget plot
+    assert main([*bench, "bench.tree_ks=[]", "bench.tree_nodes=[3,8]"]) == 0
+    rows = json.loads((w / "bench" / "bench.json").read_text())["results"]
+    trees = [r for r in rows if r["method"] == "ddtree"]
+    assert sorted(r["tree_nodes"] for r in trees) == [3, 3, 8, 8]  # two suites
+    for r in trees:
+        assert 1 < r["nodes_per_round"] <= r["tree_nodes"] and 0 <= r["sibling_share"] <= 1
+    assert (w / "bench" / "bench_tree_nodes.png").stat().st_size > 1000
+
     # the adaptive policy beside the fixed one, each in static batches and continuous batching (requests of
     # lengths varying fourfold): rows carry the policy, the drafts chosen, the batching and the ratio to static
     assert main([*bench[:-4], "bench.policies=[fixed,adaptive]", "bench.batching=[static,continuous]",

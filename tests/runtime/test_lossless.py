@@ -20,6 +20,7 @@ from tests.lossless import (
     check_greedy,
     run,
     sampling_pvalues,
+    wrong_rule_caught,
 )
 
 ALPHA = 1e-3  # every p-value below is from a fixed seed; the wrong rules give p-values far below it
@@ -153,13 +154,7 @@ def test_the_harness_fails_on_a_wrong_rule(rule, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("rule", sorted(TREE_WRONG_RULES))
 def test_the_harness_fails_on_a_wrong_tree_rule(rule, monkeypatch):
-    for module, attr, wrong in TREE_WRONG_RULES[rule]:
-        monkeypatch.setattr(module, attr, wrong)
-    if rule.startswith("sampled drafts"):
-        target = make_target(seed=7, vocab=6, std=0.5)
-        sampled = sampling_pvalues(target, tree_factory("stub", target, "mix", 4, 2), SAMPLING_SETTINGS[0])
-        assert sampled.min_p < ALPHA, (rule, sampled)
-        return
-    target = make_target(seed=3, vocab=48)
-    greedy = check_greedy(target, tree_factory("stub", target, "oracle", 6, 2), RAGGED_PROMPTS, RAGGED_CAPS)
-    assert greedy["mismatches"] > 0, (rule, greedy)
+    caught, got = wrong_rule_caught(TREE_WRONG_RULES[rule], monkeypatch,
+                                    lambda target, mode, bk: tree_factory("stub", target, mode, bk, 2),
+                                    rule.startswith("sampled drafts"), ALPHA)
+    assert caught, (rule, got)

@@ -1,0 +1,115 @@
+"""How many tree nodes a round verifies: the budget that maximises expected committed tokens per second.
+
+Each round of a one-pass tree (:mod:`specdraft.runtime.one_pass`) the best-first tree is built at the largest budget;
+its nodes come in best-first order, so its first ``n`` nodes are the best tree of ``n``. For each allowed ``n`` the
+batch commits ``sum over rows of 1 + c * sum_{i < n} P_i`` tokens in expectation: ``P_i`` is the drafter's
+probability of node ``i``'s path (what the walk accepts node ``i`` with, were the drafter calibrated) and ``c`` the
+calibration, drafts accepted over drafts predicted over the rounds so far (one pseudo-round of each to start). The
+round costs the target's verify pass of ``rows x n`` tokens, measured once per (rows rounded up to a power of two,
+``n``) by timing a pass over a scratch cache, plus the rest of a round (drafter, tree, walk, compaction), measured
+from the rounds so far apart for chain rounds and tree rounds. At a large batch, where a
+verify pass is compute-bound, the trees shrink (down to the drafter's own block when it is kept first); at batch 1
+they grow.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specdraft.runtime.phase_clock import wall_seconds
+
+
+@dataclass
+class NodeBudget:
+    choices: tuple[int, ...]
+    """Node budgets a round may verify (the root included), ascending."""
+    repeats: int = 3
+    """Timed verify passes per (rows, budget), after one untimed one; the median is kept."""
+    verify_s: dict[tuple[int, int], float] = field(default_factory=dict)
+    """(rows bucket, nodes) -> seconds of the target's verify pass."""
+    overhead_s: dict[str, float] = field(default_factory=dict)
+    """Per round kind (``chain``: the drafter's block alone, ``tree``): the round's seconds beyond its priced verify
+    pass (the drafter, the tree's construction, the walk, the compaction), exponentially averaged."""
+    accepted: dict[str, float] = field(default_factory=dict)
+    predicted: dict[str, float] = field(default_factory=dict)
+    """Per sampling setting: drafts accepted and the tree's predicted acceptance, summed over the rounds so far."""
+    last_pricing_s: float = 0.0
+    """Seconds the last :meth:`choose` spent measuring verify passes (not the round's)."""
+
+    def price(self, target, rows: int, context: int, nodes: int, feature_layers: tuple[int, ...]) -> float:
+        """Seconds of a verify pass of ``nodes`` tokens on ``rows`` rows (rounded up to a power of two). The first
+        time a bucket is asked for, every choice is measured at it and at every smaller bucket, at this context (so a
+        batch that shrinks as its requests finish finds its prices measured)."""
+        bucket = 1 << max(rows - 1, 0).bit_length()
+        if (bucket, nodes) not in self.verify_s:
+            started = time.perf_counter()
+            for size in (1 << i for i in range(bucket.bit_length())):
+                for n in self.choices:
+                    if (size, n) not in self.verify_s:
+                        self.verify_s[size, n] = self._measure(target, size, context, n, feature_layers)
+            self.last_pricing_s += time.perf_counter() - started
+        return self.verify_s[bucket, nodes]
+
+    def _measure(self, target, rows: int, context: int, nodes: int, feature_layers: tuple[int, ...]) -> float:
+        dev = target.lm_head.weight.device
+        cache = target.new_cache(rows, context + nodes)
+        cache.lengths.fill_(context)
+        tokens = torch.zeros(rows, nodes, dtype=torch.long, device=dev)
+        depth = torch.arange(nodes, device=dev).expand(rows, nodes)
+        mask = torch.ones(nodes, nodes, dtype=torch.bool, device=dev).tril().expand(rows, nodes, nodes)
+
+        def verify():
+            target(tokens, cache=cache, positions=context + depth, new_mask=mask, feature_layers=feature_layers)
+        verify()
+        return statistics.median(wall_seconds(verify, dev) for _ in range(self.repeats))
+
+    def choose(self, target, node_probs: torch.Tensor, context: int, feature_layers: tuple[int, ...],
+               setting: str = "") -> int:
+        """The budget to verify this round.
+
+        Args:
+            node_probs: ``[b, M]`` each non-root node's path probability, in the tree's best-first node order.
+            setting: the sampling setting the calibration is kept for.
+        """
+        self.last_pricing_s, b = 0.0, node_probs.shape[0]
+        cum = torch.cat([node_probs.new_zeros(b, 1), node_probs.double().cumsum(-1)], 1).sum(0).tolist()  # [M + 1]
+        c = (self.accepted.get(setting, 0.0) + 1.0) / (self.predicted.get(setting, 0.0) + 1.0)
+        best, best_rate = self.choices[0], -1.0
+        for n in self.choices:
+            tokens = b + c * cum[min(n - 1, len(cum) - 1)]
+            rate = tokens / (self.overhead(self.kind(n)) + self.price(target, b, context, n, feature_layers))
+            if rate > best_rate:
+                best, best_rate = n, rate
+        return best
+
+    def kind(self, nodes: int) -> str:
+        """``chain`` for the smallest choice (the drafter's block: a chain round when the block is kept first)."""
+        return "chain" if nodes == self.choices[0] else "tree"
+
+    def overhead(self, kind: str) -> float:
+        """A round's seconds beyond its verify pass; a kind not seen yet borrows the other's (0 before any round)."""
+        return self.overhead_s.get(kind, self.overhead_s.get("tree" if kind == "chain" else "chain", 0.0))
+
+    def observe(self, predicted: float, accepted: float, nodes: int, rows: int, round_seconds: float,
+                setting: str = "") -> None:
+        """A round's predicted and accepted drafts (summed over rows), the budget it verified at ``rows`` rows and
+        its wall seconds (the pricing of :meth:`choose` excluded)."""
+        self.predicted[setting] = self.predicted.get(setting, 0.0) + predicted
+        self.accepted[setting] = self.accepted.get(setting, 0.0) + accepted
+        kind = self.kind(nodes)
+        bucket = 1 << max(rows - 1, 0).bit_length()
+        extra = max(round_seconds - self.verify_s.get((bucket, nodes), 0.0), 0.0)
+        self.overhead_s[kind] = extra if kind not in self.overhead_s else 0.8 * self.overhead_s[kind] + 0.2 * extra
+
+
+def budget_choices(block_size: int, nodes: int) -> tuple[int, ...]:
+    """The drafter's block, then about 1.5 times more each step, up to ``nodes``."""
+    out, n = [], min(block_size, nodes)
+    while n < nodes:
+        out.append(n)
+        n = max(n + 1, round(n * 1.5))
+    return (*out, nodes)

@@ -1,0 +1,386 @@
+"""One-pass draft trees (the idea of DDTree, arXiv:2604.12989; our own implementation): the tree comes from ONE
+block-diffusion pass of the first drafter, its per-slot distributions ``q_1..q_K`` expanded best-first by path
+probability under a fixed node budget, and is verified in one target pass (tree attention as in SpecInfer,
+arXiv:2305.09781).
+
+Shapes: ``b`` rows, ``K`` draft slots, ``N`` nodes per row (the root, the anchor, is node 0; ``M = N - 1``), ``W``
+children ranks per node (``min(M, V)``). A node at depth ``d`` continues its parent with one of the ``W`` tokens of
+``q_d``; its child of rank ``j`` scores ``log q_d`` of the ``j``-th most likely token. The tree's SHAPE (which ranks
+each node expands) is the best-first tree of ``M`` nodes by path log-probability (:func:`best_first`): a function of
+the drafter's distributions alone. Its tokens are
+
+- the ranked tokens themselves (greedy verification, or argmax drafts under sampling): the walk follows the target's
+  own token at each node (:func:`accept_nodes`), lossless for any deterministic tree;
+- under sampling with ``draft_sampling="sample"``, a node's ``j``-th child is the ``j``-th token drawn WITHOUT
+  replacement from ``q_d`` (Gumbel top-k, an independent draw per node): the walk runs recursive rejection sampling
+  for siblings drawn without replacement (:func:`accept_nodes_sampled`; Jeon et al., arXiv:2402.14160), exact
+  because the shape does not depend on the drawn tokens.
+
+Pure tensor code with a few host reads per round (the tree's widest fan-out, the sampled walk's loop bounds, and
+a measured budget's choice).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+
+from specdraft.runtime.drafter import Drafter
+from specdraft.runtime.node_budget import NodeBudget
+from specdraft.runtime.phase_clock import PhaseClock
+from specdraft.runtime.sampling import SamplingParams, logits_to_probs, sample, sample_from_probs
+from specdraft.runtime.tree import TreeAcceptance, rejection_residual
+from specdraft.runtime.tree_round import TreeRound, commit_path
+from specdraft.runtime.verify import accept_greedy, accept_speculative_sampling
+
+_DEPTH_TIE, _RANK_TIE = 1e-9, 1e-12
+"""Float64 tie-breakers of the best-first keys: a child ranks strictly below its parent and a sibling strictly below
+its elder, so the chosen nodes always form a tree whose siblings are ranks ``0..m-1`` (while ``W * _RANK_TIE`` stays
+below ``_DEPTH_TIE``: at most :data:`MAX_NODES` nodes)."""
+MAX_NODES = 1000
+_CHAIN = 1e6
+"""Added to the keys of the rank-0 chain's nodes when it is kept (larger than any path's negative log-probability
+spread, small enough for float64 to keep the tie-breakers)."""
+
+
+@dataclass
+class OnePassDrafting:
+    """How a one-pass round builds its tree (``generate(..., tree=)``; ``decode.method=ddtree``)."""
+
+    nodes: int = 32
+    """``N``: nodes verified per row and round, the root included (``decode.tree_nodes``)."""
+    keep_chain: bool = True
+    """The drafter's own block (its most likely token at every slot) is always in the tree, the best-first nodes
+    filling the rest of the budget, so a round accepts at least what a chain round would under greedy verification
+    (``decode.tree_chain``). Off: the ``N`` most likely paths alone, as DDTree builds them."""
+    budget: NodeBudget | None = None
+    """Set: each round verifies the budget up to ``nodes`` that maximises expected committed tokens per second
+    (``decode.tree_budget=measured``); None: ``nodes`` every round."""
+    second = None  # no second drafter: the tree is the first drafter's
+
+    def max_nodes(self, block_size: int) -> int:
+        return self.nodes
+
+    def check(self, first: Drafter) -> None:
+        if not 2 <= self.nodes <= MAX_NODES:
+            raise ValueError(f"a one-pass tree has 2..{MAX_NODES} nodes (the root and at least a draft), not "
+                             f"{self.nodes}")
+
+    def round(self, target, drafter: Drafter, dcache, scache, tcache, anchor: torch.Tensor, params: SamplingParams,
+              feature_layers: tuple[int, ...], generator: torch.Generator | None, clock: PhaseClock,
+              draft_sampling: str = "sample"):
+        return one_pass_round(target, drafter, self, dcache, tcache, anchor, params, feature_layers, generator,
+                              clock, draft_sampling)
+
+
+class Shape(NamedTuple):
+    """The best-first tree's non-root nodes ``1..M``, in best-first order (every parent before its children)."""
+
+    parent: torch.Tensor  # [b, M] node id of the parent (0 = root)
+    rank: torch.Tensor  # [b, M] the node's rank among its parent's children (0 = the most likely token)
+    depth: torch.Tensor  # [b, M] 1..K
+    valid: torch.Tensor  # [b, M] False: no such node (its path has probability 0); a padding node
+    log_prob: torch.Tensor  # [b, M] float64 log of the path's probability (-inf: padding)
+
+    def first(self, count: int) -> "Shape":
+        """The best tree of ``count`` non-root nodes (best-first order keeps parents before children)."""
+        return Shape(*(x[:, :count] for x in self))
+
+
+def best_first(top_probs: torch.Tensor, num_nodes: int, keep_chain: bool = False) -> Shape:
+    """The ``num_nodes - 1`` most likely non-root nodes, a node's probability being the product of ``q_k`` of the
+    ranked tokens along its path (conditionally independent slots, as one block-diffusion pass gives them).
+
+    The set is found level by level: the best ``M`` nodes of depth ``d`` extend the best ``M`` of depth ``d - 1``
+    (a child is never likelier than its parent), so the best ``M`` of all levels are the best ``M`` overall.
+
+    Args:
+        top_probs: ``[b, K, W]`` each slot's ``W`` largest probabilities, descending.
+        keep_chain: the rank-0 chain (the drafter's own block: what a chain round verifies) comes first, as deep as
+            the budget allows; the best-first nodes fill the rest.
+    """
+    b, K, W = top_probs.shape
+    M, dev = num_nodes - 1, top_probs.device
+    if W > MAX_NODES:
+        raise ValueError(f"{W} ranks per slot: at most {MAX_NODES} keep the tie-breakers exact")
+    logq = top_probs.double().log()  # [b, K, W]
+    rank_tie = torch.arange(W, device=dev, dtype=torch.float64) * _RANK_TIE  # [W]
+    boost = _CHAIN if keep_chain else 0.0
+    level_log = logq.new_full((b, M), float("-inf"))  # [b, M] path log-probabilities of the level's nodes
+    level_log[:, :W] = logq[:, 0, :M]
+    level_parent = torch.full((b, M), -1, dtype=torch.long, device=dev)  # index in the previous level (-1: root)
+    level_rank = torch.arange(M, device=dev).clamp_max(W - 1).expand(b, M)  # [b, M] (past W: -inf, never real)
+    chain = level_rank == 0  # [b, M] the level's chain node
+    key = level_log - _DEPTH_TIE - rank_tie[level_rank] + boost * chain
+    logs, keys, parents, ranks = [level_log], [key], [level_parent], [level_rank]
+    # the level's i-th parent (by key) and rank j can be among its best M children only if the i * (j + 1) pairs
+    # (i', j') with 1 <= i' <= i, j' <= j, which beat it, are fewer than M; parent 0 (the chain's, when boosted) keeps
+    # every rank
+    i, j = torch.arange(M, device=dev)[:, None], torch.arange(W, device=dev)[None, :]
+    pi, pj = ((i == 0) | (i * (j + 1) <= M)).nonzero(as_tuple=True)  # [P] candidate (parent, rank) pairs
+    for d in range(1, K):
+        cand = level_log[:, pi] + logq[:, d, pj]  # [b, P]
+        cand_chain = chain[:, pi] & (pj == 0)  # [b, P]
+        cand_key = cand - (d + 1) * _DEPTH_TIE - rank_tie[pj] + boost * cand_chain
+        key, at = cand_key.topk(M, dim=-1)  # [b, M]
+        level_log, level_parent, level_rank = cand.gather(1, at), pi[at], pj[at]
+        chain = cand_chain.gather(1, at)
+        logs.append(level_log), keys.append(key), parents.append(level_parent), ranks.append(level_rank)
+    key = torch.stack(keys, 1).flatten(1)  # [b, K * M]
+    best = key.topk(M, dim=-1).indices  # [b, M] descending: a parent always before its children
+    level = best // M  # [b, M]
+    node_id = torch.zeros(b, K * M, dtype=torch.long, device=dev)
+    node_id.scatter_(1, best, torch.arange(1, M + 1, device=dev).expand(b, M))  # (level, pos) -> node id (0: none)
+    parent_pos = torch.stack(parents, 1).flatten(1).gather(1, best)  # [b, M] position in level - 1
+    parent = torch.where(level > 0, node_id.gather(1, ((level - 1) * M + parent_pos).clamp_min(0)), 0)
+    rank = torch.stack(ranks, 1).flatten(1).gather(1, best)
+    log_prob = torch.stack(logs, 1).flatten(1).gather(1, best)  # [b, M]
+    valid = log_prob > float("-inf")
+    return Shape(torch.where(valid, parent, 0), rank, level + 1, valid, log_prob)
+
+
+class NodeTree(NamedTuple):
+    """A one-pass tree per row (padding nodes see the root and themselves at depth 0; no real node sees them and
+    none is ever accepted)."""
+
+    tokens: torch.Tensor  # [b, N] node tokens (the anchor at node 0)
+    depth: torch.Tensor  # [b, N] depth (0 = root)
+    mask: torch.Tensor  # [b, N, N] bool ancestor-or-self mask
+    num_nodes: torch.Tensor  # [b] real nodes (root included)
+    children: torch.Tensor  # [b, N, W] node ids of each node's children by rank (0: none)
+    parent: torch.Tensor  # [b, N] (the root's and padding nodes': 0)
+    rank: torch.Tensor  # [b, N] a node's rank among its siblings (0: the drafter's likeliest token there)
+
+
+def build_nodes(anchor: torch.Tensor, shape: Shape, tokens: torch.Tensor, max_depth: int) -> NodeTree:
+    """The tree of ``shape`` with non-root node tokens ``tokens`` ``[b, M]``."""
+    b, M = tokens.shape
+    N, dev = M + 1, tokens.device
+    W = int(shape.rank.max()) + 1 if M else 1
+    rows = torch.arange(b, device=dev)[:, None]
+    ids = torch.arange(1, N, device=dev).expand(b, M)
+    node_tokens = torch.cat([anchor[:, None], torch.where(shape.valid, tokens, anchor[:, None])], 1)  # [b, N]
+    depth = torch.cat([shape.depth.new_zeros(b, 1), torch.where(shape.valid, shape.depth, 0)], 1)  # [b, N]
+    parent = torch.cat([shape.parent.new_zeros(b, 1), shape.parent], 1)  # [b, N] (the root's: itself)
+    mask = torch.eye(N, dtype=torch.bool, device=dev).repeat(b, 1, 1)  # [b, N, N] within distance 0
+    mask[:, :, 0] = True
+    up = parent  # [b, N] the ancestor 2^t steps up (the root stays the root)
+    for _ in range(max(max_depth - 1, 0).bit_length()):  # pointer doubling: within 2^(t+1) - 1 steps
+        mask = mask | mask.gather(1, up[:, :, None].expand(b, N, N))
+        up = up.gather(1, up)
+    slot = torch.where(shape.valid, shape.parent * W + shape.rank, N * W)  # [b, M] (padding -> a dropped slot)
+    flat = torch.zeros(b, N * W + 1, dtype=torch.long, device=dev)
+    flat[rows, slot] = ids
+    children = flat[:, :-1].view(b, N, W)
+    rank = torch.cat([shape.rank.new_zeros(b, 1), torch.where(shape.valid, shape.rank, 0)], 1)  # [b, N]
+    return NodeTree(node_tokens, depth, mask, 1 + shape.valid.sum(-1), children, parent, rank)
+
+
+def node_paths(shape: Shape, tokens: torch.Tensor) -> torch.Tensor:
+    """``[b, M, K]`` each node's tokens from the root down to it (slots past its depth, and padding nodes: -1)."""
+    b, M = tokens.shape
+    K = int(shape.depth.max())
+    parent = torch.cat([shape.parent.new_zeros(b, 1), shape.parent], 1)  # [b, N] by node id
+    depth = torch.cat([shape.depth.new_zeros(b, 1), torch.where(shape.valid, shape.depth, 0)], 1)  # [b, N]
+    tok = torch.cat([tokens.new_zeros(b, 1), tokens], 1)  # [b, N]
+    paths = tokens.new_full((b, M, K + 1), -1)  # slot K: where the root writes (dropped)
+    cur = torch.arange(1, M + 1, device=tokens.device).expand(b, M)  # [b, M] walking up from each node
+    for _ in range(K):
+        d = depth.gather(1, cur)  # [b, M] 0 once at the root
+        paths.scatter_(2, torch.where(d > 0, d - 1, K)[:, :, None], torch.where(d > 0, tok.gather(1, cur), -1)[
+            :, :, None])
+        cur = parent.gather(1, cur)
+    return paths[:, :, :K]
+
+
+def draw_without_replacement(q: torch.Tensor, count: int, generator: torch.Generator | None) -> torch.Tensor:
+    """``[..., count]`` tokens drawn one after another without replacement from ``q`` ``[..., V]`` (Gumbel top-k:
+    the order of ``log q + G`` is that sequential draw); draws past ``q``'s support are arbitrary tokens of
+    probability 0 (a shape never asks for them)."""
+    u = torch.rand(q.shape, generator=generator, device=q.device, dtype=torch.float64).clamp_min(1e-300)
+    keys = q.double().log() - (-u.log()).log()  # log q + Gumbel
+    return keys.topk(count, dim=-1).indices
+
+
+def without_drawn(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``q`` ``[b, V]`` without the drawn tokens ``x`` ``[b, 1]``, renormalised: what the next sibling was drawn
+    from."""
+    rest = q.scatter(1, x, 0.0)
+    return rest / rest.sum(-1, keepdim=True).clamp_min(1e-30)
+
+
+def accept_nodes(tree: NodeTree, node_targets: torch.Tensor) -> TreeAcceptance:
+    """From the root, move to the child whose token is the target's token at the current node, until none is; that
+    token follows the accepted path (greedy verification with argmax targets; with one SAMPLE per node, lossless
+    speculative sampling for deterministic siblings, as :func:`~specdraft.runtime.tree.accept_tree`).
+
+    Vectorised: a node is on the accepted path when it and each of its ancestors carry the target's token at their
+    parent (siblings are distinct, so these nodes form one path), found by pointer doubling over the parents (not the
+    attention mask); the walk stops at the deepest of them.
+
+    Args:
+        node_targets: ``[b, N]`` the target's token after each node.
+    Returns:
+        ``winner`` 1 where the accepted path leaves the rank-0 children (a sibling won), else 0.
+    """
+    b, N = tree.tokens.shape
+    real = torch.arange(N, device=tree.tokens.device) < tree.num_nodes[:, None]  # [b, N]
+    match = (tree.tokens == node_targets.gather(1, tree.parent)) & real  # [b, N]
+    match[:, 0] = True  # the root is committed
+    on_path, up = match, tree.parent  # on_path: every node within 2^t - 1 steps up matches; up: 2^t steps up
+    for _ in range(int(tree.depth.max()).bit_length()):
+        on_path, up = on_path & on_path.gather(1, up), up.gather(1, up)
+    depth = torch.where(on_path, tree.depth, -1)  # [b, N]
+    last = depth.argmax(-1)  # [b] the deepest node on the path (the root when no draft matches)
+    num_accepted = tree.depth.gather(1, last[:, None])[:, 0]
+    path = last.new_zeros(b, N + 1)  # by depth: the path's node there (column N takes the other nodes)
+    path.scatter_(1, torch.where(on_path, tree.depth, N), torch.arange(N, device=last.device).expand(b, N))
+    steps = torch.arange(N, device=last.device)
+    path = torch.where(steps <= num_accepted[:, None], path[:, :N], last[:, None])  # [b, N] past it: the last node
+    sibling = (on_path & (tree.rank > 0)).any(-1)
+    return TreeAcceptance(num_accepted, node_targets.gather(1, last[:, None])[:, 0], sibling.long(), path)
+
+
+def accept_nodes_sampled(tree: NodeTree, target_probs: torch.Tensor, draft_probs: torch.Tensor,
+                         generator: torch.Generator | None = None) -> TreeAcceptance:
+    """Recursive rejection sampling down a tree whose siblings were drawn WITHOUT replacement from ``q_d``: at the
+    current node its children ``x_1, x_2, ..`` are tried in draw order, ``x_j`` accepted with probability
+    ``min(1, p(x_j) / q_j(x_j))`` where ``q_j`` is ``q_d`` without ``x_1..x_{j-1}`` (renormalised: what ``x_j`` was
+    drawn from); a rejection replaces ``p`` by ``norm(max(p - q_j, 0))``. When every child is rejected a token is
+    drawn from the remaining ``p`` and the walk stops. Every emitted token is distributed as the target's.
+
+    Args:
+        target_probs: ``[b, N, V]`` the target's processed distribution after each node.
+        draft_probs: ``[b, K, V]`` the first drafter's processed distribution ``q_d`` per slot.
+    """
+    b, N, W = tree.children.shape
+    K = draft_probs.shape[1]
+    dev = target_probs.device
+    rows = torch.arange(b, device=dev)
+    fanout = (tree.children > 0).sum(-1)  # [b, N]
+    width = fanout.new_zeros(K + 1).scatter_reduce(0, tree.depth.flatten(), fanout.flatten(), "amax").tolist()
+    node = torch.zeros(b, dtype=torch.long, device=dev)
+    active = torch.ones(b, dtype=torch.bool, device=dev)
+    path = node.new_zeros(b, K + 1)
+    num_accepted, sibling = node.new_zeros(b), torch.zeros(b, dtype=torch.bool, device=dev)
+    next_token = node.new_zeros(b)
+    for k in range(K + 1):
+        p = target_probs[rows, node]  # [b, V]
+        q = draft_probs[:, min(k, K - 1)]  # [b, V] what the children at depth k + 1 were drawn from
+        moved = torch.zeros(b, dtype=torch.bool, device=dev)
+        child = node
+        for j in range(width[k] if k < K else 0):
+            kid = tree.children[rows, node, j]  # [b]
+            asks = active & ~moved & (kid > 0)
+            x = tree.tokens.gather(1, kid[:, None])  # [b, 1]
+            qx, px = q.gather(1, x)[:, 0], p.gather(1, x)[:, 0]
+            u = torch.rand(b, generator=generator, device=dev)
+            ok = asks & (u * qx <= px)
+            child = torch.where(ok, kid, child)
+            sibling |= ok & (j > 0)
+            moved |= ok
+            rejected = (asks & ~ok)[:, None]
+            p = torch.where(rejected, rejection_residual(p, q), p)
+            q = torch.where(rejected, without_drawn(q, x), q)
+        stop = active & ~moved
+        next_token = torch.where(stop, sample_from_probs(p, generator), next_token)
+        num_accepted += moved.long()
+        active &= moved
+        node = child
+        if k < K:
+            path[:, k + 1] = node
+    return TreeAcceptance(num_accepted, next_token, sibling.long(), path)
+
+
+def draft_block(drafter: Drafter, dcache, anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first drafter's one pass over ``[anchor, MASK x K]``: ``(logits [b, K, V], hidden [b, Bk, D])``."""
+    b, Bk = anchor.shape[0], drafter.block_size
+    block = torch.full((b, Bk), drafter.config.mask_token_id, dtype=torch.long, device=anchor.device)
+    block[:, 0] = anchor
+    hidden = drafter.draft_hidden(dcache, drafter.block_embeds(block, None))  # [b, Bk, D]
+    return drafter.logits(hidden[:, 1:]), hidden
+
+
+def tree_shape(q: torch.Tensor, drafting: OnePassDrafting, plan: Callable[[Shape], int] | None = None):
+    """``(shape, ranked [b, K, W])``: the best-first tree over ``q`` ``[b, K, V]`` at the drafting's budget, or at the
+    budget ``plan`` picks from it, and each slot's tokens by rank."""
+    W = min(drafting.nodes - 1, q.shape[-1])
+    top, ranked = q.topk(W, dim=-1)  # [b, K, W]
+    shape = best_first(top, drafting.nodes, drafting.keep_chain)
+    if plan is not None:
+        shape = shape.first(plan(shape) - 1)
+    return shape, ranked
+
+
+def node_tokens(shape: Shape, ranked: torch.Tensor, q: torch.Tensor | None,
+                generator: torch.Generator | None) -> torch.Tensor:
+    """``[b, M]`` the non-root nodes' tokens: each node's ranked token, or with ``q`` (sampled siblings) the node's rank
+    in one draw without replacement from ``q`` at its slot, a draw per parent."""
+    b, M = shape.parent.shape
+    W = min(ranked.shape[-1], max(M, 1))
+    slot = (shape.depth - 1).clamp_min(0)  # [b, M] the slot a node's token fills
+    if q is None:
+        return ranked.gather(1, slot[:, :, None].expand(-1, -1, ranked.shape[-1])).gather(
+            2, shape.rank[:, :, None])[..., 0]
+    parent_slot = torch.cat([slot.new_zeros(b, 1), slot + 1], 1).clamp_max(q.shape[1] - 1)  # [b, N] by node
+    draws = draw_without_replacement(q.gather(1, parent_slot[:, :, None].expand(-1, -1, q.shape[-1])), W,
+                                     generator)  # [b, N, W] node i's children: a draw from q at the slot after i's
+    return draws[torch.arange(b, device=q.device)[:, None], shape.parent, shape.rank]  # [b, M]
+
+
+def one_pass_round(target, drafter: Drafter, drafting: OnePassDrafting, dcache, tcache, anchor: torch.Tensor,
+                   params: SamplingParams, feature_layers: tuple[int, ...], generator: torch.Generator | None,
+                   clock: PhaseClock, draft_sampling: str = "sample") -> TreeRound:
+    """One one-pass round for every active row (the accepted path's K/V already moved into the committed slots, the
+    lengths left for the engine to raise). When a measured budget picks the drafter's own block, the round is a plain
+    chain round (its verify pass causal, its acceptance the chain's): the same drafts, without the tree's work."""
+    sampled = not params.greedy and draft_sampling == "sample"
+    budget, setting = drafting.budget, f"{params}/{draft_sampling}"
+    plan = None
+    if budget is not None:
+        context = int(tcache.lengths.float().mean())
+
+        def plan(shape: Shape) -> int:
+            probs = torch.where(shape.valid, shape.log_prob.exp(), 0.0)  # [b, M]
+            return budget.choose(target, probs, context, feature_layers, setting)
+    started = time.perf_counter()
+    logits, hidden = draft_block(drafter, dcache, anchor)  # [b, K, V], [b, Bk, D]
+    b, K = logits.shape[:2]
+    q = logits_to_probs(logits, params) if sampled else logits.float().softmax(-1)  # [b, K, V]
+    shape, ranked = tree_shape(q, drafting, plan)
+    chain = budget is not None and drafting.keep_chain and shape.parent.shape[1] == K
+    if chain:
+        draft_tokens = sample_from_probs(q, generator) if sampled else ranked[:, :, 0]  # [b, K]
+    else:
+        tree = build_nodes(anchor, shape, node_tokens(shape, ranked, q if sampled else None, generator), K)
+    clock.lap("tree")
+    if chain:
+        out = target(torch.cat([anchor[:, None], draft_tokens], 1), cache=tcache, feature_layers=feature_layers)
+        if params.greedy:
+            n_acc, nxt = accept_greedy(draft_tokens, out.logits)
+        else:
+            own = q if sampled else torch.nn.functional.one_hot(draft_tokens, q.shape[-1]).float()
+            n_acc, nxt = accept_speculative_sampling(draft_tokens, own, logits_to_probs(out.logits, params), generator)
+        acc = TreeAcceptance(n_acc, nxt, torch.zeros_like(n_acc), torch.arange(K + 1, device=anchor.device).expand(
+            b, -1))
+        num_nodes = torch.full_like(n_acc, K + 1)
+    else:
+        out = target(tree.tokens, cache=tcache, positions=tcache.lengths[:, None] + tree.depth, new_mask=tree.mask,
+                     feature_layers=feature_layers)  # logits [b, N, V]
+        if sampled:
+            acc = accept_nodes_sampled(tree, logits_to_probs(out.logits, params), q, generator)
+        else:
+            acc = accept_nodes(tree, sample(out.logits, params, generator))
+        path = acc.path[:, :K + 1]  # no node is deeper than K
+        acc = acc._replace(path=torch.cat([path, path[:, -1:].expand(-1, K + 1 - path.shape[1])], 1))  # [b, K + 1]
+        draft_tokens, num_nodes = tree.tokens.gather(1, acc.path[:, 1:]), tree.num_nodes  # [b, K] accepted first
+    clock.lap("verify")
+    rnd = commit_path(num_nodes, acc, out, tcache, draft_tokens, logits, hidden, clock)
+    if budget is not None:  # the calibration's evidence and the round's seconds (the pricing excluded)
+        budget.observe(float(torch.where(shape.valid, shape.log_prob.exp(), 0.0).sum()),
+                       float(acc.num_accepted.sum()), shape.parent.shape[1] + 1, b,
+                       time.perf_counter() - started - budget.last_pricing_s, setting)
+    return rnd

@@ -1,0 +1,264 @@
+"""One-pass draft trees: the best-first shape against brute force, the ancestor mask, the walks, and the decoding
+path through the losslessness harness (greedy equality with siblings winning, goodness of fit under sampling, and
+the harness catching each wrong one-pass rule)."""
+
+import functools
+import itertools
+
+import pytest
+import torch
+
+from specdraft.runtime.d2sd import TreeDrafting
+from specdraft.runtime.decode import GenerationConfig, generate
+from specdraft.runtime.node_budget import NodeBudget, budget_choices
+from specdraft.runtime.one_pass import OnePassDrafting, accept_nodes, best_first, build_nodes
+from tests.helpers import make_drafter, make_target
+from tests.lossless import (
+    ONE_PASS_WRONG_RULES,
+    RAGGED_CAPS,
+    RAGGED_PROMPTS,
+    SAMPLING_SETTINGS,
+    ControlledDrafter,
+    check_greedy,
+    sampling_pvalues,
+    wrong_rule_caught,
+)
+
+ALPHA = 1e-3
+
+
+def _paths(shape, row):
+    """node id -> tuple of ranks from the root (a node's path by the ranks of its ancestors)."""
+    out = {0: ()}
+    for i in range(shape.parent.shape[1]):
+        if shape.valid[row, i]:
+            out[i + 1] = out[int(shape.parent[row, i])] + (int(shape.rank[row, i]),)
+    return out
+
+
+@pytest.mark.parametrize("keep_chain", [False, True])
+def test_best_first_keeps_the_likeliest_paths_as_a_tree(keep_chain):
+    rng = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        K, V, N = 3, 5, 1 + trial % 12 + 1
+        q = torch.softmax(torch.randn(2, K, V, generator=rng) * 2, -1)
+        top = q.topk(min(N - 1, V), dim=-1).values  # [2, K, W]
+        shape = best_first(top, N, keep_chain)
+        for row in range(2):
+            paths = _paths(shape, row)
+            assert len(paths) == N  # every node real: no path has probability 0
+            assert all(len(p) == int(shape.depth[row, i - 1]) for i, p in paths.items() if i)
+            for i, p in paths.items():  # a tree whose siblings are the ranks 0..m-1, every parent numbered first
+                if p:
+                    assert p[:-1] in paths.values() and (p[-1] == 0 or p[:-1] + (p[-1] - 1,) in paths.values())
+                    assert i > next(j for j, o in paths.items() if o == p[:-1])
+            prob = {p: float(torch.prod(torch.stack([top[row, d, r] for d, r in enumerate(p)]))) for p in
+                    (x for L in range(1, K + 1) for x in itertools.product(range(top.shape[-1]), repeat=L))}
+            chain = [(0,) * L for L in range(1, min(K, N - 1) + 1)] if keep_chain else []
+            assert all(c in paths.values() for c in chain)
+            best = sorted((v for p, v in prob.items() if p not in chain), reverse=True)[:N - 1 - len(chain)]
+            got = sorted((prob[p] for p in paths.values() if p and p not in chain), reverse=True)
+            assert got == pytest.approx(best, rel=1e-6), (trial, row)
+
+
+def test_paths_of_probability_zero_are_padding_nodes():
+    top = torch.tensor([[[1.0, 0.0], [0.6, 0.4]]])  # slot 1 has one token: one child at the root
+    shape = best_first(top, 5)
+    assert shape.valid.tolist() == [[True, True, True, False]]
+    tree = build_nodes(torch.tensor([7]), shape, torch.tensor([[3, 4, 5, 6]]), 2)
+    assert int(tree.num_nodes[0]) == 4 and tree.depth[0, 4] == 0 and tree.tokens[0, 4] == 7
+    assert tree.mask[0, 4].nonzero().flatten().tolist() == [0, 4] and not tree.mask[0, :4, 4].any()
+
+
+def test_mask_is_the_ancestor_relation_and_the_walk_follows_the_target():
+    rng = torch.Generator().manual_seed(1)
+    b, K, V, N = 16, 4, 6, 14
+    q = torch.softmax(torch.randn(b, K, V, generator=rng) * 2, -1)
+    top, ranked = q.topk(V, dim=-1)
+    shape = best_first(top, N)
+    tokens = ranked.gather(1, (shape.depth - 1)[:, :, None].expand(-1, -1, V)).gather(2, shape.rank[:, :, None])[
+        ..., 0]
+    tree = build_nodes(torch.zeros(b, dtype=torch.long), shape, tokens, K)
+    targets = torch.randint(0, V, (b, N), generator=rng)
+    acc = accept_nodes(tree, targets)
+    for row in range(b):
+        parent = [0] + shape.parent[row].tolist()
+        for i in range(N):
+            anc, j = {0, i}, i
+            while j:
+                j = parent[j]
+                anc.add(j)
+            assert set(tree.mask[row, i].nonzero().flatten().tolist()) == anc, (row, i)
+        node, walked = 0, []  # a sequential walk: the child whose token is the target's, if any
+        while True:
+            nxt = [c for c in range(1, N) if parent[c] == node and int(tree.tokens[row, c]) == int(targets[row, node])]
+            if not nxt:
+                break
+            node = nxt[0]
+            walked.append(node)
+        assert int(acc.num_accepted[row]) == len(walked) and acc.path[row, 1:1 + len(walked)].tolist() == walked
+        assert int(acc.next_token[row]) == int(targets[row, node])
+
+
+def one_pass_factory(path: str, target, mode: str, block_size: int, nodes: int):
+    """``prompts -> (first drafter, OnePassDrafting)``: a controlled first drafter (a wrong draft's runner-up is the
+    target's token, so siblings win), alone or running a real DFlash drafter inside it."""
+    inner = make_drafter(target, seed=2, block_size=block_size) if path == "dflash" else None
+    return lambda prompts: (ControlledDrafter(target, prompts, block_size, mode=mode, inner=inner, right=0.6,
+                                              runner_up=True), OnePassDrafting(nodes))
+
+
+@pytest.mark.parametrize("nodes", [3, 8, 24])
+@pytest.mark.parametrize("path", ["stub", "dflash"])
+def test_one_pass_greedy_output_is_the_targets_with_siblings_winning(path, nodes):
+    target = make_target(seed=3, vocab=48)
+    got = check_greedy(target, one_pass_factory(path, target, "oracle", 6, nodes), RAGGED_PROMPTS, RAGGED_CAPS)
+    assert got["mismatches"] == 0, got
+    assert got["full"] or nodes < 6, got  # a chain of 5 drafts needs 6 nodes
+    assert got["partial"] and got["stopped_rows"] > 0, got  # (siblings leave few rounds with nothing accepted)
+    assert got["branch_wins"] > 0 or nodes < 4, got  # 3 nodes: a sibling never outscores the chain
+
+
+def test_a_larger_node_budget_accepts_more():
+    target = make_target(seed=3, vocab=48)
+    tau = [check_greedy(target, one_pass_factory("stub", target, "oracle", 6, n), RAGGED_PROMPTS, RAGGED_CAPS)["tau"]
+           for n in (6, 24)]
+    assert tau[1] > tau[0] * 1.1, tau
+
+
+def test_one_pass_with_continuous_batching():
+    target = make_target(seed=3, vocab=48)
+    engine = functools.partial(generate, slots=3, prefill_chunk=2)
+    got = check_greedy(target, one_pass_factory("dflash", target, "oracle", 6, 12), RAGGED_PROMPTS, RAGGED_CAPS,
+                       engine=engine)
+    assert got["mismatches"] == 0 and got["branch_wins"] > 0 and got["stopped_rows"] > 0, got
+
+
+ONE_PASS_SAMPLING = [("stub", p, d) for p in SAMPLING_SETTINGS for d in ("sample", "greedy")] + [
+    ("dflash", SAMPLING_SETTINGS[1], "sample")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("path", "params", "drafts"), ONE_PASS_SAMPLING,
+                         ids=lambda x: x if isinstance(x, str) else f"T{x.temperature:g}")
+def test_one_pass_sampled_output_is_distributed_as_the_targets(path, params, drafts):
+    """Siblings drawn without replacement go through recursive rejection sampling (a vocabulary of 6, so a node's
+    children often exhaust the drafter's support); ranked siblings through the target-token walk."""
+    target = make_target(seed=7, vocab=6, std=0.5)
+    got = sampling_pvalues(target, one_pass_factory(path, target, "mix", 4, 8), params, draft_sampling=drafts)
+    assert got.min_p > ALPHA, got
+    assert got.profile["tau"] > 1.5 and got.profile["full"], got.profile
+    assert got.profile["branch_wins"] > 0, got.profile
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rule", sorted(ONE_PASS_WRONG_RULES))
+def test_the_harness_fails_on_a_wrong_one_pass_rule(rule, monkeypatch):
+    nodes = {4: 8, 6: 12}  # by block size
+    caught, got = wrong_rule_caught(ONE_PASS_WRONG_RULES[rule], monkeypatch,
+                                    lambda target, mode, bk: one_pass_factory("stub", target, mode, bk, nodes[bk]),
+                                    rule.startswith("sampled"), ALPHA)
+    assert caught, (rule, got)
+
+
+def merged_factory(target, mode: str, block_size: int, siblings: int):
+    """``prompts -> (first drafter, TreeDrafting)``: D²SD's controlled drafters (the first one's wrong drafts have the
+    target's token as runner-up) with ``siblings`` one-pass paths in the same tree."""
+    return lambda prompts: (
+        ControlledDrafter(target, prompts, block_size, mode=mode, right=0.6, runner_up=True),
+        TreeDrafting(ControlledDrafter(target, prompts, block_size, mode=mode, seed=1, right=0.5,
+                                       alternative=mode == "mix"), 2, siblings=siblings))
+
+
+def test_d2sd_with_siblings_is_the_targets_with_branches_and_siblings_winning():
+    target = make_target(seed=3, vocab=48)
+    winners: list[int] = []
+    engine = functools.partial(generate, observer=lambda rec: winners.extend(rec.winner.tolist()))
+    got = check_greedy(target, merged_factory(target, "oracle", 6, 12), RAGGED_PROMPTS, RAGGED_CAPS, engine=engine)
+    assert got["mismatches"] == 0 and got["full"] and got["partial"] and got["stopped_rows"] > 0, got
+    assert any(0 < w <= 2 for w in winners) and any(w > 2 for w in winners), "a branch and a sibling each won"
+    alone = check_greedy(target, merged_factory(target, "oracle", 6, 0), RAGGED_PROMPTS, RAGGED_CAPS)
+    assert got["tau"] > alone["tau"], (got, alone)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params", SAMPLING_SETTINGS[:2], ids=lambda p: f"T{p.temperature:g}")
+def test_d2sd_with_siblings_under_sampling_is_distributed_as_the_targets(params):
+    """With siblings the tree is deterministic at every temperature: the walk samples the target at each node."""
+    target = make_target(seed=7, vocab=6, std=0.5)
+    got = sampling_pvalues(target, merged_factory(target, "mix", 4, 6), params)
+    assert got.min_p > ALPHA, got
+    assert got.profile["tau"] > 1.5 and got.profile["full"] and got.profile["branch_wins"] > 0, got.profile
+
+
+def _budget(cost):
+    """A NodeBudget over synthetic verify costs ``cost(rows, nodes)`` (seconds), priced for every rows bucket."""
+    b = NodeBudget(budget_choices(16, 96))
+    b.verify_s = {(1 << i, n): cost(1 << i, n) for i in range(6) for n in b.choices}
+    return b
+
+
+PEAKED = torch.tensor([[0.9 ** (i + 1) for i in range(95)]])  # a confident drafter: deep paths stay likely
+
+
+def test_the_budget_grows_where_verifying_is_cheap_and_shrinks_where_it_is_not():
+    assert budget_choices(16, 96) == (16, 24, 36, 54, 81, 96) and budget_choices(16, 8) == (8,)
+    flat = _budget(lambda rows, n: 0.010)  # memory-bound: a bigger tree costs nothing more
+    assert flat.choose(None, PEAKED, 0, ()) == 96
+    compute = _budget(lambda rows, n: 0.001 * rows * n)  # compute-bound: every node is paid for
+    assert compute.choose(None, PEAKED.expand(32, -1), 0, ()) == 16
+    mixed = _budget(lambda rows, n: 0.010 + 0.0002 * rows * n)  # bigger trees at batch 1 than at batch 32
+    assert mixed.choose(None, PEAKED, 0, ()) > mixed.choose(None, PEAKED.expand(32, -1), 0, ())
+
+
+def test_a_drafter_accepted_less_than_it_predicts_gets_smaller_trees():
+    budget = _budget(lambda rows, n: 0.010 + 0.0002 * rows * n)
+    before = budget.choose(None, PEAKED, 0, (), "T0")
+    budget.observe(predicted=1000.0, accepted=50.0, nodes=16, rows=1, round_seconds=0.012, setting="T0")
+    assert budget.choose(None, PEAKED, 0, (), "T0") < before
+    assert budget.choose(None, PEAKED, 0, (), "T1") >= before  # calibrated per sampling setting
+
+
+def test_a_measured_budget_is_lossless_and_prices_every_smaller_batch():
+    """Greedy output equals the target's on the ragged batch and with a stop token (its budget depends on the rows and
+    on this machine's timings, so rounds are not compared with one-row decoding)."""
+    target = make_target(seed=3, vocab=48)
+    budget = NodeBudget(budget_choices(6, 24), repeats=1)
+    drafter = one_pass_factory("dflash", target, "oracle", 6, 24)(RAGGED_PROMPTS)[0]
+    for stop in ((), (7,)):
+        gen = GenerationConfig(max_new_tokens=RAGGED_CAPS, stop_token_ids=stop)
+        expected = [r.tokens for r in generate(target, RAGGED_PROMPTS, gen)]
+        got = generate(target, RAGGED_PROMPTS, gen, drafter=drafter, tree=OnePassDrafting(24, budget=budget))
+        assert [r.tokens for r in got] == expected
+        assert sum(a > 1 for r in got for a in r.accept_lengths) > 0
+    assert {rows for rows, _ in budget.verify_s} == {1, 2, 4, 8, 16} and sum(budget.predicted.values()) > 0
+
+
+def _priced(block_size: int, nodes: int, cost) -> NodeBudget:
+    b = NodeBudget(budget_choices(block_size, nodes))
+    b.verify_s = {(1 << i, n): cost(1 << i, n) for i in range(15) for n in b.choices}
+    return b
+
+
+def test_a_budget_that_picks_the_block_runs_chain_rounds():
+    target = make_target(seed=3, vocab=48)
+    drafter = one_pass_factory("dflash", target, "oracle", 6, 24)(RAGGED_PROMPTS)[0]
+    budget = _priced(6, 24, lambda rows, n: 1.0 * rows * n)  # compute-bound (and far above a round's other seconds)
+    nodes: list[int] = []
+    gen = GenerationConfig(max_new_tokens=RAGGED_CAPS)
+    got = generate(target, RAGGED_PROMPTS, gen, drafter=drafter, tree=OnePassDrafting(24, budget=budget),
+                   observer=lambda rec: nodes.extend(rec.nodes.tolist()))
+    assert [r.tokens for r in got] == [r.tokens for r in generate(target, RAGGED_PROMPTS, gen)]
+    assert set(nodes) == {6} and sum(a > 1 for r in got for a in r.accept_lengths) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafts", ["sample", "greedy"])
+def test_chain_rounds_of_a_measured_budget_under_sampling_are_distributed_as_the_targets(drafts):
+    target = make_target(seed=7, vocab=6, std=0.5)
+    budget = _priced(4, 8, lambda rows, n: 1.0 * rows * n)
+    f = one_pass_factory("stub", target, "mix", 4, 8)
+    got = sampling_pvalues(target, lambda prompts: (f(prompts)[0], OnePassDrafting(8, budget=budget)),
+                           SAMPLING_SETTINGS[1], draft_sampling=drafts)
+    assert got.min_p > ALPHA, got
+    assert got.profile["tau"] > 1.5 and got.profile["full"], got.profile
