@@ -36,7 +36,7 @@ from dataclasses import replace
 import torch
 
 from specdraft.pipeline.measure import load_job
-from specdraft.runtime import decode
+from specdraft.runtime import rounds
 from specdraft.runtime.decode import generate
 from specdraft.runtime.policy import AdaptivePolicy
 
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     job = load_job(args.world, args.drafter, args.suite, args.num_prompts, args.max_new_tokens, args.spread,
                    args.temperature, args.policy)
     target, drafter, prompts, gen, base = job.target, job.drafter, job.prompts, job.gen, job.policy
-    verify_round = decode.verify_round
+    verify_round = rounds.verify_round
     passes = timed_passes(target, drafter)
     calls: dict[str, list] = {}  # policy method -> [seconds, calls] in the current job
     timed = (("before_round", "draft_rows", "observe_seconds", "observe", "verify_len", "explore_len")
@@ -85,13 +85,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     originals = {name: getattr(AdaptivePolicy, name) for name in timed}
     for name, method in originals.items():
         setattr(AdaptivePolicy, name, _timed(method, calls.setdefault(name, [0.0, 0])))
-    apart = decode._verifies_apart
+    apart = rounds.verifies_apart
     try:
         return _run(args, target, drafter, prompts, gen, base, calls, passes)
     finally:  # the class and the engine as they were, for a caller in the same process
         for name, method in originals.items():
             setattr(AdaptivePolicy, name, method)
-        decode._verifies_apart, decode.verify_round = apart, verify_round
+        rounds.verifies_apart, rounds.verify_round = apart, verify_round
 
 
 def _run(args, target, drafter, prompts, gen, base, calls: dict[str, list], passes: dict) -> list[dict]:
@@ -99,13 +99,13 @@ def _run(args, target, drafter, prompts, gen, base, calls: dict[str, list], pass
     rows = []
     kinds = args.kinds.split(",")
     kept: dict[str, AdaptivePolicy | None] = {}  # --keep-policy: each kind's policy, from repeat to repeat
-    apart = decode._verifies_apart
+    apart = rounds.verifies_apart
     for rep in range(args.repeats):
         for kind in kinds if rep % 2 == 0 else kinds[::-1]:
             policy = kept.get(kind) or policy_of(base, kind)
             if args.keep_policy:
                 kept[kind] = policy
-            decode._verifies_apart = apart if kind != "padded" else (lambda cache: False)
+            rounds.verifies_apart = apart if kind != "padded" else (lambda cache: False)
             if kind == "plain":
                 policy.draft_rows = lambda b, fresh=0, rows=None, opening=(): 0
             if policy is not None and args.no_probes and "draft_this_round" not in vars(policy):  # wrapped once
@@ -141,7 +141,7 @@ def _run(args, target, drafter, prompts, gen, base, calls: dict[str, list], pass
                          **{f"{k}_s": v for k, v in sorted(timings.items())},
                          **({f"measured_{k}": policy._ratio(k) for k in policy._scale if isinstance(k, str)}
                             if policy else {})})
-            decode._verifies_apart = apart
+            rounds.verifies_apart = apart
             print(" ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in rows[-1].items()))
             for name, (sec, n) in calls.items():
                 if n:
@@ -207,12 +207,12 @@ def timed_passes(target, drafter) -> dict:
     target.forward = timed(target.forward, step=True)
     for name in ("draft_hidden", "logits", "ingest", "ingest_rows"):
         setattr(drafter, name, timed(getattr(drafter, name)))
-    verify_round = decode.verify_round
+    verify_round = rounds.verify_round
 
     def counted(*args, **kwargs):
         tally["rounds"] += 1
         return verify_round(*args, **kwargs)
-    decode.verify_round = counted
+    rounds.verify_round = counted
     return tally
 
 

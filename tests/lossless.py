@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from specdraft.runtime import d2sd, decode, one_pass, static_decode, tree
+from specdraft.runtime import d2sd, one_pass, rounds, static_decode, tree
 from specdraft.runtime.decode import GenerationConfig, RowResult, generate
 from specdraft.runtime.kv_cache import KVCache
 from specdraft.runtime.sampling import SamplingParams, sample_from_probs
@@ -482,7 +482,7 @@ def _wrong_greedy(bonus_shift: bool = False, all_accepted_slots: bool = False):
     return rule
 
 
-_verify_round, _propose = decode.verify_round, decode.propose  # the correct rules, before any monkeypatch
+_verify_round, _propose = rounds.verify_round, rounds.propose  # the correct rules, before any monkeypatch
 _build_tree, _accept_tree = d2sd.build_tree, d2sd.accept_tree
 
 
@@ -523,13 +523,13 @@ def _drafts_sampled_at_t1(draft_logits, params, draft_sampling, generator=None):
 
 WRONG_RULES: dict[str, list[tuple[object, str, Callable]]] = {
     "bonus token from the wrong position": [
-        (decode, "accept_greedy", _wrong_greedy(bonus_shift=True)),
-        (decode, "accept_speculative_sampling", _wrong_sampling(bonus_shift=True))],
+        (rounds, "accept_greedy", _wrong_greedy(bonus_shift=True)),
+        (rounds, "accept_speculative_sampling", _wrong_sampling(bonus_shift=True))],
     "acceptance not stopping at the first rejection": [
-        (decode, "accept_greedy", _wrong_greedy(all_accepted_slots=True)),
-        (decode, "accept_speculative_sampling", _wrong_sampling(all_accepted_slots=True))],
-    "truncation applied to the draft side only": [(decode, "verify_round", _untruncated_target)],
-    "drafts drawn from another distribution than the q verified": [(decode, "propose", _drafts_sampled_at_t1)],
+        (rounds, "accept_greedy", _wrong_greedy(all_accepted_slots=True)),
+        (rounds, "accept_speculative_sampling", _wrong_sampling(all_accepted_slots=True))],
+    "truncation applied to the draft side only": [(rounds, "verify_round", _untruncated_target)],
+    "drafts drawn from another distribution than the q verified": [(rounds, "propose", _drafts_sampled_at_t1)],
 }
 """name -> [(module, attribute, replacement)]: monkeypatch these to break the engine on purpose."""
 

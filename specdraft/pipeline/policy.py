@@ -14,9 +14,10 @@ from pathlib import Path
 import torch
 
 from specdraft.runtime.batch_job import encode_requests, read_requests
-from specdraft.runtime.decode import GenerationConfig, draft_confidence, generate
+from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.models.target import TargetLM
 from specdraft.runtime.policy import AdaptivePolicy, Calibration, CostModel, measure_costs
+from specdraft.runtime.rounds import draft_confidence
 from specdraft.runtime.sampling import SamplingParams, logits_to_probs
 
 CALIBRATION_PROMPTS = 16

@@ -8,7 +8,8 @@ drafting at once). The AR baseline (no drafter) is the same
 loop with a block of one token, so speedups compare like with like. Finished rows are compacted away so they stop
 costing compute; stop tokens and ``max_new_tokens`` are per row. With ``tree=`` a round drafts and verifies a tree
 instead of one block: D²SD's (:mod:`specdraft.runtime.d2sd`) or a one-pass tree (:mod:`specdraft.runtime.one_pass`);
-everything around the round is shared.
+with ``policy=`` an adaptive policy chooses each round. What a round drafts and verifies is its kind's
+(:mod:`specdraft.runtime.rounds`); admission, acceptance, emission and compaction around it are shared.
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ import torch
 from specdraft.runtime.backlog import Backlog
 from specdraft.runtime.d2sd import TreeDrafting
 from specdraft.runtime.drafter import Drafter, RoundRecord
-from specdraft.runtime.explore import explorers, explores_rows, scatter_rows, verifies_apart, verify_apart
 from specdraft.runtime.models.target import TargetLM
 from specdraft.runtime.one_pass import OnePassDrafting
-from specdraft.runtime.phase_clock import PhaseClock, wall_seconds
+from specdraft.runtime.phase_clock import PhaseClock
 from specdraft.runtime.policy import AdaptivePolicy
-from specdraft.runtime.sampling import SamplingParams, logits_to_probs, sample, sample_from_probs
-from specdraft.runtime.verify import accept_greedy, accept_speculative_sampling
+from specdraft.runtime.rounds import Job, rounds_for
+from specdraft.runtime.sampling import SamplingParams, sample
 
+__all__ = ["GenerationConfig", "RowResult", "generate"]
 
 @dataclass
 class GenerationConfig:
@@ -88,11 +89,6 @@ class _State:
             b = b if b is not None else a.blank(new_n)
             self.draft_state = a.cat(b)
         self.rows, self.anchor = torch.cat([self.rows, new.rows]), torch.cat([self.anchor, new.anchor])
-
-
-MAX_DEFERRED_TOKENS = 32_768
-"""Deferred features (prompts and plain rounds, all rows) past which an admission feeds the drafter at once: features
-of several target layers take more memory per token than the drafter's own K/V."""
 
 
 def _drafter_cache(drafter, rows: int, length: int, deferred: bool):
@@ -192,33 +188,23 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
     """
     if any(len(p) == 0 for p in prompts):
         raise ValueError("empty prompt: every request needs at least one token")
-    if tree is not None:
-        if drafter is None:
-            raise ValueError("tree drafting needs a first drafter")
-        tree.check(drafter)
-    if policy is not None and (drafter is None or tree is not None):
-        raise ValueError("an adaptive policy chooses chain rounds: it needs a drafter and no tree")
     if slots is not None and slots < 1 or prefill_chunk is not None and prefill_chunk < 1:
         raise ValueError("slots and prefill_chunk must be positive")
     dev = target.lm_head.weight.device
     B = len(prompts)
     S = B if slots is None else min(slots, B)
-    block = drafter.block_size if drafter is not None else 1
-    verify_len = max(tree.max_nodes(block), block) if tree is not None else block  # the drafter's block fits too
     max_new = [config.max_new_tokens] * B if isinstance(config.max_new_tokens, int) else list(config.max_new_tokens)
     stop = set(config.stop_token_ids)
-    params = config.sampling
-    feature_layers = drafter.target_layer_ids if drafter is not None else ()
     longest = max(len(p) for p in prompts)
-    chunk = prefill_chunk or longest
-    max_len = max(max(len(p) + m for p, m in zip(prompts, max_new)) + verify_len + 1, longest + min(chunk, longest))
+    job = Job(target, drafter, config.sampling, config.draft_sampling, generator, PhaseClock(timings, dev), dev)
     # a backlog flush writes max(counts) slots on every row (a prompt and the plain rounds), past a short row's end
     # (scratch): room for that
-    drafter_len = max_len + (longest + max(max_new) if policy is not None else 0)
-    second = tree.second if tree is not None and tree.second is not drafter else None
-    clock = PhaseClock(timings, dev)
-    if policy is not None:
-        policy.new_job()
+    rounds = rounds_for(job, tree, policy, longest + max(max_new))
+    chunk = prefill_chunk or longest
+    max_len = max(max(len(p) + m for p, m in zip(prompts, max_new)) + rounds.verify_len + 1,
+                  longest + min(chunk, longest))
+    drafter_len = max_len + rounds.drafter_room
+    clock = job.clock
 
     generated: list[list[int]] = [[] for _ in range(B)]
     accept_lengths: list[list[int]] = [[] for _ in range(B)]
@@ -231,7 +217,6 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
     cache_offset = [len(p) - 1 for p in prompts]  # a row's cache: its prompt and generated tokens but the anchor
 
     def finish(row: int, reason: str) -> None:
-        fresh.discard(row)
         results[row] = RowResult(generated[row], accept_lengths[row], reason, time.perf_counter() - admitted[row],
                                  accepted[row], nodes[row], winners[row], verified[row])
         if on_result is not None:
@@ -248,15 +233,17 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
                 return i + 1, "length"
         return len(new_tokens), None
 
-    fresh: set[int] = set()  # running requests admitted since the last drafted round (an adaptive policy probes them)
-    opening: set[int] = set()  # running requests whose next round is their first (an adaptive policy prices it apart)
-    explored = 0  # exploring rounds so far (the plain rows they draft for take turns)
+    def progress() -> tuple[float, int]:
+        """The running rows' mean context and the tokens they have left."""
+        ids = state.rows.tolist()
+        made = sum(len(generated[r]) for r in ids)
+        return (made + sum(cache_offset[r] for r in ids)) / len(ids), sum(max_new[r] for r in ids) - made
+
     queue = deque(range(B))
     state = _State(rows=torch.zeros(0, dtype=torch.long, device=dev), anchor=torch.zeros(0, dtype=torch.long,
                                                                                          device=dev))
     caches: dict[str, object] = {}  # "t": target, "d": drafter, "s": second drafter (D²SD), rows as in ``state``
     pending: _Prefill | None = None
-    backlog = Backlog()
 
     def admit() -> None:
         """Fill free slots from the queue: start a prefill, advance it one chunk (all of it when no row is running,
@@ -272,17 +259,17 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
                 now = time.perf_counter()
                 for r in take:
                     admitted[r] = now
-                # under a policy the drafter's ingest of a joining group is deferred: its drafter cache rows are never
-                # written before admission copies their committed entries (none), so one slot each stands in for them
-                placeholder = policy is not None and bool(caches)
-                pending = _Prefill(take, prompts, target, drafter, second, feature_layers, max_len,
-                                   1 if placeholder else drafter_len, dev, defer=policy is not None)
+                # a deferred drafter ingest never writes a joining group's drafter cache rows before admission copies
+                # their committed entries (none), so one slot each stands in for them
+                placeholder = rounds.defer and bool(caches)
+                pending = _Prefill(take, prompts, target, drafter, rounds.second, job.feature_layers, max_len,
+                                   1 if placeholder else drafter_len, dev, defer=rounds.defer)
             complete = pending.step(chunk if running else pending.tokens.shape[1])
             clock.lap("prefill")
             if not complete:
                 return
             group, pending = pending, None
-            first = sample(group.last_logits, params, generator)  # [n]
+            first = sample(group.last_logits, job.params, generator)  # [n]
             keep = []
             for i, (r, t) in enumerate(zip(group.rows, first.tolist())):
                 reason = emit(r, [t])[1]
@@ -295,11 +282,6 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
             _compact(new, new_caches, keep, len(group.rows), group.backlog)
             if not keep:
                 continue
-            if group.backlog is not None:
-                backlog.cat_rows(group.backlog, running, len(keep))
-            if policy is not None:
-                fresh.update(group.rows[i] for i in keep)
-                opening.update(group.rows[i] for i in keep)
             if not caches:
                 state.rows, state.anchor, state.draft_state = new.rows, new.anchor, new.draft_state
                 caches.update(new_caches)
@@ -312,122 +294,32 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
                 for key, cache in new_caches.items():
                     if cache is not None:
                         caches[key].cat_rows(cache)
-            if backlog.tokens > MAX_DEFERRED_TOKENS:
-                backlog.flush(drafter, caches["d"])
+            rounds.admitted([group.rows[i] for i in keep], group.backlog, running, caches)
             clock.lap("compaction")
-
-    cuda = dev.type == "cuda"
-    # a plain round's features wait in the backlog as the layers' outputs (concatenated once, when a row is fed)
-    plain_split = {"concat_features": False} if policy is not None and isinstance(target, TargetLM) else {}
-    flushed, fed = 0.0, 0  # this round's seconds feeding the drafter deferred features, and their entries
-
-    def flush(rows: torch.Tensor | None = None) -> None:
-        nonlocal flushed, fed
-        if backlog.tokens:
-            clock.lap("draft")
-            waiting = backlog.tokens
-            flushed += wall_seconds(lambda: backlog.flush(drafter, caches["d"], rows), dev)
-            fed += waiting - backlog.tokens
-            clock.lap("flush")
 
     admit()
     while state.rows.numel() > 0:
-        tcache, dcache, scache = caches["t"], caches["d"], caches["s"]
         b = state.rows.numel()
         clock.lap("commit")
-        if policy is not None:  # the policy prices rounds by their measured seconds
-            if cuda:
-                torch.cuda.synchronize()
-            started, flushed, fed = time.perf_counter(), 0.0, 0
-        tree_nodes = tree_winner = widths = None
-        apart = False  # an exploring round's explorers verify in a pass of their own rows
-        m = 0  # rows that drafted this round
-        ids = state.rows.tolist()  # the running requests
-        if policy is not None:  # priced against the rows' mean cache length, the tokens left, the features waiting
-            made = sum(len(generated[r]) for r in ids)
-            policy.before_round((made + sum(cache_offset[r] for r in ids)) / b, sum(max_new[r] for r in ids) - made,
-                                backlog.tokens)
-        if tree is not None:
-            rnd = tree.round(target, drafter, dcache, scache if second is not None else dcache, tcache, state.anchor,
-                             params, feature_layers, generator, clock, config.draft_sampling)
-            draft_tokens, draft_logits, hidden = rnd.draft_tokens, rnd.draft_logits, rnd.hidden
-            n_acc, nxt, target_logits = rnd.acceptance.num_accepted, rnd.acceptance.next_token, rnd.path_logits
-            features, tree_nodes, tree_winner = rnd.path_features, rnd.num_nodes, rnd.acceptance.winner
-        elif drafter is not None and (m := b if policy is None else policy.draft_rows(b, len(fresh), ids, opening)) > 0:
-            # m rows draft (fewer than b: an exploring round, when the drafter can draft for a subset of rows)
-            widths = None  # [b] drafts each row verifies, when only a few rows drafted
-            if m < b and not explores_rows(drafter, dcache):
-                m = b
-            if m < b:
-                # an adaptive policy exploring: a few rows draft (new requests first), the others decode plainly
-                few = explorers(m, state.rows, fresh, explored)  # [m]
-                explored += 1
-                fresh.clear()  # a probe of some new requests stands for all of them, as a full round did
-                flush(few)
-                part = _draft(drafter, dcache.gather_rows(few, block), state.anchor[few], None, params,
-                              config.draft_sampling, generator)
-                conf = draft_confidence(*part[1:])  # [m, K]
-                k, apart = (policy.explore_len(conf, rows=b) if verifies_apart(tcache)
-                            else (policy.verify_len(conf, rows=b), False))
-                widths = torch.zeros(b, dtype=torch.long, device=dev)
-                widths[few] = k
-                own_drafts = part[2][:, :k]  # [m, k] (a pass apart verifies these, not their padded rows)
-                hidden, draft_logits, draft_tokens, draft_probs = (
-                    None if x is None else scatter_rows(x[:, :k] if i else x, few, b) for i, x in enumerate(part))
-            else:
-                fresh.clear()
-                flush()  # plain rounds' features, deferred until drafting resumed
-                hidden, draft_logits, draft_tokens, draft_probs = _draft(
-                    drafter, dcache, state.anchor, state.draft_state, params, config.draft_sampling, generator)
-                if policy is not None:  # verify only the first k drafts: a block of k drafts, just as lossless
-                    k = policy.verify_len(draft_confidence(draft_logits, draft_tokens, draft_probs))
-                    draft_tokens, draft_logits = draft_tokens[:, :k], draft_logits[:, :k]
-                    draft_probs = draft_probs[:, :k] if draft_probs is not None else None
-            clock.lap("draft")
-            if apart:  # the explorers' drafts in a pass of their own rows, after every row's plain pass
-                out = verify_apart(target, tcache, state.anchor, few, own_drafts, feature_layers)
-            else:
-                out = target(torch.cat([state.anchor[:, None], draft_tokens], dim=1), cache=tcache,
-                             feature_layers=feature_layers)  # verify [anchor, d_1..d_K]
-            n_acc, nxt = verify_round(draft_tokens, draft_probs, out.logits, params, generator, widths)  # [b], [b]
-            features, target_logits = out.features, out.logits
-            clock.lap("verify")
-        else:  # the target alone, or a plain round of an adaptive policy (its features wait in the backlog)
-            draft_tokens = state.anchor.new_zeros(b, 0)
-            draft_logits = hidden = None
-            out = target(state.anchor[:, None], cache=tcache, feature_layers=feature_layers, **plain_split)  # [b, 1]
-            n_acc, nxt = verify_round(draft_tokens, None, out.logits, params, generator)
-            features, target_logits = out.features, out.logits
-            clock.lap("verify")
+        rnd = rounds.run(state, caches, progress)
         if observer is not None:
-            observer(RoundRecord(state.rows, draft_tokens, draft_logits, hidden, n_acc, nxt, target_logits,
-                                 tree_nodes, tree_winner, widths))
-        tcache.crop(tcache.lengths + n_acc + 1)  # anchor + accepted drafts are now committed
-        if drafter is not None and tree is None and draft_tokens.shape[1] == 0:
-            backlog.add(features)  # a plain round: the drafter catches up when drafting resumes
-        elif widths is not None:  # a few rows drafted: they ingest now, the others' features wait like a plain round's
-            drafted = widths > 0  # [b]
-            drafter.ingest(dcache, features, torch.where(drafted, n_acc + 1, 0))
-            backlog.add(features[:, :1], (~drafted).long())
-        elif drafter is not None:  # the committed tokens' target features join the drafter's context
-            fused = drafter.ingest(dcache, features, n_acc + 1)  # [b, T, D]
-            state.draft_state = drafter.next_round_state(state.draft_state, hidden, draft_tokens, n_acc,
-                                                         target_logits, fused)
-            if tree is not None and state.draft_state is not None:
-                raise ValueError("tree drafting needs a first drafter without cross-round state (e.g. dflash)")
-        if second is not None:
-            second.ingest(scache, features, n_acc + 1)
-            second.next_round_state(None, None, draft_tokens, n_acc, target_logits, None)
-        state.anchor = nxt
-        keep, useful = [], []  # useful: drafts each row committed (accepted ones past its stop token or cap are not)
-        tree_nodes = tree_nodes.tolist() if tree_nodes is not None else [0] * b
-        tree_winner = tree_winner.tolist() if tree_winner is not None else [0] * b
-        row_widths = widths.tolist() if widths is not None else [draft_tokens.shape[1]] * b
-        for i, (row, a, d, t) in enumerate(zip(ids, n_acc.tolist(), draft_tokens.tolist(),
-                                               nxt.tolist())):
+            observer(RoundRecord(state.rows, rnd.draft_tokens, rnd.draft_logits, rnd.hidden, rnd.num_accepted,
+                                 rnd.next_token, rnd.target_logits, rnd.nodes, rnd.winner, rnd.widths))
+        tcache = caches["t"]
+        tcache.crop(tcache.lengths + rnd.num_accepted + 1)  # anchor + accepted drafts are now committed
+        rounds.commit(state, caches, rnd)
+        state.anchor = rnd.next_token
+        ids = state.rows.tolist()  # the round's requests
+        keep, useful, ended = [], [], []  # useful: drafts each row committed (not those past its stop token or cap)
+        width = rnd.draft_tokens.shape[1]
+        row_widths = rnd.widths.tolist() if rnd.widths is not None else [width] * b
+        tree_nodes = rnd.nodes.tolist() if rnd.nodes is not None else None
+        tree_winner = rnd.winner.tolist() if rnd.winner is not None else None
+        for i, (row, a, d, t) in enumerate(zip(ids, rnd.num_accepted.tolist(), rnd.draft_tokens.tolist(),
+                                               rnd.next_token.tolist())):
             accepted[row].append(a)
             verified[row].append(row_widths[i])
-            if tree is not None:
+            if tree_nodes is not None:
                 nodes[row].append(tree_nodes[i])
                 winners[row].append(tree_winner[i])
             emitted, reason = emit(row, d[:a] + [t])
@@ -436,62 +328,14 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
             if reason is None:
                 keep.append(i)
             else:
+                ended.append(row)
                 finish(row, reason)
-        if policy is not None and draft_tokens.shape[1] > 0:  # drafts past a row's end count as rejected
-            drafting = [i for i, w in enumerate(row_widths) if w > 0]
-            policy.observe(torch.tensor([useful[i] for i in drafting]), [ids[i] for i in drafting], opening)
-        opening.clear()
-        _compact(state, caches, keep, b, backlog)
-        if policy is not None:  # the round's rows, drafting rows and verified width, as the cost model prices them
-            policy.observe_seconds(b, m, draft_tokens.shape[1], time.perf_counter() - started - flushed, flushed, fed)
+        _compact(state, caches, keep, b, rounds.backlog)
+        rounds.end_round(ids, useful, ended, rnd)
         clock.lap("commit")  # the round's bookkeeping is not the admission's prefill
         admit()
     clock.lap("commit")
     return results  # type: ignore[return-value]
-
-
-def _draft(drafter, cache, anchor: torch.Tensor, draft_state, params: SamplingParams, draft_sampling: str,
-           generator: torch.Generator | None):
-    """One block per row against ``cache``: ``(hidden [b, Bk, D], draft_logits [b, K, V], draft_tokens [b, K],
-    draft_probs [b, K, V] or None)``."""
-    blk = torch.full((anchor.shape[0], drafter.block_size), drafter.config.mask_token_id, dtype=torch.long,
-                     device=anchor.device)
-    blk[:, 0] = anchor
-    hidden = drafter.draft_hidden(cache, drafter.block_embeds(blk, draft_state))  # [b, Bk, D]
-    draft_logits = drafter.logits(hidden[:, 1:])  # [b, K, V]
-    return (hidden, draft_logits, *propose(draft_logits, params, draft_sampling, generator))
-
-
-def draft_confidence(draft_logits: torch.Tensor, draft_tokens: torch.Tensor,
-                     draft_probs: torch.Tensor | None) -> torch.Tensor:
-    """``[b, K]``: the drafter's probability of each of its drafts (under the distribution they were drawn from, or
-    its plain softmax for argmax drafts)."""
-    q = draft_probs if draft_probs is not None else torch.softmax(draft_logits.float(), -1)
-    return q.gather(-1, draft_tokens[..., None])[..., 0]
-
-
-def propose(draft_logits: torch.Tensor, params: SamplingParams, draft_sampling: str = "sample",
-            generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Draft tokens ``[b, K]`` from the drafter's logits ``[b, K, V]`` and the distribution ``q`` they were drawn from
-    (``[b, K, V]``, processed exactly as the target's will be), or ``None`` for deterministic (argmax) drafts."""
-    if params.greedy or draft_sampling == "greedy":
-        return draft_logits.argmax(-1), None
-    q = logits_to_probs(draft_logits, params)
-    return sample_from_probs(q, generator), q
-
-
-def verify_round(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
-                 params: SamplingParams, generator: torch.Generator | None = None,
-                 widths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(num_accepted [b], next_token [b])`` for drafts ``[b, K]`` against the verify logits ``[b, K + 1, V]``:
-    greedy verification at T=0, speculative sampling otherwise (deterministic drafts verify as ``q = one_hot``).
-    ``widths`` ``[b]``: drafts each row verifies, when rows differ (padding past them)."""
-    if params.greedy:
-        return accept_greedy(draft_tokens, target_logits, widths)
-    if draft_probs is None:
-        draft_probs = torch.nn.functional.one_hot(draft_tokens, target_logits.shape[-1]).float()
-    return accept_speculative_sampling(draft_tokens, draft_probs, logits_to_probs(target_logits, params), generator,
-                                       widths)
 
 
 def _compact(state: _State, caches: dict[str, object], keep: list[int], current: int,

@@ -29,8 +29,8 @@ features into place before the commit graph::
     accept, move    (the tree walk, KV compaction)        eager, no host sync
     commit                                                graph
 
-Acceptance is the engine's own functions (:func:`~specdraft.runtime.decode.propose`,
-:func:`~specdraft.runtime.decode.verify_round`, :mod:`specdraft.runtime.d2sd`'s candidates and tree walk), so the
+Acceptance is the engine's own functions (:func:`~specdraft.runtime.rounds.propose`,
+:func:`~specdraft.runtime.rounds.verify_round`, :mod:`specdraft.runtime.d2sd`'s candidates and tree walk), so the
 rules that make decoding lossless are shared, not copied. Without CUDA (or with ``graphs=False``) the same static
 rounds run eagerly: the CPU tests check the static-shape logic, the GPU tests the capture.
 
@@ -51,12 +51,13 @@ import torch
 from specdraft.kernels.lm_head_argmax import lm_head_argmax
 from specdraft.runtime import d2sd
 from specdraft.runtime.d2sd import TreeDrafting
-from specdraft.runtime.decode import GenerationConfig, RowResult, propose, verify_round
+from specdraft.runtime.decode import GenerationConfig, RowResult
 from specdraft.runtime.drafter import Drafter, RoundRecord
 from specdraft.runtime.kv_cache import KVCache
 from specdraft.runtime.models.dflash import DFlashDrafter
 from specdraft.runtime.models.retrace import Prior, ReTraceDrafter
 from specdraft.runtime.models.target import TargetLM
+from specdraft.runtime.rounds import propose, verify_round
 from specdraft.runtime.sampling import sample
 from specdraft.runtime.verify import accept_greedy_tokens
 

@@ -10,7 +10,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import policy_overhead  # noqa: E402
 
-from specdraft.runtime import decode  # noqa: E402
+from specdraft.runtime import rounds  # noqa: E402
 from specdraft.runtime.decode import GenerationConfig, generate  # noqa: E402
 
 
@@ -53,7 +53,7 @@ class _Drafter:
 def test_passes_are_added_up_once_steps_kept_apart_and_rounds_counted(monkeypatch):
     clock = _Clock()
     monkeypatch.setattr(policy_overhead, "time", clock)
-    monkeypatch.setattr(decode, "verify_round", lambda *a, **k: "verified")
+    monkeypatch.setattr(rounds, "verify_round", lambda *a, **k: "verified")
     target, drafter = _Target(clock), _Drafter(clock)
     tally = policy_overhead.timed_passes(target, drafter)
     assert target.forward(torch.zeros(2, 1)) == (2, 1)  # the pass's own result
@@ -61,14 +61,14 @@ def test_passes_are_added_up_once_steps_kept_apart_and_rounds_counted(monkeypatc
     clock.now += 10.0  # the host's time between passes: not counted
     drafter.ingest(4.0)
     drafter.logits(1.0)
-    assert decode.verify_round() == "verified"
+    assert rounds.verify_round() == "verified"
     assert tally["steps"] == [2.0]
     assert tally["seconds"] == 2.0 + 6.0 + 4.0 + 1.0  # the nested ingest once (twice: 17)
     assert tally["rounds"] == 1
 
 
 def test_in_the_engine_rounds_are_its_rounds_and_ar_steps_one_a_round(target, drafter, monkeypatch):
-    monkeypatch.setattr(decode, "verify_round", decode.verify_round)  # restored after the test
+    monkeypatch.setattr(rounds, "verify_round", rounds.verify_round)  # restored after the test
     tally = policy_overhead.timed_passes(target, drafter)
     prompts = [[1, 2, 3], [4, 5, 6, 7]]
     config = GenerationConfig(max_new_tokens=[6, 9])

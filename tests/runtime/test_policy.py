@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from specdraft.runtime import decode
+from specdraft.runtime import rounds
 from specdraft.runtime.backlog import Backlog
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.policy import AdaptivePolicy, Calibration, CostModel, expected_committed, measure_costs
@@ -626,7 +626,7 @@ def test_deferred_prompt_ingest_leaves_every_draft_unchanged(budget, monkeypatch
     deferral budget). A policy that always drafts the whole block must then see the fixed engine's drafts, row by
     row and round by round (a prompt fed late, twice or to the wrong row changes a real drafter's logits), static
     and continuous with chunked prefill."""
-    monkeypatch.setattr(decode, "MAX_DEFERRED_TOKENS", budget)
+    monkeypatch.setattr(rounds, "MAX_DEFERRED_TOKENS", budget)
     target = make_target(seed=3, vocab=48)
     drafter = make_drafter(target, seed=2, block_size=4)
     gen = GenerationConfig(max_new_tokens=CAPS)
@@ -704,7 +704,7 @@ def test_greedy_output_is_the_targets_with_explorers_verifying_apart(batching, m
     drafts accepted in those rounds. (This bigram target reads no cache: the entries written back are checked in
     ``test_a_few_rows_verified_in_a_pass_of_their_own_equal_the_padded_pass``.)"""
     target, oracle = bigram_oracle(2)
-    real = decode.verify_apart
+    real = rounds.verify_apart
     sure = Calibration(bins=1, table=[[0.9]] * 3)
     totals = []  # per job: rounds verified apart, the drafts they accepted
     for stop in ((3,), ()):
@@ -715,7 +715,7 @@ def test_greedy_output_is_the_targets_with_explorers_verifying_apart(batching, m
             apart.append((anchor.shape[0], rows.shape[0], drafts.shape[1]))
             return out
 
-        monkeypatch.setattr(decode, "verify_apart", spy)
+        monkeypatch.setattr(rounds, "verify_apart", spy)
         accepted = []
         gen = GenerationConfig(max_new_tokens=CAPS, stop_token_ids=stop)
         want = generate(target, PROMPTS, gen)
@@ -767,8 +767,8 @@ def test_sampled_output_fits_the_target_distribution_under_the_policy(right, exp
     half = Calibration(bins=1, table=[[0.5]] * 3)  # every slot accepted half the time: one draft pays, not three
     widths, first, apart = [], [], []
     batching = {} if right else {"slots": 1024, "prefill_chunk": 1}
-    real = decode.verify_apart
-    monkeypatch.setattr(decode, "verify_apart", lambda *a: apart.append(a[3].shape[0]) or real(*a))
+    real = rounds.verify_apart
+    monkeypatch.setattr(rounds, "verify_apart", lambda *a: apart.append(a[3].shape[0]) or real(*a))
 
     def engine(*args, **kwargs):
         results = generate(*args, **kwargs, **batching,

@@ -1,0 +1,328 @@
+"""What one verify round of :func:`~specdraft.runtime.decode.generate` does, by kind: the target alone
+(:class:`PlainRounds`), a drafted block every round (:class:`ChainRounds`), a draft tree every round
+(:class:`TreeRounds`), or an adaptive policy's choice of plain, exploring and drafted rounds (:class:`AdaptiveRounds`).
+
+Each kind drafts and verifies a round (:meth:`run`), feeds what the round committed to its drafters (:meth:`commit`)
+and hears how it went (:meth:`end_round`); the engine around them admits, accepts, emits and compacts the same way
+for all of them, so it never asks which kind it was given (:func:`rounds_for` picks one).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from specdraft.runtime.backlog import Backlog
+from specdraft.runtime.d2sd import TreeDrafting
+from specdraft.runtime.explore import explorers, explores_rows, scatter_rows, verifies_apart, verify_apart
+from specdraft.runtime.models.target import TargetLM
+from specdraft.runtime.one_pass import OnePassDrafting
+from specdraft.runtime.phase_clock import PhaseClock, wall_seconds
+from specdraft.runtime.policy import AdaptivePolicy
+from specdraft.runtime.sampling import SamplingParams, logits_to_probs, sample_from_probs
+from specdraft.runtime.verify import accept_greedy, accept_speculative_sampling
+
+MAX_DEFERRED_TOKENS = 32_768
+"""Deferred features (prompts and plain rounds, all rows) past which an admission feeds the drafter at once: features
+of several target layers take more memory per token than the drafter's own K/V."""
+
+
+@dataclass
+class Job:
+    """What every round of one :func:`generate` call shares."""
+
+    target: object
+    drafter: object  # a block drafter bound to ``target``, or None (the target alone)
+    params: SamplingParams
+    draft_sampling: str
+    generator: torch.Generator | None
+    clock: PhaseClock
+    device: torch.device
+
+    @property
+    def feature_layers(self) -> Sequence[int]:
+        return self.drafter.target_layer_ids if self.drafter is not None else ()
+
+
+@dataclass
+class Round:
+    """One verify round's outcome, whatever drafted it."""
+
+    draft_tokens: torch.Tensor  # [b, K] the drafts verified (K = 0: a plain round; trees: the winning candidate)
+    draft_logits: torch.Tensor | None  # [b, K, V]
+    hidden: torch.Tensor | None  # [b, Bk, D] the drafter's hidden states
+    num_accepted: torch.Tensor  # [b]
+    next_token: torch.Tensor  # [b] the target's token after the accepted drafts
+    features: torch.Tensor | None  # [b, T, F] target features of the verified (trees: accepted) positions
+    target_logits: torch.Tensor  # [b, K + 1, V]
+    nodes: torch.Tensor | None = None  # [b] trees: nodes verified, root included
+    winner: torch.Tensor | None = None  # [b] trees: the candidate holding the accepted path
+    widths: torch.Tensor | None = None  # [b] drafts each row verified, where rows differ
+    drafting: int = 0  # rows that drafted
+
+
+class PlainRounds:
+    """The target alone: a round verifies no draft and commits the target's next token."""
+
+    second = None  # a second drafter whose context the prefill also fills (D²SD's)
+    defer = False  # whether admitted prompts' drafter ingest waits in :attr:`backlog`
+    backlog: Backlog | None = None
+    drafter_room = 0  # drafter cache slots needed past the target's (a backlog flush's scratch)
+    verify_len = 1  # tokens one verify pass holds at most, beyond the anchor's context
+
+    def __init__(self, job: Job):
+        self.job = job
+
+    def run(self, state, caches: dict, progress: Callable[[], tuple[float, int]]) -> Round:
+        """Draft and verify one round of the running rows ``state`` (``progress``: their mean context and the tokens
+        they have left, for a kind that prices rounds)."""
+        return self._plain(state, caches["t"], {})
+
+    def commit(self, state, caches: dict, rnd: Round) -> None:
+        """Feed the round's committed tokens to the drafters (after the target cache kept them)."""
+
+    def admitted(self, rows: list[int], backlog: Backlog | None, before: int, caches: dict) -> None:
+        """Requests ``rows`` joined the ``before`` running ones (``backlog``: their deferred prompt features)."""
+
+    def end_round(self, ids: list[int], useful: list[int], finished: list[int], rnd: Round) -> None:
+        """The round's requests ``ids`` committed ``useful`` of its drafts each; ``finished`` of them ended (after
+        compaction)."""
+
+    def _plain(self, state, tcache, split: dict) -> Round:
+        job = self.job
+        draft_tokens = state.anchor.new_zeros(state.anchor.shape[0], 0)
+        out = job.target(state.anchor[:, None], cache=tcache, feature_layers=job.feature_layers, **split)  # [b, 1]
+        n_acc, nxt = verify_round(draft_tokens, None, out.logits, job.params, job.generator)
+        job.clock.lap("verify")
+        return Round(draft_tokens, None, None, n_acc, nxt, out.features, out.logits)
+
+    def _verify(self, state, tcache, drafted: tuple, drafting: int) -> Round:
+        job = self.job
+        hidden, draft_logits, draft_tokens, draft_probs = drafted
+        job.clock.lap("draft")
+        out = job.target(torch.cat([state.anchor[:, None], draft_tokens], dim=1), cache=tcache,
+                         feature_layers=job.feature_layers)  # verify [anchor, d_1..d_K]
+        n_acc, nxt = verify_round(draft_tokens, draft_probs, out.logits, job.params, job.generator)  # [b], [b]
+        job.clock.lap("verify")
+        return Round(draft_tokens, draft_logits, hidden, n_acc, nxt, out.features, out.logits, drafting=drafting)
+
+
+class ChainRounds(PlainRounds):
+    """A drafted block every round: draft ``[anchor, MASK x K]``, verify ``[anchor, d_1..d_K]``."""
+
+    def __init__(self, job: Job):
+        super().__init__(job)
+        self.verify_len = job.drafter.block_size
+
+    def run(self, state, caches: dict, progress) -> Round:
+        job = self.job
+        drafted = _draft(job.drafter, caches["d"], state.anchor, state.draft_state, job.params, job.draft_sampling,
+                         job.generator)
+        return self._verify(state, caches["t"], drafted, state.anchor.shape[0])
+
+    def commit(self, state, caches: dict, rnd: Round) -> None:
+        drafter = self.job.drafter
+        fused = drafter.ingest(caches["d"], rnd.features, rnd.num_accepted + 1)  # [b, T, D]
+        state.draft_state = drafter.next_round_state(state.draft_state, rnd.hidden, rnd.draft_tokens,
+                                                     rnd.num_accepted, rnd.target_logits, fused)
+
+
+class TreeRounds(ChainRounds):
+    """A draft tree every round, D²SD's or one-pass, verified in one target pass."""
+
+    def __init__(self, job: Job, tree: TreeDrafting | OnePassDrafting):
+        super().__init__(job)
+        tree.check(job.drafter)
+        self.tree = tree
+        self.second = tree.second if tree.second is not job.drafter else None
+        self.verify_len = max(tree.max_nodes(self.verify_len), self.verify_len)  # the drafter's block fits too
+
+    def run(self, state, caches: dict, progress) -> Round:
+        job = self.job
+        scache = caches["s"] if self.second is not None else caches["d"]
+        r = self.tree.round(job.target, job.drafter, caches["d"], scache, caches["t"], state.anchor, job.params,
+                            job.feature_layers, job.generator, job.clock, job.draft_sampling)
+        return Round(r.draft_tokens, r.draft_logits, r.hidden, r.acceptance.num_accepted, r.acceptance.next_token,
+                     r.path_features, r.path_logits, r.num_nodes, r.acceptance.winner, drafting=state.anchor.shape[0])
+
+    def commit(self, state, caches: dict, rnd: Round) -> None:
+        super().commit(state, caches, rnd)
+        if state.draft_state is not None:
+            raise ValueError("tree drafting needs a first drafter without cross-round state (e.g. dflash)")
+        if self.second is not None:
+            self.second.ingest(caches["s"], rnd.features, rnd.num_accepted + 1)
+            self.second.next_round_state(None, None, rnd.draft_tokens, rnd.num_accepted, rnd.target_logits, None)
+
+
+class AdaptiveRounds(ChainRounds):
+    """An :class:`AdaptivePolicy` choosing each round: a plain round (its features wait in :attr:`backlog`), a few
+    rows drafting while the others decode plainly (exploring), or every row drafting the first ``k`` drafts. The
+    policy prices rounds by their measured seconds."""
+
+    defer = True
+
+    def __init__(self, job: Job, policy: AdaptivePolicy, extra_room: int):
+        super().__init__(job)
+        self.policy, self.drafter_room = policy, extra_room
+        self.backlog = Backlog()
+        self.fresh: set[int] = set()  # requests admitted since the last drafted round (the policy probes them)
+        self.opening: set[int] = set()  # requests whose next round is their first (the policy prices it apart)
+        self.explored = 0  # exploring rounds so far (the plain rows they draft for take turns)
+        # a plain round's features wait in the backlog as the layers' outputs (concatenated once, when a row is fed)
+        self.split = {"concat_features": False} if isinstance(job.target, TargetLM) else {}
+        self.started = self.flushed = 0.0
+        self.fed = 0
+        policy.new_job()
+
+    def admitted(self, rows: list[int], backlog: Backlog | None, before: int, caches: dict) -> None:
+        self.backlog.cat_rows(backlog, before, len(rows))
+        self.fresh.update(rows)
+        self.opening.update(rows)
+        if self.backlog.tokens > MAX_DEFERRED_TOKENS:
+            self.backlog.flush(self.job.drafter, caches["d"])
+
+    def run(self, state, caches: dict, progress) -> Round:
+        job, policy = self.job, self.policy
+        if job.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.started, self.flushed, self.fed = time.perf_counter(), 0.0, 0
+        b, ids = state.rows.numel(), state.rows.tolist()
+        policy.before_round(*progress(), self.backlog.tokens)  # priced at the rows' context and what they have left
+        m = policy.draft_rows(b, len(self.fresh), ids, self.opening)
+        if m == 0:
+            return self._plain(state, caches["t"], self.split)
+        if m < b and explores_rows(job.drafter, caches["d"]):
+            return self._explore(state, caches, m)
+        self.fresh.clear()
+        self._flush(caches)  # plain rounds' features, deferred until drafting resumes
+        hidden, draft_logits, draft_tokens, draft_probs = _draft(
+            job.drafter, caches["d"], state.anchor, state.draft_state, job.params, job.draft_sampling, job.generator)
+        k = policy.verify_len(draft_confidence(draft_logits, draft_tokens, draft_probs))
+        # verify only the first k drafts: a block of k drafts, just as lossless
+        probs = None if draft_probs is None else draft_probs[:, :k]
+        drafted = (hidden, draft_logits[:, :k], draft_tokens[:, :k], probs)
+        return self._verify(state, caches["t"], drafted, b)
+
+    def _explore(self, state, caches: dict, m: int) -> Round:
+        """``m`` of the rows draft (new requests first), the others decode plainly; the explorers' drafts verify in
+        the pass of every row, or in a pass of their own rows after every row's plain pass."""
+        job, policy, b = self.job, self.policy, state.rows.numel()
+        few = explorers(m, state.rows, self.fresh, self.explored)  # [m]
+        self.explored += 1
+        self.fresh.clear()  # a probe of some new requests stands for all of them, as a full round did
+        self._flush(caches, few)
+        part = _draft(job.drafter, caches["d"].gather_rows(few, job.drafter.block_size), state.anchor[few], None,
+                      job.params, job.draft_sampling, job.generator)
+        conf = draft_confidence(*part[1:])  # [m, K]
+        tcache = caches["t"]
+        k, apart = (policy.explore_len(conf, rows=b) if verifies_apart(tcache)
+                    else (policy.verify_len(conf, rows=b), False))
+        widths = torch.zeros(b, dtype=torch.long, device=state.rows.device)  # [b]
+        widths[few] = k
+        hidden, draft_logits, draft_tokens, draft_probs = (
+            None if x is None else scatter_rows(x[:, :k] if i else x, few, b) for i, x in enumerate(part))
+        job.clock.lap("draft")
+        if apart:  # a pass apart verifies the explorers' own drafts, not their padded rows
+            out = verify_apart(job.target, tcache, state.anchor, few, part[2][:, :k], job.feature_layers)
+        else:
+            out = job.target(torch.cat([state.anchor[:, None], draft_tokens], dim=1), cache=tcache,
+                             feature_layers=job.feature_layers)
+        n_acc, nxt = verify_round(draft_tokens, draft_probs, out.logits, job.params, job.generator, widths)
+        job.clock.lap("verify")
+        return Round(draft_tokens, draft_logits, hidden, n_acc, nxt, out.features, out.logits, widths=widths,
+                     drafting=m)
+
+    def commit(self, state, caches: dict, rnd: Round) -> None:
+        if rnd.draft_tokens.shape[1] == 0:
+            self.backlog.add(rnd.features)  # a plain round: the drafter catches up when drafting resumes
+        elif rnd.widths is not None:  # the explorers ingest now, the others' features wait like a plain round's
+            drafted = rnd.widths > 0  # [b]
+            self.job.drafter.ingest(caches["d"], rnd.features, torch.where(drafted, rnd.num_accepted + 1, 0))
+            self.backlog.add(rnd.features[:, :1], (~drafted).long())
+        else:
+            super().commit(state, caches, rnd)
+
+    def end_round(self, ids: list[int], useful: list[int], finished: list[int], rnd: Round) -> None:
+        self.fresh.difference_update(finished)
+        width = rnd.draft_tokens.shape[1]
+        if width > 0:  # drafts past a row's end count as rejected
+            widths = rnd.widths.tolist() if rnd.widths is not None else [width] * len(ids)
+            drafting = [i for i, w in enumerate(widths) if w > 0]
+            self.policy.observe(torch.tensor([useful[i] for i in drafting]), [ids[i] for i in drafting],
+                                self.opening)
+        self.opening.clear()
+        # the round's rows, drafting rows and verified width, as the cost model prices them
+        self.policy.observe_seconds(len(ids), rnd.drafting, width, time.perf_counter() - self.started - self.flushed,
+                                    self.flushed, self.fed)
+
+    def _flush(self, caches: dict, rows: torch.Tensor | None = None) -> None:
+        """Feed the drafter the deferred features (of ``rows`` only, or every row's), timed apart from the round."""
+        if self.backlog.tokens:
+            clock, waiting = self.job.clock, self.backlog.tokens
+            clock.lap("draft")
+            self.flushed += wall_seconds(lambda: self.backlog.flush(self.job.drafter, caches["d"], rows),
+                                         self.job.device)
+            self.fed += waiting - self.backlog.tokens
+            clock.lap("flush")
+
+
+def rounds_for(job: Job, tree: TreeDrafting | OnePassDrafting | None, policy: AdaptivePolicy | None,
+               extra_room: int) -> PlainRounds:
+    """The round kind for a job: the target alone without a drafter, else a tree, a policy's or a chain's rounds
+    (``extra_room``: the drafter cache slots a backlog flush may write past the target's)."""
+    if tree is not None and job.drafter is None:
+        raise ValueError("tree drafting needs a first drafter")
+    if policy is not None and (job.drafter is None or tree is not None):
+        raise ValueError("an adaptive policy chooses chain rounds: it needs a drafter and no tree")
+    if job.drafter is None:
+        return PlainRounds(job)
+    if tree is not None:
+        return TreeRounds(job, tree)
+    return AdaptiveRounds(job, policy, extra_room) if policy is not None else ChainRounds(job)
+
+
+def _draft(drafter, cache, anchor: torch.Tensor, draft_state, params: SamplingParams, draft_sampling: str,
+           generator: torch.Generator | None):
+    """One block per row against ``cache``: ``(hidden [b, Bk, D], draft_logits [b, K, V], draft_tokens [b, K],
+    draft_probs [b, K, V] or None)``."""
+    blk = torch.full((anchor.shape[0], drafter.block_size), drafter.config.mask_token_id, dtype=torch.long,
+                     device=anchor.device)
+    blk[:, 0] = anchor
+    hidden = drafter.draft_hidden(cache, drafter.block_embeds(blk, draft_state))  # [b, Bk, D]
+    draft_logits = drafter.logits(hidden[:, 1:])  # [b, K, V]
+    return (hidden, draft_logits, *propose(draft_logits, params, draft_sampling, generator))
+
+
+def draft_confidence(draft_logits: torch.Tensor, draft_tokens: torch.Tensor,
+                     draft_probs: torch.Tensor | None) -> torch.Tensor:
+    """``[b, K]``: the drafter's probability of each of its drafts (under the distribution they were drawn from, or
+    its plain softmax for argmax drafts)."""
+    q = draft_probs if draft_probs is not None else torch.softmax(draft_logits.float(), -1)
+    return q.gather(-1, draft_tokens[..., None])[..., 0]
+
+
+def propose(draft_logits: torch.Tensor, params: SamplingParams, draft_sampling: str = "sample",
+            generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Draft tokens ``[b, K]`` from the drafter's logits ``[b, K, V]`` and the distribution ``q`` they were drawn from
+    (``[b, K, V]``, processed exactly as the target's will be), or ``None`` for deterministic (argmax) drafts."""
+    if params.greedy or draft_sampling == "greedy":
+        return draft_logits.argmax(-1), None
+    q = logits_to_probs(draft_logits, params)
+    return sample_from_probs(q, generator), q
+
+
+def verify_round(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
+                 params: SamplingParams, generator: torch.Generator | None = None,
+                 widths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(num_accepted [b], next_token [b])`` for drafts ``[b, K]`` against the verify logits ``[b, K + 1, V]``:
+    greedy verification at T=0, speculative sampling otherwise (deterministic drafts verify as ``q = one_hot``).
+    ``widths`` ``[b]``: drafts each row verifies, when rows differ (padding past them)."""
+    if params.greedy:
+        return accept_greedy(draft_tokens, target_logits, widths)
+    if draft_probs is None:
+        draft_probs = torch.nn.functional.one_hot(draft_tokens, target_logits.shape[-1]).float()
+    return accept_speculative_sampling(draft_tokens, draft_probs, logits_to_probs(target_logits, params), generator,
+                                       widths)
