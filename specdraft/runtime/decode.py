@@ -14,9 +14,8 @@ with ``policy=`` an adaptive policy chooses each round. What a round drafts and 
 
 from __future__ import annotations
 
-import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -28,44 +27,11 @@ from specdraft.runtime.models.target import TargetLM
 from specdraft.runtime.one_pass import OnePassDrafting
 from specdraft.runtime.phase_clock import PhaseClock
 from specdraft.runtime.policy import AdaptivePolicy
+from specdraft.runtime.requests import GenerationConfig, Requests, RowResult
 from specdraft.runtime.rounds import Job, rounds_for
-from specdraft.runtime.sampling import SamplingParams, sample
+from specdraft.runtime.sampling import sample
 
 __all__ = ["GenerationConfig", "RowResult", "generate"]
-
-@dataclass
-class GenerationConfig:
-    max_new_tokens: int | Sequence[int] = 128
-    """Per-request cap (an int for all rows or one per row)."""
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop_token_ids: tuple[int, ...] = ()
-    draft_sampling: str = "sample"
-    """Under T>0: 'sample' draws drafts from the drafter's processed distribution; 'greedy' drafts its argmax."""
-
-
-@dataclass
-class RowResult:
-    tokens: list[int]
-    """Generated tokens (stop token excluded)."""
-    accept_lengths: list[int]
-    """Tokens emitted per target verify round: accepted drafts + 1, or fewer when a stop token or the length cap
-    ended the row inside the round (a stop token counts). ``1 + sum == len(tokens) + (finish_reason == "stop")``."""
-    finish_reason: str
-    time_s: float
-    accepted: list[int] = field(default_factory=list)
-    """Drafts the target accepted per verify round (what acceptance rates count; not cut by stops or caps)."""
-    nodes: list[int] = field(default_factory=list)
-    """D²SD: tree nodes per round (root included, after deduplication); empty for chain decoding."""
-    winner: list[int] = field(default_factory=list)
-    """D²SD: the candidate holding the accepted path per round (0 = the first draft, j = the second drafter's
-    j-th branch by prefix length; the first draft wins ties)."""
-    verified: list[int] = field(default_factory=list)
-    """Drafts verified per round: the block's K, or what an adaptive policy chose (0 = a plain decoding round)."""
-
-    @property
-    def tau(self) -> float:
-        return sum(self.accept_lengths) / max(len(self.accept_lengths), 1)
-
 
 @dataclass
 class _State:
@@ -155,6 +121,65 @@ class _Prefill:
         return hi >= self.tokens.shape[1]
 
 
+class _Admission:
+    """Continuous batching: fills free slots from the queue of requests, prefilling each group into cache rows of
+    its own (``chunk`` prompt tokens a call while others run) and moving it into the running batch when complete."""
+
+    def __init__(self, prompts: Sequence[Sequence[int]], requests: Requests, job, rounds, slots: int, chunk: int,
+                 max_len: int, drafter_len: int, reserve: bool):
+        self.prompts, self.requests, self.job, self.rounds = prompts, requests, job, rounds
+        self.slots, self.chunk, self.max_len, self.drafter_len = slots, chunk, max_len, drafter_len
+        self.queue = deque(range(len(prompts)))
+        self.pending: _Prefill | None = None
+        self.reserve = reserve  # continuous batching: room for every slot once, then admissions copy their rows
+
+    def __call__(self, state: _State, caches: dict) -> None:
+        """Start a prefill, advance it one chunk (all of it when no row is running, as nothing would stall), and
+        move its unfinished rows into ``state`` and ``caches`` when it completes; again while slots are free."""
+        job, rounds = self.job, self.rounds
+        while True:
+            running = state.rows.numel()
+            if self.pending is None:
+                free = self.slots - running
+                if free <= 0 or not self.queue:
+                    return
+                take = [self.queue.popleft() for _ in range(min(free, len(self.queue)))]
+                self.requests.admit(take)
+                # a deferred drafter ingest never writes a joining group's drafter cache rows before admission copies
+                # their committed entries (none), so one slot each stands in for them
+                placeholder = rounds.defer and bool(caches)
+                self.pending = _Prefill(take, self.prompts, job.target, job.drafter, rounds.second,
+                                        job.feature_layers, self.max_len, 1 if placeholder else self.drafter_len,
+                                        job.device, defer=rounds.defer)
+            complete = self.pending.step(self.chunk if running else self.pending.tokens.shape[1])
+            job.clock.lap("prefill")
+            if not complete:
+                return
+            group, self.pending = self.pending, None
+            first = sample(group.last_logits, job.params, job.generator)  # [n]
+            for r, t in zip(group.rows, first.tolist()):
+                self.requests.emit(r, [t])
+            keep = [i for i, r in enumerate(group.rows) if not self.requests.done[r]]
+            new = _State(rows=torch.tensor(group.rows, dtype=torch.long, device=job.device), anchor=first)
+            new_caches = {"t": group.tcache, "d": group.dcache, "s": group.scache}
+            _compact(new, new_caches, keep, len(group.rows), group.backlog)
+            if not keep:
+                continue
+            if not caches:
+                state.rows, state.anchor, state.draft_state = new.rows, new.anchor, new.draft_state
+                caches.update(new_caches)
+                for cache in caches.values():
+                    if self.reserve and hasattr(cache, "reserve"):
+                        cache.reserve(self.slots)
+            else:
+                state.extend(new)
+                for key, cache in new_caches.items():
+                    if cache is not None:
+                        caches[key].cat_rows(cache)
+            rounds.admitted([group.rows[i] for i in keep], group.backlog, running, caches)
+            job.clock.lap("compaction")
+
+
 @torch.inference_mode()
 def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: GenerationConfig,
              drafter: Drafter | None = None, generator: torch.Generator | None = None,
@@ -186,122 +211,28 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
     Returns:
         one :class:`RowResult` per prompt, in order. ``time_s`` runs from the request's admission to its end.
     """
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("empty prompt: every request needs at least one token")
+    requests = Requests(prompts, config, on_result)
     if slots is not None and slots < 1 or prefill_chunk is not None and prefill_chunk < 1:
         raise ValueError("slots and prefill_chunk must be positive")
     dev = target.lm_head.weight.device
-    B = len(prompts)
-    S = B if slots is None else min(slots, B)
-    max_new = [config.max_new_tokens] * B if isinstance(config.max_new_tokens, int) else list(config.max_new_tokens)
-    stop = set(config.stop_token_ids)
-    longest = max(len(p) for p in prompts)
     job = Job(target, drafter, config.sampling, config.draft_sampling, generator, PhaseClock(timings, dev), dev)
+    longest, most = max(requests.prompt_len), max(requests.max_new)
     # a backlog flush writes max(counts) slots on every row (a prompt and the plain rounds), past a short row's end
     # (scratch): room for that
-    rounds = rounds_for(job, tree, policy, longest + max(max_new))
+    rounds = rounds_for(job, tree, policy, longest + most)
     chunk = prefill_chunk or longest
-    max_len = max(max(len(p) + m for p, m in zip(prompts, max_new)) + rounds.verify_len + 1,
+    max_len = max(max(n + m for n, m in zip(requests.prompt_len, requests.max_new)) + rounds.verify_len + 1,
                   longest + min(chunk, longest))
-    drafter_len = max_len + rounds.drafter_room
-    clock = job.clock
-
-    generated: list[list[int]] = [[] for _ in range(B)]
-    accept_lengths: list[list[int]] = [[] for _ in range(B)]
-    accepted: list[list[int]] = [[] for _ in range(B)]
-    nodes: list[list[int]] = [[] for _ in range(B)]
-    winners: list[list[int]] = [[] for _ in range(B)]
-    verified: list[list[int]] = [[] for _ in range(B)]
-    results: list[RowResult | None] = [None] * B
-    admitted = [0.0] * B
-    cache_offset = [len(p) - 1 for p in prompts]  # a row's cache: its prompt and generated tokens but the anchor
-
-    def finish(row: int, reason: str) -> None:
-        results[row] = RowResult(generated[row], accept_lengths[row], reason, time.perf_counter() - admitted[row],
-                                 accepted[row], nodes[row], winners[row], verified[row])
-        if on_result is not None:
-            on_result(row, results[row])
-
-    def emit(row: int, new_tokens: list[int]) -> tuple[int, str | None]:
-        """Append committed tokens to a row until a stop token or its cap; returns how many it emitted (a stop token
-        counts: it was generated) and why the row finished (None while it runs)."""
-        for i, t in enumerate(new_tokens):
-            if t in stop:
-                return i + 1, "stop"
-            generated[row].append(t)
-            if len(generated[row]) >= max_new[row]:
-                return i + 1, "length"
-        return len(new_tokens), None
-
-    def progress() -> tuple[float, int]:
-        """The running rows' mean context and the tokens they have left."""
-        ids = state.rows.tolist()
-        made = sum(len(generated[r]) for r in ids)
-        return (made + sum(cache_offset[r] for r in ids)) / len(ids), sum(max_new[r] for r in ids) - made
-
-    queue = deque(range(B))
+    admit = _Admission(prompts, requests, job, rounds, min(slots or len(prompts), len(prompts)), chunk, max_len,
+                       max_len + rounds.drafter_room, reserve=slots is not None)
     state = _State(rows=torch.zeros(0, dtype=torch.long, device=dev), anchor=torch.zeros(0, dtype=torch.long,
                                                                                          device=dev))
     caches: dict[str, object] = {}  # "t": target, "d": drafter, "s": second drafter (D²SD), rows as in ``state``
-    pending: _Prefill | None = None
 
-    def admit() -> None:
-        """Fill free slots from the queue: start a prefill, advance it one chunk (all of it when no row is running,
-        as nothing would stall), and move its unfinished rows into the running batch when it completes."""
-        nonlocal pending
-        while True:
-            running = state.rows.numel()
-            if pending is None:
-                free = S - running
-                if free <= 0 or not queue:
-                    return
-                take = [queue.popleft() for _ in range(min(free, len(queue)))]
-                now = time.perf_counter()
-                for r in take:
-                    admitted[r] = now
-                # a deferred drafter ingest never writes a joining group's drafter cache rows before admission copies
-                # their committed entries (none), so one slot each stands in for them
-                placeholder = rounds.defer and bool(caches)
-                pending = _Prefill(take, prompts, target, drafter, rounds.second, job.feature_layers, max_len,
-                                   1 if placeholder else drafter_len, dev, defer=rounds.defer)
-            complete = pending.step(chunk if running else pending.tokens.shape[1])
-            clock.lap("prefill")
-            if not complete:
-                return
-            group, pending = pending, None
-            first = sample(group.last_logits, job.params, generator)  # [n]
-            keep = []
-            for i, (r, t) in enumerate(zip(group.rows, first.tolist())):
-                reason = emit(r, [t])[1]
-                if reason is None:
-                    keep.append(i)
-                else:
-                    finish(r, reason)
-            new = _State(rows=torch.tensor(group.rows, dtype=torch.long, device=dev), anchor=first)
-            new_caches = {"t": group.tcache, "d": group.dcache, "s": group.scache}
-            _compact(new, new_caches, keep, len(group.rows), group.backlog)
-            if not keep:
-                continue
-            if not caches:
-                state.rows, state.anchor, state.draft_state = new.rows, new.anchor, new.draft_state
-                caches.update(new_caches)
-                if slots is not None:  # room for every slot once: admissions then copy only their own rows
-                    for cache in caches.values():
-                        if hasattr(cache, "reserve"):
-                            cache.reserve(S)
-            else:
-                state.extend(new)
-                for key, cache in new_caches.items():
-                    if cache is not None:
-                        caches[key].cat_rows(cache)
-            rounds.admitted([group.rows[i] for i in keep], group.backlog, running, caches)
-            clock.lap("compaction")
-
-    admit()
+    admit(state, caches)
     while state.rows.numel() > 0:
-        b = state.rows.numel()
-        clock.lap("commit")
-        rnd = rounds.run(state, caches, progress)
+        job.clock.lap("commit")
+        rnd = rounds.run(state, caches, lambda: requests.progress(state.rows.tolist()))
         if observer is not None:
             observer(RoundRecord(state.rows, rnd.draft_tokens, rnd.draft_logits, rnd.hidden, rnd.num_accepted,
                                  rnd.next_token, rnd.target_logits, rnd.nodes, rnd.winner, rnd.widths))
@@ -310,32 +241,14 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
         rounds.commit(state, caches, rnd)
         state.anchor = rnd.next_token
         ids = state.rows.tolist()  # the round's requests
-        keep, useful, ended = [], [], []  # useful: drafts each row committed (not those past its stop token or cap)
-        width = rnd.draft_tokens.shape[1]
-        row_widths = rnd.widths.tolist() if rnd.widths is not None else [width] * b
-        tree_nodes = rnd.nodes.tolist() if rnd.nodes is not None else None
-        tree_winner = rnd.winner.tolist() if rnd.winner is not None else None
-        for i, (row, a, d, t) in enumerate(zip(ids, rnd.num_accepted.tolist(), rnd.draft_tokens.tolist(),
-                                               rnd.next_token.tolist())):
-            accepted[row].append(a)
-            verified[row].append(row_widths[i])
-            if tree_nodes is not None:
-                nodes[row].append(tree_nodes[i])
-                winners[row].append(tree_winner[i])
-            emitted, reason = emit(row, d[:a] + [t])
-            useful.append(emitted - 1)
-            accept_lengths[row].append(emitted)  # what the round emitted (a + 1 unless cut short)
-            if reason is None:
-                keep.append(i)
-            else:
-                ended.append(row)
-                finish(row, reason)
-        _compact(state, caches, keep, b, rounds.backlog)
-        rounds.end_round(ids, useful, ended, rnd)
-        clock.lap("commit")  # the round's bookkeeping is not the admission's prefill
-        admit()
-    clock.lap("commit")
-    return results  # type: ignore[return-value]
+        useful = [requests.record(row, *outcome) for row, outcome in zip(ids, rnd.per_row())]
+        keep = [i for i, row in enumerate(ids) if not requests.done[row]]
+        _compact(state, caches, keep, len(ids), rounds.backlog)
+        rounds.end_round(ids, useful, [row for row in ids if requests.done[row]], rnd)
+        job.clock.lap("commit")  # the round's bookkeeping is not the admission's prefill
+        admit(state, caches)
+    job.clock.lap("commit")
+    return requests.results
 
 
 def _compact(state: _State, caches: dict[str, object], keep: list[int], current: int,

@@ -63,6 +63,16 @@ class Round:
     widths: torch.Tensor | None = None  # [b] drafts each row verified, where rows differ
     drafting: int = 0  # rows that drafted
 
+    def per_row(self) -> list[tuple]:
+        """Each row's outcome on the host, as :meth:`Requests.record` takes it: ``(accepted, drafts, next_token,
+        verified, nodes, winner)``."""
+        b, width = self.num_accepted.shape[0], self.draft_tokens.shape[1]
+        widths = self.widths.tolist() if self.widths is not None else [width] * b
+        nodes = self.nodes.tolist() if self.nodes is not None else [None] * b
+        winner = self.winner.tolist() if self.winner is not None else [None] * b
+        return list(zip(self.num_accepted.tolist(), self.draft_tokens.tolist(), self.next_token.tolist(), widths,
+                        nodes, winner))
+
 
 class PlainRounds:
     """The target alone: a round verifies no draft and commits the target's next token."""

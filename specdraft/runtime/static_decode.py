@@ -42,7 +42,6 @@ of the verify pass, and the next prior is built eagerly from the round's outputs
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
 
@@ -51,12 +50,12 @@ import torch
 from specdraft.kernels.lm_head_argmax import lm_head_argmax
 from specdraft.runtime import d2sd
 from specdraft.runtime.d2sd import TreeDrafting
-from specdraft.runtime.decode import GenerationConfig, RowResult
 from specdraft.runtime.drafter import Drafter, RoundRecord
 from specdraft.runtime.kv_cache import KVCache
 from specdraft.runtime.models.dflash import DFlashDrafter
 from specdraft.runtime.models.retrace import Prior, ReTraceDrafter
 from specdraft.runtime.models.target import TargetLM
+from specdraft.runtime.requests import GenerationConfig, Requests, RowResult
 from specdraft.runtime.rounds import propose, verify_round
 from specdraft.runtime.sampling import sample
 from specdraft.runtime.verify import accept_greedy_tokens
@@ -369,10 +368,8 @@ class StaticDecoder:
                  observer: Callable[[RoundRecord], None] | None = None) -> list[RowResult]:
         """Decode a batch (same contract as :func:`~specdraft.runtime.decode.generate`; the observer's records hold
         the running rows only, with ``hidden`` None, and ``draft_logits``/``target_logits`` None under argmax heads)."""
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("empty prompt: every request needs at least one token")
-        B, dev, params = len(prompts), self.dev, config.sampling
-        max_new = [config.max_new_tokens] * B if isinstance(config.max_new_tokens, int) else list(config.max_new_tokens)
+        requests = Requests(prompts, config)
+        B, dev, params, max_new = len(prompts), self.dev, config.sampling, requests.max_new
         need = slots_needed(prompts, max_new, self.block, self.tree)
         if need > self.max_len:
             raise ValueError(f"a request needs {need} cache slots (prompt + max_new_tokens + a verify pass + a block),"
@@ -380,8 +377,7 @@ class StaticDecoder:
         if self.argmax_heads and not params.greedy:
             raise ValueError("argmax heads decode greedily: sampling needs the logits (argmax_heads=False)")
         n = self.bucket_for(B)
-        stop = set(config.stop_token_ids)
-        start = time.perf_counter()
+        requests.admit(range(B))
         for cache in self._caches():
             cache.lengths.zero_()
 
@@ -398,23 +394,9 @@ class StaticDecoder:
             if d is not None:
                 d.ingest(_rows(cache, B), out.features, lens)
 
-        rows = [RowResult([], [], "", 0.0) for _ in range(B)]  # filled as rounds go; finish_reason set when done
-        done = [False] * B
-
-        def emit(row: int, new_tokens: list[int]) -> int:
-            """Append committed tokens until a stop token or the cap; returns how many were emitted."""
-            r = rows[row]
-            for i, t in enumerate(new_tokens):
-                if t not in stop:
-                    r.tokens.append(t)
-                if t in stop or len(r.tokens) >= max_new[row]:
-                    r.finish_reason = "stop" if t in stop else "length"
-                    r.time_s, done[row] = time.perf_counter() - start, True
-                    return i + 1
-            return len(new_tokens)
-
+        done = requests.done
         for r, t in enumerate(first.tolist()):
-            emit(r, [t])
+            requests.emit(r, [t])
         slots = list(range(B))  # bucket slot -> request row; slots past len(slots) are padding
         anchor = first  # [len(slots)]
         if self.stateful:  # a first round carries no prior
@@ -457,21 +439,13 @@ class StaticDecoder:
                 observer(RoundRecord(torch.tensor([slots[i] for i in live], device=dev), run.draft_tokens,
                                      run.draft_logits, None, run.num_accepted, run.next_token, run.target_logits,
                                      nodes=run.nodes, winner=run.winner))
-            finished = []
             for i in live:
                 a, t, nodes, winner, d = *host[i][:4], host[i][4:]
-                r = rows[slots[i]]
-                r.accepted.append(a)
-                r.verified.append(len(d))
-                if self.tree is not None:
-                    r.nodes.append(nodes)
-                    r.winner.append(winner)
-                r.accept_lengths.append(emit(slots[i], d[:a] + [t]))
-                if done[slots[i]]:
-                    finished.append(i)
+                requests.record(slots[i], a, d, t, len(d), *((nodes, winner) if self.tree is not None else ()))
+            finished = [i for i in live if done[slots[i]]]
             if finished:
                 active[torch.tensor(finished, device=dev)] = False
-        return rows
+        return requests.results
 
 
 class StaticEngine:
