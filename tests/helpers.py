@@ -123,10 +123,11 @@ class BigramOracle(DFlashDrafter):
     """A real DFlash drafter (its caches, ingest and draft pass all run) whose logits are replaced by a pinned guess
     of the target's next tokens. Against a target whose attention output projections are zero, the next token is a
     fixed function of the current one (a bigram map), so the guess is exact: slot ``k`` proposes the map's ``k``-th
-    iterate of the anchor while ``k <= right`` and a wrong token after, pinning ``right`` accepted drafts per round."""
+    iterate of the anchor while ``k <= right`` and a wrong token after, pinning ``right`` accepted drafts per round
+    (``runner_up``: the right token is the wrong slots' second likeliest, where a tree's sibling finds it)."""
 
-    def pin(self, bigram: torch.Tensor, right: int):
-        self.bigram, self.right = bigram, right
+    def pin(self, bigram: torch.Tensor, right: int, runner_up: bool = False):
+        self.bigram, self.right, self.runner_up = bigram, right, runner_up
         return self
 
     def block_embeds(self, block_tokens, state=None):
@@ -136,11 +137,14 @@ class BigramOracle(DFlashDrafter):
     def logits(self, hidden):
         super().logits(hidden)  # the real LM head runs too
         K, V = hidden.shape[1], self.bigram.shape[0]
-        tok, out = self._anchor, []
+        tok, out, true = self._anchor, [], []
         for k in range(K):
             tok = self.bigram[tok]
             out.append(tok if k < self.right else (tok + 1) % V)
-        return torch.nn.functional.one_hot(torch.stack(out, 1), V).float() * 20  # [b, K, V]
+            true.append(tok)
+        one_hot = torch.nn.functional.one_hot
+        logits = one_hot(torch.stack(out, 1), V).float() * 20  # [b, K, V]
+        return logits + one_hot(torch.stack(true, 1), V).float() * 10 if self.runner_up else logits
 
 
 def bigram_target(V=6):
@@ -152,9 +156,9 @@ def bigram_target(V=6):
     return target, bigram
 
 
-def bigram_oracle(right: int, block_size: int = 4, V: int = 6):
+def bigram_oracle(right: int, block_size: int = 4, V: int = 6, runner_up: bool = False):
     """``(target, drafter)``: a bigram target and a :class:`BigramOracle` pinned to ``right`` accepted drafts."""
     target, bigram = bigram_target(V)
     oracle = make_drafter(target, seed=2, block_size=block_size)
     oracle.__class__ = BigramOracle
-    return target, oracle.pin(bigram, right)
+    return target, oracle.pin(bigram, right, runner_up)

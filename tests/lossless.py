@@ -549,15 +549,15 @@ under sampling with sampled drafts)."""
 _build_nodes, _accept_nodes = one_pass.build_nodes, one_pass.accept_nodes
 
 
-def _siblings_visible(anchor, shape, tokens, max_depth):
+def _siblings_visible(anchor, shape, tokens, max_depth, width=None):
     """A causal mask over the node order instead of the ancestor mask (a node sees every node numbered before it)."""
-    tree = _build_nodes(anchor, shape, tokens, max_depth)
+    tree = _build_nodes(anchor, shape, tokens, max_depth, width)
     N = tree.mask.shape[-1]
     return tree._replace(mask=torch.ones(N, N, dtype=torch.bool).tril().expand_as(tree.mask))
 
 
-def _nodes_bonus_from_the_root(tree, node_targets):
-    return _accept_nodes(tree, node_targets)._replace(next_token=node_targets[:, 0])
+def _nodes_bonus_from_the_root(tree, node_targets, max_depth=None):
+    return _accept_nodes(tree, node_targets, max_depth)._replace(next_token=node_targets[:, 0])
 
 
 ONE_PASS_WRONG_RULES: dict[str, list[tuple[object, str, Callable]]] = {

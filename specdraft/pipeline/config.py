@@ -286,8 +286,8 @@ class DecodeConfig:
     does not pay. Chains with a drafter without cross-round state (dflash, vp)."""
     cuda_graphs: bool = False
     """Decode through the static-shape path: CUDA graphs per batch-size bucket on a GPU (the same static rounds run
-    without graphs on a CPU); greedy jobs take tokens from the fused LM-head argmax. Chains only, with ar or a drafter
-    without cross-round state (dflash, vp)."""
+    without graphs on a CPU); greedy jobs take tokens from the fused LM-head argmax. Chains (ar, dflash, vp,
+    retrace), d2sd trees (siblings included) and ddtree trees at a fixed budget."""
 
     def __post_init__(self):
         if self.backend not in ("torch", "onnx", "trt"):
@@ -297,9 +297,9 @@ class DecodeConfig:
                               "backend runs its own graphs (set decode.cuda_graphs=false)")
         if self.policy == "adaptive" and self.method == "ar":
             raise OptionError("policy", "adaptive chooses how many drafts to verify: method 'ar' has no drafter")
-        if self.cuda_graphs and (self.method == "ddtree" or self.method == "d2sd" and self.tree_siblings):
-            raise OptionError("cuda_graphs", "one-pass trees (ddtree, d2sd with tree_siblings) run on the eager engine "
-                              "(the static path's one-pass round is not built yet): set decode.cuda_graphs=false")
+        if self.cuda_graphs and self.method == "ddtree" and self.tree_budget == "measured":
+            raise OptionError("cuda_graphs", "a measured tree budget varies the nodes a round verifies; the static "
+                              "path verifies a fixed budget per bucket: set decode.tree_budget=fixed")
         if self.policy == "adaptive" and (self.method in ("d2sd", "ddtree", "retrace") or self.cuda_graphs):
             how = f"method {self.method!r}" + (" with cuda_graphs" if self.cuda_graphs else "")
             raise OptionError("policy", f"adaptive chooses chain rounds of the eager engine (any backend) with a "

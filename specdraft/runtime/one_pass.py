@@ -155,11 +155,13 @@ class NodeTree(NamedTuple):
     rank: torch.Tensor  # [b, N] a node's rank among its siblings (0: the drafter's likeliest token there)
 
 
-def build_nodes(anchor: torch.Tensor, shape: Shape, tokens: torch.Tensor, max_depth: int) -> NodeTree:
-    """The tree of ``shape`` with non-root node tokens ``tokens`` ``[b, M]``."""
+def build_nodes(anchor: torch.Tensor, shape: Shape, tokens: torch.Tensor, max_depth: int,
+                width: int | None = None) -> NodeTree:
+    """The tree of ``shape`` with non-root node tokens ``tokens`` ``[b, M]`` (``width``: children a node holds at
+    most, for a tree built without reading the shape on the host; default the shape's widest)."""
     b, M = tokens.shape
     N, dev = M + 1, tokens.device
-    W = int(shape.rank.max()) + 1 if M else 1
+    W = width or (int(shape.rank.max()) + 1 if M else 1)
     rows = torch.arange(b, device=dev)[:, None]
     ids = torch.arange(1, N, device=dev).expand(b, M)
     node_tokens = torch.cat([anchor[:, None], torch.where(shape.valid, tokens, anchor[:, None])], 1)  # [b, N]
@@ -212,7 +214,7 @@ def without_drawn(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return rest / rest.sum(-1, keepdim=True).clamp_min(1e-30)
 
 
-def accept_nodes(tree: NodeTree, node_targets: torch.Tensor) -> TreeAcceptance:
+def accept_nodes(tree: NodeTree, node_targets: torch.Tensor, max_depth: int | None = None) -> TreeAcceptance:
     """From the root, move to the child whose token is the target's token at the current node, until none is; that
     token follows the accepted path (greedy verification with argmax targets; with one SAMPLE per node, lossless
     speculative sampling for deterministic siblings, as :func:`~specdraft.runtime.tree.accept_tree`).
@@ -223,6 +225,7 @@ def accept_nodes(tree: NodeTree, node_targets: torch.Tensor) -> TreeAcceptance:
 
     Args:
         node_targets: ``[b, N]`` the target's token after each node.
+        max_depth: the tree's depth at most (default: read from the tree on the host).
     Returns:
         ``winner`` 1 where the accepted path leaves the rank-0 children (a sibling won), else 0.
     """
@@ -231,7 +234,7 @@ def accept_nodes(tree: NodeTree, node_targets: torch.Tensor) -> TreeAcceptance:
     match = (tree.tokens == node_targets.gather(1, tree.parent)) & real  # [b, N]
     match[:, 0] = True  # the root is committed
     on_path, up = match, tree.parent  # on_path: every node within 2^t - 1 steps up matches; up: 2^t steps up
-    for _ in range(int(tree.depth.max()).bit_length()):
+    for _ in range((max_depth if max_depth is not None else int(tree.depth.max())).bit_length()):
         on_path, up = on_path & on_path.gather(1, up), up.gather(1, up)
     depth = torch.where(on_path, tree.depth, -1)  # [b, N]
     last = depth.argmax(-1)  # [b] the deepest node on the path (the root when no draft matches)

@@ -34,7 +34,11 @@ Acceptance is the engine's own functions (:func:`~specdraft.runtime.rounds.propo
 rules that make decoding lossless are shared, not copied. Without CUDA (or with ``graphs=False``) the same static
 rounds run eagerly: the CPU tests check the static-shape logic, the GPU tests the capture.
 
-Scope: chains with a DFlash, VP or ReTrace drafter or none (AR), and D²SD trees of stateless drafters. ReTrace's
+A one-pass round (``tree=`` a fixed-budget :class:`~specdraft.runtime.one_pass.OnePassDrafting`) is the D²SD round
+without the branch step: the best-first tree of the first draft's distributions, eagerly, at its node budget.
+
+Scope: chains with a DFlash, VP or ReTrace drafter or none (AR), D²SD trees (with or without one-pass siblings) and
+fixed-budget one-pass trees of stateless drafters. ReTrace's
 prior (the rejected suffix it carries into the next round) lives in fixed-shape buffers of each bucket: the draft
 step fuses it into every slot (slots no prior lands on add zero), the commit step returns the drafter's fused view
 of the verify pass, and the next prior is built eagerly from the round's outputs.
@@ -48,16 +52,17 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 
 from specdraft.kernels.lm_head_argmax import lm_head_argmax
-from specdraft.runtime import d2sd
+from specdraft.runtime import d2sd, one_pass
 from specdraft.runtime.d2sd import TreeDrafting
 from specdraft.runtime.drafter import Drafter, RoundRecord
 from specdraft.runtime.kv_cache import KVCache
 from specdraft.runtime.models.dflash import DFlashDrafter
 from specdraft.runtime.models.retrace import Prior, ReTraceDrafter
 from specdraft.runtime.models.target import TargetLM
+from specdraft.runtime.one_pass import OnePassDrafting
 from specdraft.runtime.requests import GenerationConfig, Requests, RowResult
 from specdraft.runtime.rounds import propose, verify_round
-from specdraft.runtime.sampling import sample
+from specdraft.runtime.sampling import logits_to_probs, sample
 from specdraft.runtime.verify import accept_greedy_tokens
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -140,7 +145,7 @@ class _Round(NamedTuple):
 
 
 def slots_needed(prompts: Sequence[Sequence[int]], caps: Sequence[int], block: int,
-                 tree: TreeDrafting | None = None) -> int:
+                 tree: TreeDrafting | OnePassDrafting | None = None) -> int:
     """Cache slots a batch needs: its longest request, a verify pass (a block, or the tree's node budget) and a
     drafter block of scratch past it."""
     verify = tree.max_nodes(block) if tree is not None else block
@@ -160,22 +165,27 @@ class StaticDecoder:
         argmax_heads: greedy decoding only: the verify step (and a chain's draft step) returns greedy tokens from the
             fused LM-head argmax (:func:`~specdraft.kernels.lm_head_argmax.lm_head_argmax`) and never materialises
             logits (a tree's first draft keeps its logits: its confidences place the branches).
-        tree: D²SD tree rounds (a stateless second drafter), verified at the tree's fixed node budget.
+        tree: tree rounds, verified at the tree's fixed node budget: D²SD's (a stateless second drafter, with or
+            without one-pass siblings) or one-pass (a fixed budget).
     """
 
     def __init__(self, target: TargetLM, drafter: Drafter | None, max_batch: int, max_len: int,
                  buckets: Sequence[int] = BUCKETS, graphs: bool | None = None, argmax_heads: bool = False,
-                 tree: TreeDrafting | None = None):
+                 tree: TreeDrafting | OnePassDrafting | None = None):
         dev = target.lm_head.weight.device
         self.check_drafter(drafter)
         if tree is not None:
-            if not isinstance(tree, TreeDrafting) or tree.siblings:
-                raise ValueError("the static path runs D²SD trees; one-pass trees and siblings run on the eager engine")
+            if isinstance(tree, OnePassDrafting) and tree.budget is not None:
+                raise ValueError("the static path verifies a fixed node budget per bucket; a measured budget runs on "
+                                 "the eager engine")
             if drafter is None:
                 raise ValueError("tree drafting needs a first drafter")
             tree.check(drafter)
             self.check_drafter(tree.second)
         self.target, self.drafter, self.tree, self.dev = target, drafter, tree, dev
+        self.one_pass = tree if isinstance(tree, OnePassDrafting) else None
+        self._round = self._chain_round if tree is None else \
+            self._one_pass_round if self.one_pass is not None else self._tree_round
         self.block = drafter.block_size if drafter is not None else 1
         self.buckets = sorted({b for b in buckets if b < max_batch} | {max_batch})
         self.max_batch, self.max_len = max_batch, max_len
@@ -229,8 +239,9 @@ class StaticDecoder:
         if self.stateful:
             bk.prior = drafter.empty_prior(n)
         if tree is not None:
-            J, N = tree.num_branches, tree.max_nodes(Bk)
-            bk.branch_blocks = torch.zeros(n, J, Bk, dtype=torch.long, device=dev)
+            N = tree.max_nodes(Bk)
+            if self.one_pass is None:
+                bk.branch_blocks = torch.zeros(n, tree.num_branches, Bk, dtype=torch.long, device=dev)
             bk.tree_tokens = torch.zeros(n, N, dtype=torch.long, device=dev)
             bk.tree_depth = torch.zeros(n, N, dtype=torch.long, device=dev)
             bk.tree_mask = torch.eye(N, dtype=torch.bool, device=dev).repeat(n, 1, 1)
@@ -248,6 +259,7 @@ class StaticDecoder:
             return (drafter.logits(hidden[:, 1:]),)  # [n, K, V]
 
         def branch():
+            J = bk.branch_blocks.shape[1]
             embeds = second.block_embeds(bk.branch_blocks.flatten(0, 1), None)  # [n * J, Bk, D]
             hidden = second.draft_branches(scache, embeds.view(n, J, Bk, -1))  # [n, J, Bk, D]
             return (second.logits(hidden[:, :, 1:]),)  # [n, J, K, V]
@@ -278,7 +290,8 @@ class StaticDecoder:
             return (fused,) if self.stateful else ()  # ReTrace: the drafter's view of the verify pass
 
         # captured in the order they replay: graphs sharing one memory pool are only safe so
-        steps = {**({"draft": draft} if drafter is not None else {}), **({"branch": branch} if tree else {}),
+        steps = {**({"draft": draft} if drafter is not None else {}),
+                 **({"branch": branch} if tree is not None and self.one_pass is None else {}),
                  "verify": verify_tree if tree is not None else verify, "commit": commit}
         if self.graphs:
             saved = [c.lengths.clone() for c in self._caches()]
@@ -311,7 +324,7 @@ class StaticDecoder:
 
     def _tree_round(self, bk: _Bucket, config: GenerationConfig, generator) -> _Round:
         params, tree, K = config.sampling, self.tree, self.block - 1
-        sampled = not params.greedy and config.draft_sampling == "sample"
+        sampled = not params.greedy and config.draft_sampling == "sample" and not tree.siblings
         (logits,) = bk.draft()  # [n, K, V]
         first, first_q = d2sd.draw_tokens(logits, params, sampled, generator)  # [n, K], [n, K, V] or None
         lengths, blocks = d2sd.branch_blocks(bk.anchor, first, logits, tree)  # [n, J], [n, J, Bk]
@@ -319,22 +332,59 @@ class StaticDecoder:
         (branch_logits,) = bk.branch()  # [n, J, K, V]
         cands = d2sd.merge_candidates(first, first_q, logits, None, lengths, branch_logits, tree, params, sampled,
                                       generator)
-        t = d2sd.build_tree(bk.anchor, cands.tokens)  # N = the node budget: no trim, no host read
-        bk.tree_tokens.copy_(t.tokens)
-        bk.tree_depth.copy_(t.depth)
-        bk.tree_mask.copy_(t.mask)
-        verified, features = bk.verify()  # [n, N, V] (or [n, N] tokens), [n, N, F]
+        candidates, sibling_lengths = cands.tokens, None  # [n, J + 1, K]
+        if tree.siblings:  # the first drafter's best-first paths after them, a candidate each
+            candidates, sibling_lengths = d2sd.with_siblings(candidates, logits, tree.siblings)
+        # N = the node budget (each sibling adds one node at most to the paths before it): every real node
+        t = d2sd.build_tree(bk.anchor, candidates, sibling_lengths).trimmed(tree.max_nodes(self.block))
+        verified, features = self._verify_tree(bk, t)  # [n, N, V] (or [n, N] tokens), [n, N, F]
         if self.argmax_heads:
             acc = d2sd.accept_tree(t, verified)  # the target's greedy token at every node
         else:
             acc = d2sd.verify_tree(t, verified, params, generator, cands)
-        at = bk.tcache.lengths[:, None]  # [n, 1]
-        bk.tcache.move(at + acc.path, at + torch.arange(K + 1, device=self.dev))  # KV compaction, the whole path
-        bk.features.copy_(features.gather(1, acc.path[:, :, None].expand(-1, -1, features.shape[-1])))  # [n, Bk, F]
-        winner = cands.tokens.gather(1, acc.winner[:, None, None].expand(-1, 1, K))[:, 0]  # [n, K]
+        self._move_path(bk, acc.path, features)
+        winner = candidates.gather(1, acc.winner[:, None, None].expand(-1, 1, K))[:, 0].clamp_min(0)  # [n, K]
         path_logits = None if self.argmax_heads else verified.gather(
             1, acc.path[:, :, None].expand(-1, -1, verified.shape[-1]))  # [n, K + 1, V]
         return _Round(winner, logits, acc.num_accepted, acc.next_token, path_logits, t.num_nodes, acc.winner)
+
+    def _one_pass_round(self, bk: _Bucket, config: GenerationConfig, generator) -> _Round:
+        params, drafting, K = config.sampling, self.one_pass, self.block - 1
+        sampled = not params.greedy and config.draft_sampling == "sample"
+        (logits,) = bk.draft()  # [n, K, V]
+        q = logits_to_probs(logits, params) if sampled else logits.float().softmax(-1)  # [n, K, V]
+        shape, ranked = one_pass.tree_shape(q, drafting)  # N - 1 nodes (padding where no path is left)
+        tokens = one_pass.node_tokens(shape, ranked, q if sampled else None, generator)  # [n, N - 1]
+        t = one_pass.build_nodes(bk.anchor, shape, tokens, K, width=ranked.shape[-1])
+        verified, features = self._verify_tree(bk, t)  # [n, N, V] (or [n, N] tokens), [n, N, F]
+        if self.argmax_heads:
+            acc = one_pass.accept_nodes(t, verified, max_depth=K)  # the target's greedy token at every node
+        elif sampled:
+            acc = one_pass.accept_nodes_sampled(t, logits_to_probs(verified, params), q, generator)
+        else:
+            acc = one_pass.accept_nodes(t, sample(verified, params, generator), max_depth=K)
+        path = acc.path[:, :K + 1]  # [n, K + 1] past the accepted path: its last node
+        path = torch.cat([path, path[:, -1:].expand(-1, K + 1 - path.shape[1])], 1)
+        self._move_path(bk, path, features)
+        path_logits = None if self.argmax_heads else verified.gather(
+            1, path[:, :, None].expand(-1, -1, verified.shape[-1]))  # [n, K + 1, V]
+        draft_tokens = t.tokens.gather(1, path[:, 1:])  # [n, K] the accepted path first
+        return _Round(draft_tokens, logits, acc.num_accepted, acc.next_token, path_logits, t.num_nodes, acc.winner)
+
+    @staticmethod
+    def _verify_tree(bk: _Bucket, tree) -> tuple[torch.Tensor, torch.Tensor]:
+        """The verify step over ``tree``'s nodes (its tokens, depths and mask copied into the bucket's buffers)."""
+        bk.tree_tokens.copy_(tree.tokens)
+        bk.tree_depth.copy_(tree.depth)
+        bk.tree_mask.copy_(tree.mask)
+        return bk.verify()
+
+    def _move_path(self, bk: _Bucket, path: torch.Tensor, features: torch.Tensor) -> None:
+        """Move each row's path ``[n, K + 1]`` of tree nodes into the slots after its context (KV compaction) and its
+        target features into the commit step's buffer."""
+        at = bk.tcache.lengths[:, None]  # [n, 1]
+        bk.tcache.move(at + path, at + torch.arange(path.shape[1], device=self.dev))
+        bk.features.copy_(features.gather(1, path[:, :, None].expand(-1, -1, features.shape[-1])))  # [n, Bk, F]
 
     @staticmethod
     def _carry_prior(bk: _Bucket, prior: Prior | None) -> None:
@@ -420,8 +470,7 @@ class StaticDecoder:
             bk = self._bucket(n)
             bk.anchor.zero_()
             bk.anchor[:len(slots)] = anchor
-            rnd = self._tree_round(bk, config, generator) if self.tree is not None else \
-                self._chain_round(bk, config, generator)
+            rnd = self._round(bk, config, generator)
             bk.counts.copy_(commit_counts(rnd.num_accepted, active))
             committed = bk.commit()
             if self.stateful:  # the rejected suffix each row carries into its next round
@@ -462,7 +511,7 @@ class StaticEngine:
 
     def __init__(self, target: TargetLM, drafter: Drafter | None, max_batch: int, argmax_heads: bool = False,
                  graphs: bool | None = None, buckets: Sequence[int] = BUCKETS, slot_step: int = 256,
-                 tree: TreeDrafting | None = None):
+                 tree: TreeDrafting | OnePassDrafting | None = None):
         StaticDecoder.check_drafter(drafter)
         self.target, self.drafter, self.tree, self.max_batch = target, drafter, tree, max_batch
         self.argmax_heads, self.graphs, self.buckets, self.slot_step = argmax_heads, graphs, buckets, slot_step
@@ -470,8 +519,8 @@ class StaticEngine:
 
     def __call__(self, target: TargetLM, prompts: Sequence[Sequence[int]], config: GenerationConfig,
                  drafter: Drafter | None = None, generator: torch.Generator | None = None,
-                 tree: TreeDrafting | None = None, observer: Callable[[RoundRecord], None] | None = None,
-                 **_) -> list[RowResult]:
+                 tree: TreeDrafting | OnePassDrafting | None = None,
+                 observer: Callable[[RoundRecord], None] | None = None, **_) -> list[RowResult]:
         if target is not self.target or drafter is not self.drafter:
             raise ValueError("a StaticEngine decodes with the target and drafter it was built for")
         if tree != self.tree:

@@ -97,7 +97,7 @@ def test_greedy_decode_job_equals_ar_job(tiny_world, drafter_dir, tmp_path):
     tree = ["decode.second_drafter=same", "decode.tree_k=2"]  # D²SD with the first drafter re-drafting
     for method, graphs in (("ar", "false"), ("dflash", "false"), ("dflash", "true"), ("ar", "true"),
                            ("dflash", "static"), ("dflash", "adaptive"), ("d2sd", "static"), ("d2sd", "true"),
-                           ("ddtree", "false")):
+                           ("ddtree", "false"), ("ddtree", "static"), ("ddtree", "true")):
         outs[method, graphs] = tmp_path / f"{method}-{graphs}.jsonl"
         extra = {"d2sd": tree, "ddtree": ["decode.tree_nodes=6"]}.get(method, [])
         assert main(["decode", *_args(tiny_world, drafter_dir, tmp_path, f"decode.method={method}", *modes[graphs],
@@ -117,10 +117,13 @@ def test_greedy_decode_job_equals_ar_job(tiny_world, drafter_dir, tmp_path):
         == comp["dflash", "adaptive"]
     assert len(list((tmp_path / "work" / "policy").glob("*.json"))) == 1
     assert comp["d2sd", "static"] == comp["d2sd", "true"] == comp["ar", "false"] == comp["ddtree", "false"]
+    assert comp["ddtree", "true"] == comp["ar", "false"]
     tau = {(m, g): {json.loads(line)["id"]: json.loads(line)["tau"] for line in outs[m, g].read_text().splitlines()}
-           for m, g in (("dflash", "true"), ("dflash", "false"), ("d2sd", "true"), ("d2sd", "static"))}
+           for m, g in (("dflash", "true"), ("dflash", "false"), ("d2sd", "true"), ("d2sd", "static"),
+                        ("ddtree", "true"), ("ddtree", "static"))}
     assert tau["dflash", "true"] == tau["dflash", "false"]  # the static path drafts what the eager engine drafts
     assert tau["d2sd", "true"] == tau["d2sd", "static"]  # and builds the same trees
+    assert tau["ddtree", "true"] == tau["ddtree", "static"]
 
 
 def test_a_retrace_job_on_the_static_path_writes_the_eager_jobs_rows(tiny_world, drafter_dir, tmp_path):

@@ -10,10 +10,12 @@ import torch
 from specdraft.runtime.d2sd import TreeDrafting
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.drafter_io import convert_drafter
+from specdraft.runtime.one_pass import OnePassDrafting
 from specdraft.runtime.static_decode import StaticDecoder, StaticEngine
 from tests.helpers import bigram_oracle, make_drafter, make_target, retrace_from
 from tests.lossless import (
     EXECUTOR_WRONG_RULES,
+    ONE_PASS_WRONG_RULES,
     SAMPLING_SETTINGS,
     TREE_WRONG_RULES,
     check_conformance,
@@ -109,16 +111,16 @@ def test_the_checks_catch_each_wrong_bookkeeping_rule(rule, monkeypatch):
     assert caught
 
 
-def tree_factory(first, target, branches: int = 2, distinct: bool = False):
+def tree_factory(first, target, branches: int = 2, distinct: bool = False, siblings: int = 0):
     """``prompts -> (first drafter, TreeDrafting)`` with a real VP second drafter whose drafts follow its context."""
     second = convert_drafter(make_drafter(target, seed=5, block_size=first.block_size, std=0.3), "vp")
-    return lambda prompts: (first, TreeDrafting(second, branches, distinct=distinct))
+    return lambda prompts: (first, TreeDrafting(second, branches, distinct=distinct, siblings=siblings))
 
 
-@pytest.mark.parametrize(("branches", "distinct"), [(1, False), (3, True)])
-def test_d2sd_rounds_are_the_eager_engines_round_for_round(branches, distinct):
+@pytest.mark.parametrize(("branches", "distinct", "siblings"), [(1, False, 0), (3, True, 0), (1, False, 6)])
+def test_d2sd_rounds_are_the_eager_engines_round_for_round(branches, distinct, siblings):
     target = make_target(seed=7, vocab=6, std=1.0)
-    factory = tree_factory(make_drafter(target, seed=2, block_size=5, std=0.3), target, branches, distinct)
+    factory = tree_factory(make_drafter(target, seed=2, block_size=5, std=0.3), target, branches, distinct, siblings)
     counts = check_conformance((target, factory, static_engine(slot_step=1)), (target, factory, None), PROMPTS,
                                CAPS)
     assert counts["differing_rows"] == 0 and counts["accepted"] > 0, counts  # the same trees, walks and winners
@@ -127,6 +129,7 @@ def test_d2sd_rounds_are_the_eager_engines_round_for_round(branches, distinct):
     got = static_engine()(target, PROMPTS, gen, drafter=first, tree=tree)
     assert [r.tokens for r in got] == [r.tokens for r in generate(target, PROMPTS, gen)]
     assert sum(w > 0 for r in got for w in r.winner) > 0  # branches win
+    assert sum(w > branches for r in got for w in r.winner) > 0 or not siblings  # and siblings
     assert all(len(r.nodes) == len(r.winner) == len(r.accept_lengths) for r in got)  # tree stats every round
 
 
@@ -156,6 +159,51 @@ def test_the_tree_checks_catch_each_wrong_tree_rule(rule, monkeypatch):
     assert caught or got[1] != reference[1]
 
 
+def one_pass_factory(target, nodes: int, block_size: int = 5):
+    """``prompts -> (first drafter, OnePassDrafting)``: a real DFlash drafter whose drafts follow its context."""
+    first = make_drafter(target, seed=2, block_size=block_size, std=0.3)
+    return lambda prompts: (first, OnePassDrafting(nodes))
+
+
+@pytest.mark.parametrize("nodes", [3, 12])
+def test_one_pass_rounds_are_the_eager_engines_round_for_round(nodes):
+    target = make_target(seed=7, vocab=6, std=1.0)
+    factory = one_pass_factory(target, nodes)
+    counts = check_conformance((target, factory, static_engine(slot_step=1)), (target, factory, None), PROMPTS,
+                               CAPS)
+    assert counts["differing_rows"] == 0 and counts["accepted"] > 0, counts  # the same trees, walks and winners
+    gen = GenerationConfig(max_new_tokens=CAPS)
+    first, tree = factory(PROMPTS)
+    got = static_engine()(target, PROMPTS, gen, drafter=first, tree=tree)
+    assert [r.tokens for r in got] == [r.tokens for r in generate(target, PROMPTS, gen)]
+    assert sum(w > 0 for r in got for w in r.winner) > 0 or nodes < 4  # siblings win
+    assert all(len(r.nodes) == len(r.accept_lengths) for r in got)  # tree stats every round
+
+
+def test_one_pass_greedy_output_is_the_targets_with_pinned_drafts():
+    """The bigram oracle's block is right for two slots; the tree's siblings of its wrong third draft hold the target's
+    token as runner-up, so rounds accept past the chain; stop tokens and ragged caps as always."""
+    target, oracle = bigram_oracle(2, block_size=5, runner_up=True)
+    counts = check_greedy(target, lambda p: (oracle, OnePassDrafting(12)), PROMPTS, CAPS,
+                          engine=static_engine(slot_step=1))
+    assert counts["mismatches"] == 0, counts
+    assert counts["partial"] > 0 and counts["stopped_rows"] > 0 and counts["branch_wins"] > 0, counts
+
+
+@pytest.mark.parametrize("rule", [r for r in ONE_PASS_WRONG_RULES if "sampled" not in r])
+def test_the_one_pass_checks_catch_each_wrong_rule(rule, monkeypatch):
+    """Through the pinned oracle (a bigram target, which reads no context) or a real target and drafter (which do:
+    a wrong mask shows there)."""
+    for module, attr, wrong in ONE_PASS_WRONG_RULES[rule]:
+        monkeypatch.setattr(module, attr, wrong)
+    target, oracle = bigram_oracle(2, block_size=5, runner_up=True)
+    pinned = check_greedy(target, lambda p: (oracle, OnePassDrafting(12)), PROMPTS, CAPS,
+                          engine=static_engine(slot_step=1))
+    target = make_target(seed=7, vocab=6, std=1.0)
+    real = check_greedy(target, one_pass_factory(target, 12), PROMPTS, CAPS, engine=static_engine(slot_step=1))
+    assert pinned["mismatches"] + real["mismatches"] > 0, (pinned, real)
+
+
 @pytest.mark.parametrize("right", [3, 0, 2], ids=["accept-all", "accept-none", "partial"])
 def test_pinned_acceptance(right):
     target, oracle = bigram_oracle(right)
@@ -180,12 +228,25 @@ def test_sampled_output_fits_the_target_distribution(params):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("drafts", ["sample", "greedy"])
-def test_d2sd_sampled_output_fits_the_target_distribution(drafts):
+@pytest.mark.parametrize(("drafts", "siblings"), [("sample", 0), ("greedy", 0), ("sample", 4)])
+def test_d2sd_sampled_output_fits_the_target_distribution(drafts, siblings):
+    """With siblings the tree's tokens are ranked at every temperature and the walk samples the target at each node."""
     target = make_target(seed=7, vocab=6, std=0.5)
-    factory = tree_factory(make_drafter(target, seed=2, block_size=4, std=0.3), target, 2)
+    factory = tree_factory(make_drafter(target, seed=2, block_size=4, std=0.3), target, 2, siblings=siblings)
     check = sampling_pvalues(target, factory, SAMPLING_SETTINGS[1], n=6000, draft_sampling=drafts,
                              engine=static_engine((1, 6000)))
+    assert check.min_p > ALPHA, check
+    assert check.profile["partial"] + check.profile["full"] > 0 and check.profile["branch_wins"] > 0, check
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafts", ["sample", "greedy"])
+def test_one_pass_sampled_output_fits_the_target_distribution(drafts):
+    """Sampled siblings (drawn without replacement, recursive rejection sampling) and ranked ones (the target sampled
+    at every node the walk reaches) through the static rounds."""
+    target = make_target(seed=7, vocab=6, std=0.5)
+    check = sampling_pvalues(target, one_pass_factory(target, 8, block_size=4), SAMPLING_SETTINGS[1], n=6000,
+                             draft_sampling=drafts, engine=static_engine((1, 6000)))
     assert check.min_p > ALPHA, check
     assert check.profile["partial"] + check.profile["full"] > 0 and check.profile["branch_wins"] > 0, check
 
