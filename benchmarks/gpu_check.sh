@@ -14,7 +14,7 @@
 #             timeout_s: 600
 #   3. the results come back under the call's files_at (gpu_check.json, one <step>.txt/.json per step).
 #
-# Without artifacts/tiny the world-dependent steps (adaptive, d2sd, trt) are skipped and say so. DEADLINE overrides
+# Without artifacts/tiny the world-dependent steps (adaptive, trees, d2sd, trt) are skipped and say so. DEADLINE overrides
 # the budget in seconds; ONLY=smoke,kernels runs a subset.
 set -uo pipefail
 cd "$(dirname "$0")/.."

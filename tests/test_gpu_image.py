@@ -18,7 +18,7 @@ GPU_MODULES = [
     "specdraft.kernels.retrace_fusion", "specdraft.kernels.lm_head_argmax", "specdraft.export.onnx",
     "specdraft.export.tensorrt", "specdraft.pipeline.cli", "specdraft.pipeline.stages", "benchmarks.kernels",
     "benchmarks.gpu_decode", "benchmarks.fusion_overhead", "benchmarks.backend_costs", "benchmarks.d2sd_cost",
-    "benchmarks.adaptive_goal", "benchmarks.gpu_check",
+    "benchmarks.adaptive_goal", "benchmarks.gpu_check", "benchmarks.static_trees",
 ]
 
 

@@ -1,0 +1,106 @@
+"""Trees on the static path against the eager engine: the same held-out prompts decoded by both, batch by batch (the
+order alternating), for the DFlash chain, D²SD, D²SD with one-pass siblings and a one-pass tree. Reports per method
+and engine τ, tokens/s, and at T=0 how many requests' tokens and accept lengths differ between the engines (none
+should: the static rounds are the eager ones). On a GPU the static path replays CUDA graphs; on a CPU the same
+static rounds run eagerly, so there the tokens/s ratio is the static bookkeeping's cost, not the graphs' gain.
+
+    python benchmarks/static_trees.py configs/tiny.yaml [--prompts 16] [--nodes 24] [--siblings 16] [--out f.json]
+        [key=value ...]     (decode.second_drafter=same: D²SD's second drafter is the first, re-drafting)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import torch
+from transformers import AutoTokenizer
+
+from specdraft.pipeline.bench import suite_prompts, with_bench_prompts
+from specdraft.pipeline.config import load_config
+from specdraft.pipeline.measure import write_report
+from specdraft.pipeline.stages import existing_world
+from specdraft.pipeline.tokenizer import stop_token_ids
+from specdraft.pipeline.trees import one_pass_drafting, tree_drafting
+from specdraft.runtime.decode import GenerationConfig, generate
+from specdraft.runtime.drafter_io import load_drafter
+from specdraft.runtime.load import load_target
+from specdraft.runtime.sampling import SamplingParams
+from specdraft.runtime.static_decode import StaticEngine
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("config")
+    ap.add_argument("--prompts", type=int, default=16, help="held-out prompts per suite")
+    ap.add_argument("--suites", default="math,code,dialogue")
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--k", type=int, default=2, help="D²SD branches")
+    ap.add_argument("--siblings", type=int, default=16, help="one-pass siblings in the merged tree")
+    ap.add_argument("--nodes", type=int, default=24, help="the one-pass tree's node budget")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="")
+    args, overrides = ap.parse_known_args(argv)
+    cfg = load_config(args.config, overrides)
+    world = with_bench_prompts(cfg, existing_world(cfg))
+    target = load_target(world.target_dir, dtype=cfg.target.dtype, device=cfg.target.device)
+    tok = AutoTokenizer.from_pretrained(str(world.target_dir), trust_remote_code=False)
+    first = load_drafter(cfg.drafter_dir(cfg.train.export) if not cfg.decode.drafter else cfg.decode.drafter, target)
+    d2sd = tree_drafting(cfg, target, first, args.k)
+    trees = {"dflash": None, f"d2sd{args.k}": d2sd,
+             f"d2sd{args.k}+{args.siblings}": dataclasses.replace(d2sd, siblings=args.siblings),
+             f"ddtree{args.nodes}": one_pass_drafting(cfg, first, args.nodes, "fixed")}
+    suites = {suite: suite_prompts(world, suite, args.prompts, tok, cfg.data.enable_thinking,
+                                   target.args.max_position_embeddings) for suite in args.suites.split(",")}
+    report = {"config": args.config, "device": str(target.lm_head.weight.device), "prompts": args.prompts,
+              "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
+              **compare(target, first, trees, suites, [float(t) for t in args.temperatures.split(",")],
+                        args.batch_size, args.max_new_tokens, stop_token_ids(tok), args.seed)}
+    write_report(report, args.out, echo=False)
+    return report
+
+
+def compare(target, first, trees: dict, suites: dict[str, list[list[int]]], temperatures: list[float],
+            batch_size: int, max_new_tokens: int, stop: tuple[int, ...] = (), seed: int = 0) -> dict:
+    """Each method of ``trees`` (name -> tree, or None for the chain) on each suite's prompts at each temperature,
+    through the eager engine and a :class:`StaticEngine`, batch by batch: ``{"graphs", "cells": [...]}``."""
+    dev = target.lm_head.weight.device
+    static = {m: StaticEngine(target, first, batch_size, tree=t) for m, t in trees.items()}
+    cells = []
+    for suite, prompts in suites.items():
+        for temperature in temperatures:
+            gen = GenerationConfig(max_new_tokens=max_new_tokens, stop_token_ids=stop,
+                                   sampling=SamplingParams(temperature))
+            for method, tree in trees.items():
+                engines = {"eager": generate, "static": static[method]}
+                acc = {e: {"tokens": 0, "emitted": 0, "rounds": 0, "seconds": 0.0, "rows": []} for e in engines}
+                for turn, i in enumerate(range(0, len(prompts), batch_size)):
+                    for e in (list(engines) if turn % 2 else list(engines)[::-1]):
+                        g = torch.Generator(device=dev).manual_seed(seed + turn)
+                        t0 = time.perf_counter()
+                        res = engines[e](target, prompts[i:i + batch_size], gen, drafter=first, generator=g,
+                                         tree=tree)
+                        a = acc[e]
+                        a["seconds"] += time.perf_counter() - t0
+                        a["tokens"] += sum(len(r.tokens) for r in res)
+                        a["rounds"] += sum(len(r.accept_lengths) for r in res)
+                        a["emitted"] += sum(sum(r.accept_lengths) for r in res)
+                        a["rows"] += [(r.tokens, r.accept_lengths) for r in res]
+                cell = {"suite": suite, "temperature": temperature, "method": method,
+                        **{f"{e}_tau": a["emitted"] / max(a["rounds"], 1) for e, a in acc.items()},
+                        **{f"{e}_tokens_per_s": a["tokens"] / a["seconds"] for e, a in acc.items()}}
+                cell["static_over_eager"] = cell["static_tokens_per_s"] / cell["eager_tokens_per_s"]
+                if temperature == 0:
+                    cell["differing_requests"] = sum(x != y for x, y in zip(acc["eager"]["rows"],
+                                                                           acc["static"]["rows"]))
+                cells.append(cell)
+                print(" ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in cell.items()),
+                      flush=True)
+    return {"graphs": any(s.decoder is not None and s.decoder.graphs for s in static.values()), "cells": cells}
+
+
+if __name__ == "__main__":
+    main()
