@@ -15,6 +15,7 @@ import json
 import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -252,16 +253,22 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
             loaded[f"{drafter.arch_name}:{st}+adaptive"] = _Entry(drafter, drafter.arch_name, st, str(d), None, tgt,
                                                                   "torch", policy)
         trees = {}  # the second drafter is loaded once per first drafter
+        tree_rows = {}  # name -> (method, a fresh tree: a measured budget's record is each row's own)
         for k in b.tree_ks if drafter.arch_name in FIRST_DRAFTERS else []:
             trees[k] = replace(trees[min(trees)], num_branches=k) if trees else tree_drafting(cfg, tgt, drafter, k)
             trees[k].check(drafter)
             for n in b.tree_siblings or [trees[k].siblings]:
-                name = f"d2sd{k}:{st}" + (f"+{n}" if n else "")
-                loaded[name] = _Entry(drafter, "d2sd", st, str(d), replace(trees[k], siblings=n), tgt, "torch")
+                tree_rows[f"d2sd{k}:{st}" + (f"+{n}" if n else "")] = ("d2sd", partial(replace, trees[k], siblings=n))
         for n in b.tree_nodes if drafter.arch_name in FIRST_DRAFTERS else []:
             for how in b.tree_budgets or [cfg.decode.tree_budget]:
-                loaded[f"ddtree{n}:{st}" + ("+measured" if how == "measured" else "")] = _Entry(
-                    drafter, "ddtree", st, str(d), one_pass_drafting(cfg, drafter, n, how), tgt, "torch")
+                tree_rows[f"ddtree{n}:{st}" + ("+measured" if how == "measured" else "")] = (
+                    "ddtree", partial(one_pass_drafting, cfg, drafter, n, how))
+        for name, (method, tree) in tree_rows.items():
+            if "fixed" in b.policies or not adaptive:
+                loaded[name] = _Entry(drafter, method, st, str(d), tree(), tgt, "torch")
+            if adaptive:  # the policy decides between a whole tree round and a plain one
+                loaded[f"{name}+adaptive"] = _Entry(drafter, method, st, str(d), tree(), tgt, "torch",
+                                                    {t: replace(p, whole_rounds=True) for t, p in policy.items()})
 
     d = cfg.decode
     settings = {"top_k": d.top_k, "top_p": d.top_p, "draft_sampling": d.draft_sampling, "repeats": b.repeats,

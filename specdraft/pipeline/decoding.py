@@ -59,6 +59,7 @@ def build_decoding(cfg: RunConfig, world, drafter_dir: Path | None, tokenizer, d
         policy = adaptive_policy(cfg.work_path, target, drafter, drafter_dir,
                                  heldin_prompts(world, tokenizer, cfg.data.enable_thinking), stop_token_ids(tokenizer),
                                  (d.batch_size,), log, gen.sampling, d.draft_sampling)
+        policy.whole_rounds = tree is not None  # a tree round is drafted whole, by every row
     return Decoding(target, gen, d.batch_size, drafter, generator, tree, engine, policy, d.batching,
                     d.prefill_chunk or None)
 

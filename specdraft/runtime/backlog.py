@@ -59,9 +59,12 @@ class Backlog:
         self.rows = (self.rows or [[] for _ in range(rows)]) + (other.rows or [[] for _ in range(other_rows)])
         self.tokens += other.tokens
 
-    def flush(self, drafter, cache, rows: torch.Tensor | None = None) -> None:
+    def flush(self, drafter, cache, rows: torch.Tensor | None = None, second: tuple | None = None) -> None:
         """Feed rows their deferred features in order: every row (``ingest`` of ``[b, n, F]``, each row's entries
-        first), or only ``rows`` (the drafter's ``ingest_rows`` of ``[m, n, F]``; the other rows keep theirs)."""
+        first), or only ``rows`` (the drafter's ``ingest_rows`` of ``[m, n, F]``; the other rows keep theirs).
+        ``second``: a second ``(drafter, cache)`` fed the same features (D²SD's, every row)."""
+        if rows is not None and second is not None:
+            raise ValueError("a second drafter is fed every row's features, not some rows'")
         self._run = None
         fed = list(range(len(self.rows))) if rows is None else rows.tolist()
         counts = [sum(_piece_len(x) for x in self.rows[i]) for i in fed]
@@ -78,6 +81,8 @@ class Backlog:
         counts = torch.tensor(counts, device=feats.device)
         if rows is None:
             drafter.ingest(cache, feats, counts)
+            if second is not None:
+                second[0].ingest(second[1], feats, counts)
         else:
             drafter.ingest_rows(cache, feats, counts, rows)
 

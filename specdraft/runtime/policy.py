@@ -308,6 +308,9 @@ class AdaptivePolicy:
     """Weight of the latest round in the running per-slot acceptance."""
     cost_smoothing: float = 0.1
     """Weight of the latest round in the running ratio of measured to modelled seconds (:meth:`observe_seconds`)."""
+    whole_rounds: bool = False
+    """Drafted rounds verify their whole draft, every row drafting (tree rounds): a drafted round, exploring ones
+    included, is priced at the full width only, and :meth:`whole` records each such round's width as the block's."""
     measured: bool = True
     """Rescale the cost model by the rounds' measured seconds (False: decide from the cost model alone, as tests that
     pin decisions on a synthetic machine do)."""
@@ -528,7 +531,7 @@ class AdaptivePolicy:
         return self._explorers(b) if self._exploring else b
 
     def _explorers(self, b: int) -> int:
-        return min(b, self.explore_rows) if self.explore_rows > 0 else b
+        return min(b, self.explore_rows) if self.explore_rows > 0 and not self.whole_rounds else b
 
     def _exploring_extra(self, b: int, plain_scale: float | None = None, drafted_scale: float | None = None) -> float:
         """Seconds an exploring round costs over a plain round (it is assumed to verify the last drafted width, padded
@@ -648,6 +651,12 @@ class AdaptivePolicy:
         accept = self.calibration.predict(confidence.cpu().double().numpy())  # [m, K]
         return self._choose(accept, self._width(accept, rows))
 
+    def whole(self, confidence: torch.Tensor) -> None:
+        """A drafted round that verified its whole draft (a tree round), its first drafter's per-slot confidences
+        ``[b, K]``: the round's width is ``K``, as :meth:`observe` then reads it."""
+        accept = self.calibration.predict(confidence.cpu().double().numpy())  # [b, K]
+        self._choose(accept, accept.shape[1])
+
     def explore_len(self, confidence: torch.Tensor, rows: int) -> tuple[int, bool]:
         """An exploring round's width for its ``m`` explorers (confidences ``[m, K]``) among ``rows`` rows, and whether
         they verify it in a target pass of their own after the plain pass of every row: where padding every row to a
@@ -755,7 +764,8 @@ class AdaptivePolicy:
     def _best_rate(self, committed: np.ndarray, b: int) -> float:
         """Committed tokens per second of a drafted round of ``b`` rows at its best width 1..K, given the round's
         expected committed tokens by width ``[K + 1]``."""
-        return float((committed[1:] / self._round_seconds(b, b, len(committed) - 1)[1:]).max())
+        rates = committed[1:] / self._round_seconds(b, b, len(committed) - 1)[1:]  # [K] by width 1..K
+        return float(rates[-1] if self.whole_rounds else rates.max())
 
     def _round_seconds(self, m: int, b: int, K: int) -> np.ndarray:
         """``[K + 1]``: modelled seconds of a round of ``b`` rows, ``m`` of them drafting, verifying ``k = 0..K``

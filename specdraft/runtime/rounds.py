@@ -151,31 +151,49 @@ class TreeRounds(ChainRounds):
         self.verify_len = max(tree.max_nodes(self.verify_len), self.verify_len)  # the drafter's block fits too
 
     def run(self, state, caches: dict, progress) -> Round:
-        job = self.job
-        scache = caches["s"] if self.second is not None else caches["d"]
-        r = self.tree.round(job.target, job.drafter, caches["d"], scache, caches["t"], state.anchor, job.params,
-                            job.feature_layers, job.generator, job.clock, job.draft_sampling)
-        return Round(r.draft_tokens, r.draft_logits, r.hidden, r.acceptance.num_accepted, r.acceptance.next_token,
-                     r.path_features, r.path_logits, r.num_nodes, r.acceptance.winner, drafting=state.anchor.shape[0])
+        return _tree_round(self.job, self.tree, self.second, state, caches)
 
     def commit(self, state, caches: dict, rnd: Round) -> None:
         super().commit(state, caches, rnd)
-        if state.draft_state is not None:
-            raise ValueError("tree drafting needs a first drafter without cross-round state (e.g. dflash)")
-        if self.second is not None:
-            self.second.ingest(caches["s"], rnd.features, rnd.num_accepted + 1)
-            self.second.next_round_state(None, None, rnd.draft_tokens, rnd.num_accepted, rnd.target_logits, None)
+        _commit_second(self.second, state, caches, rnd)
+
+
+def _tree_round(job: Job, tree, second, state, caches: dict) -> Round:
+    """A tree round of every running row (``second``: D²SD's second drafter with a cache of its own, or None)."""
+    scache = caches["s"] if second is not None else caches["d"]
+    r = tree.round(job.target, job.drafter, caches["d"], scache, caches["t"], state.anchor, job.params,
+                   job.feature_layers, job.generator, job.clock, job.draft_sampling)
+    return Round(r.draft_tokens, r.draft_logits, r.hidden, r.acceptance.num_accepted, r.acceptance.next_token,
+                 r.path_features, r.path_logits, r.num_nodes, r.acceptance.winner, drafting=state.anchor.shape[0])
+
+
+def _commit_second(second, state, caches: dict, rnd: Round) -> None:
+    """After a tree round's first drafter took its committed tokens: the second drafter's turn (D²SD's own)."""
+    if state.draft_state is not None:
+        raise ValueError("tree drafting needs a first drafter without cross-round state (e.g. dflash)")
+    if second is not None:
+        second.ingest(caches["s"], rnd.features, rnd.num_accepted + 1)
+        second.next_round_state(None, None, rnd.draft_tokens, rnd.num_accepted, rnd.target_logits, None)
 
 
 class AdaptiveRounds(ChainRounds):
     """An :class:`AdaptivePolicy` choosing each round: a plain round (its features wait in :attr:`backlog`), a few
     rows drafting while the others decode plainly (exploring), or every row drafting the first ``k`` drafts. The
-    policy prices rounds by their measured seconds."""
+    policy prices rounds by their measured seconds. With a ``tree`` a drafted round is a tree round of every row,
+    whole (the policy decides between it and a plain round; the tree's own budget, if measured, sizes it)."""
 
     defer = True
 
-    def __init__(self, job: Job, policy: AdaptivePolicy, extra_room: int):
+    def __init__(self, job: Job, policy: AdaptivePolicy, extra_room: int,
+                 tree: TreeDrafting | OnePassDrafting | None = None):
         super().__init__(job)
+        self.tree = tree
+        if tree is not None:
+            tree.check(job.drafter)
+            self.second = tree.second if tree.second is not job.drafter else None
+            self.verify_len = max(tree.max_nodes(self.verify_len), self.verify_len)
+            if not policy.whole_rounds:
+                raise ValueError("tree rounds are drafted whole: the policy must price them so (whole_rounds)")
         self.policy, self.drafter_room = policy, extra_room
         self.backlog = Backlog()
         self.fresh: set[int] = set()  # requests admitted since the last drafted round (the policy probes them)
@@ -183,7 +201,7 @@ class AdaptiveRounds(ChainRounds):
         self.explored = 0  # exploring rounds so far (the plain rows they draft for take turns)
         # a plain round's features wait in the backlog as the layers' outputs (concatenated once, when a row is fed)
         self.split = {"concat_features": False} if isinstance(job.target, TargetLM) else {}
-        self.started = self.flushed = 0.0
+        self.started = self.flushed = self.pricing = 0.0
         self.fed = 0
         policy.new_job()
 
@@ -192,22 +210,32 @@ class AdaptiveRounds(ChainRounds):
         self.fresh.update(rows)
         self.opening.update(rows)
         if self.backlog.tokens > MAX_DEFERRED_TOKENS:
-            self.backlog.flush(self.job.drafter, caches["d"])
+            self.backlog.flush(self.job.drafter, caches["d"], second=self._second_feed(caches))
 
     def run(self, state, caches: dict, progress) -> Round:
         job, policy = self.job, self.policy
         if job.device.type == "cuda":
             torch.cuda.synchronize()
-        self.started, self.flushed, self.fed = time.perf_counter(), 0.0, 0
+        self.started, self.flushed, self.fed, self.pricing = time.perf_counter(), 0.0, 0, 0.0
         b, ids = state.rows.numel(), state.rows.tolist()
         policy.before_round(*progress(), self.backlog.tokens)  # priced at the rows' context and what they have left
         m = policy.draft_rows(b, len(self.fresh), ids, self.opening)
         if m == 0:
-            return self._plain(state, caches["t"], self.split)
-        if m < b and explores_rows(job.drafter, caches["d"]):
+            rnd = self._plain(state, caches["t"], self.split)
+            if self.tree is not None:  # a plain round of a tree job verifies the root alone
+                rnd.nodes, rnd.winner = torch.ones_like(rnd.num_accepted), torch.zeros_like(rnd.num_accepted)
+            return rnd
+        if m < b and self.tree is None and explores_rows(job.drafter, caches["d"]):
             return self._explore(state, caches, m)
         self.fresh.clear()
         self._flush(caches)  # plain rounds' features, deferred until drafting resumes
+        if self.tree is not None:
+            rnd = _tree_round(job, self.tree, self.second, state, caches)
+            first = rnd.draft_logits.argmax(-1)  # [b, K] the first drafter's own block
+            policy.whole(draft_confidence(rnd.draft_logits, first, None))
+            budget = getattr(self.tree, "budget", None)
+            self.pricing = budget.last_pricing_s if budget is not None else 0.0  # timing passes, not the round's
+            return rnd
         hidden, draft_logits, draft_tokens, draft_probs = _draft(
             job.drafter, caches["d"], state.anchor, state.draft_state, job.params, job.draft_sampling, job.generator)
         k = policy.verify_len(draft_confidence(draft_logits, draft_tokens, draft_probs))
@@ -254,6 +282,8 @@ class AdaptiveRounds(ChainRounds):
             self.backlog.add(rnd.features[:, :1], (~drafted).long())
         else:
             super().commit(state, caches, rnd)
+            if self.tree is not None:
+                _commit_second(self.second, state, caches, rnd)
 
     def end_round(self, ids: list[int], useful: list[int], finished: list[int], rnd: Round) -> None:
         self.fresh.difference_update(finished)
@@ -265,18 +295,23 @@ class AdaptiveRounds(ChainRounds):
                                 self.opening)
         self.opening.clear()
         # the round's rows, drafting rows and verified width, as the cost model prices them
-        self.policy.observe_seconds(len(ids), rnd.drafting, width, time.perf_counter() - self.started - self.flushed,
-                                    self.flushed, self.fed)
+        seconds = time.perf_counter() - self.started - self.flushed - self.pricing
+        self.policy.observe_seconds(len(ids), rnd.drafting, width, seconds, self.flushed, self.fed)
 
     def _flush(self, caches: dict, rows: torch.Tensor | None = None) -> None:
         """Feed the drafter the deferred features (of ``rows`` only, or every row's), timed apart from the round."""
         if self.backlog.tokens:
             clock, waiting = self.job.clock, self.backlog.tokens
             clock.lap("draft")
-            self.flushed += wall_seconds(lambda: self.backlog.flush(self.job.drafter, caches["d"], rows),
-                                         self.job.device)
+            self.flushed += wall_seconds(lambda: self.backlog.flush(self.job.drafter, caches["d"], rows,
+                                                                    self._second_feed(caches)), self.job.device)
             self.fed += waiting - self.backlog.tokens
             clock.lap("flush")
+
+
+    def _second_feed(self, caches: dict) -> tuple | None:
+        """D²SD's second drafter and its cache, fed what the first is fed; None without one."""
+        return (self.second, caches["s"]) if self.second is not None else None
 
 
 def rounds_for(job: Job, tree: TreeDrafting | OnePassDrafting | None, policy: AdaptivePolicy | None,
@@ -285,13 +320,13 @@ def rounds_for(job: Job, tree: TreeDrafting | OnePassDrafting | None, policy: Ad
     (``extra_room``: the drafter cache slots a backlog flush may write past the target's)."""
     if tree is not None and job.drafter is None:
         raise ValueError("tree drafting needs a first drafter")
-    if policy is not None and (job.drafter is None or tree is not None):
-        raise ValueError("an adaptive policy chooses chain rounds: it needs a drafter and no tree")
+    if policy is not None and job.drafter is None:
+        raise ValueError("an adaptive policy chooses when to draft: it needs a drafter")
     if job.drafter is None:
         return PlainRounds(job)
-    if tree is not None:
-        return TreeRounds(job, tree)
-    return AdaptiveRounds(job, policy, extra_room) if policy is not None else ChainRounds(job)
+    if policy is not None:
+        return AdaptiveRounds(job, policy, extra_room, tree)
+    return TreeRounds(job, tree) if tree is not None else ChainRounds(job)
 
 
 def _draft(drafter, cache, anchor: torch.Tensor, draft_state, params: SamplingParams, draft_sampling: str,

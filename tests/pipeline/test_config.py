@@ -51,7 +51,6 @@ def test_dotted_overrides_are_typed():
     (["decode.policy=adaptive", "decode.cuda_graphs=true"], "decode.policy"),
     (["decode.method=ddtree", "decode.tree_budget=measured", "decode.cuda_graphs=true", "decode.batching=static"],
      "decode.cuda_graphs"),
-    (["decode.method=ddtree", "decode.policy=adaptive"], "decode.policy"),
     (["decode.tree_nodes=1"], "decode.tree_nodes"),
     (["decode.tree_nodes=1001"], "decode.tree_nodes"),
     (["decode.tree_siblings=-1"], "decode.tree_siblings"),

@@ -97,7 +97,8 @@ def test_greedy_decode_job_equals_ar_job(tiny_world, drafter_dir, tmp_path):
     tree = ["decode.second_drafter=same", "decode.tree_k=2"]  # D²SD with the first drafter re-drafting
     for method, graphs in (("ar", "false"), ("dflash", "false"), ("dflash", "true"), ("ar", "true"),
                            ("dflash", "static"), ("dflash", "adaptive"), ("d2sd", "static"), ("d2sd", "true"),
-                           ("ddtree", "false"), ("ddtree", "static"), ("ddtree", "true")):
+                           ("ddtree", "false"), ("ddtree", "static"), ("ddtree", "true"), ("ddtree", "adaptive"),
+                           ("d2sd", "adaptive")):
         outs[method, graphs] = tmp_path / f"{method}-{graphs}.jsonl"
         extra = {"d2sd": tree, "ddtree": ["decode.tree_nodes=6"]}.get(method, [])
         assert main(["decode", *_args(tiny_world, drafter_dir, tmp_path, f"decode.method={method}", *modes[graphs],
@@ -117,7 +118,10 @@ def test_greedy_decode_job_equals_ar_job(tiny_world, drafter_dir, tmp_path):
         == comp["dflash", "adaptive"]
     assert len(list((tmp_path / "work" / "policy").glob("*.json"))) == 1
     assert comp["d2sd", "static"] == comp["d2sd", "true"] == comp["ar", "false"] == comp["ddtree", "false"]
-    assert comp["ddtree", "true"] == comp["ar", "false"]
+    assert comp["ddtree", "true"] == comp["ar", "false"] == comp["ddtree", "adaptive"] == comp["d2sd", "adaptive"]
+    for method in ("ddtree", "d2sd"):  # a plain round or a whole tree round, and the tree's statistics every round
+        rows = [json.loads(line) for line in outs[method, "adaptive"].read_text().splitlines()]
+        assert all(set(r["verified"]) <= {0, 3} and len(r["verified"]) == len(r["accept_lengths"]) for r in rows)
     tau = {(m, g): {json.loads(line)["id"]: json.loads(line)["tau"] for line in outs[m, g].read_text().splitlines()}
            for m, g in (("dflash", "true"), ("dflash", "false"), ("d2sd", "true"), ("d2sd", "static"),
                         ("ddtree", "true"), ("ddtree", "static"))}

@@ -58,13 +58,15 @@ def test_run_end_to_end_and_rerun_is_cached(tmp_path, monkeypatch, capsys):
     assert main(args) == 0
     assert "reusing cached tiny world" in capsys.readouterr().out
 
-    # D²SD rows next to DFlash (the first drafter reused as the second), with their tree statistics
+    # D²SD rows next to DFlash (the first drafter reused as the second), with their tree statistics, under the fixed
+    # and the adaptive policy (the config's bench.policies)
     bench = ["bench", TINY, f"work_dir={w}", "tracking.enabled=false", *MICRO, "bench.tree_ks=[1,2]",
              "decode.second_drafter=same", "bench.temperatures=[0.0]", "bench.batch_sizes=[2]"]
     assert main(bench) == 0
     rows = json.loads((w / "bench" / "bench.json").read_text())["results"]
     trees = [r for r in rows if r["method"] == "d2sd"]
-    assert sorted(r["tree_k"] for r in trees) == [1, 1, 2, 2]
+    assert sorted((r["tree_k"], r["policy"]) for r in trees) == [(k, p) for k in (1, 2) for p in ("adaptive",) * 2
+                                                                  + ("fixed",) * 2]
     for r in trees:
         assert 1 < r["nodes_per_round"] <= 1 + (r["tree_k"] + 1) * 3 and r["dedup_saved_per_round"] >= 0
         assert sum(r["winner_share"]) == pytest.approx(1.0) and len(r["winner_share"]) == r["tree_k"] + 1
@@ -74,9 +76,11 @@ def test_run_end_to_end_and_rerun_is_cached(tmp_path, monkeypatch, capsys):
     assert main([*bench, "bench.tree_ks=[]", "bench.tree_nodes=[3,8]"]) == 0
     rows = json.loads((w / "bench" / "bench.json").read_text())["results"]
     trees = [r for r in rows if r["method"] == "ddtree"]
-    assert sorted(r["tree_nodes"] for r in trees) == [3, 3, 8, 8]  # two suites
+    for policy in ("fixed", "adaptive"):  # the adaptive policy: a plain round (the root alone) or a whole tree round
+        assert sorted(r["tree_nodes"] for r in trees if r["policy"] == policy) == [3, 3, 8, 8]  # two suites
     for r in trees:
-        assert 1 < r["nodes_per_round"] <= r["tree_nodes"] and 0 <= r["sibling_share"] <= 1
+        assert (1 if r["policy"] == "adaptive" else 1.001) <= r["nodes_per_round"] <= r["tree_nodes"]
+        assert 0 <= r["sibling_share"] <= 1 and (r["policy"] == "fixed" or 0 <= r["plain_round_share"] <= 1)
     assert (w / "bench" / "bench_tree_nodes.png").stat().st_size > 1000
 
     # the adaptive policy beside the fixed one, each in static batches and continuous batching (requests of
