@@ -18,17 +18,13 @@ import argparse
 import time
 
 import torch
-from transformers import AutoTokenizer
 
-from specdraft.pipeline.bench import suite_prompts, with_bench_prompts
+from specdraft.pipeline.bench import suite_prompts
 from specdraft.pipeline.config import load_config
-from specdraft.pipeline.measure import write_report
-from specdraft.pipeline.stages import existing_world
+from specdraft.pipeline.measure import config_models, write_report
 from specdraft.pipeline.tokenizer import stop_token_ids
 from specdraft.pipeline.trees import tree_drafting
 from specdraft.runtime.decode import GenerationConfig, generate
-from specdraft.runtime.drafter_io import load_drafter
-from specdraft.runtime.load import load_target
 
 BINS = (0.0, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 1.01)
 
@@ -62,10 +58,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default="")
     args, overrides = ap.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
-    world = with_bench_prompts(cfg, existing_world(cfg))
-    target = load_target(world.target_dir, dtype=cfg.target.dtype, device=cfg.target.device)
-    tok = AutoTokenizer.from_pretrained(str(world.target_dir), trust_remote_code=False)
-    first = load_drafter(cfg.drafter_dir(cfg.train.export) if not cfg.decode.drafter else cfg.decode.drafter, target)
+    job = config_models(cfg)
+    world, target, tok, first = job.world, job.target, job.tokenizer, job.drafter
     tree = tree_drafting(cfg, target, first, args.k)
     prompts = suite_prompts(world, args.suite, args.prompts, tok, cfg.data.enable_thinking,
                             target.args.max_position_embeddings)

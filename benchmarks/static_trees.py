@@ -15,17 +15,13 @@ import dataclasses
 import time
 
 import torch
-from transformers import AutoTokenizer
 
-from specdraft.pipeline.bench import suite_prompts, with_bench_prompts
+from specdraft.pipeline.bench import suite_prompts
 from specdraft.pipeline.config import load_config
-from specdraft.pipeline.measure import write_report
-from specdraft.pipeline.stages import existing_world
+from specdraft.pipeline.measure import config_models, write_report
 from specdraft.pipeline.tokenizer import stop_token_ids
 from specdraft.pipeline.trees import one_pass_drafting, tree_drafting
 from specdraft.runtime.decode import GenerationConfig, generate
-from specdraft.runtime.drafter_io import load_drafter
-from specdraft.runtime.load import load_target
 from specdraft.runtime.sampling import SamplingParams
 from specdraft.runtime.static_decode import StaticEngine
 
@@ -45,10 +41,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default="")
     args, overrides = ap.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
-    world = with_bench_prompts(cfg, existing_world(cfg))
-    target = load_target(world.target_dir, dtype=cfg.target.dtype, device=cfg.target.device)
-    tok = AutoTokenizer.from_pretrained(str(world.target_dir), trust_remote_code=False)
-    first = load_drafter(cfg.drafter_dir(cfg.train.export) if not cfg.decode.drafter else cfg.decode.drafter, target)
+    job = config_models(cfg)
+    world, target, tok, first = job.world, job.target, job.tokenizer, job.drafter
     d2sd = tree_drafting(cfg, target, first, args.k)
     trees = {"dflash": None, f"d2sd{args.k}": d2sd,
              f"d2sd{args.k}+{args.siblings}": dataclasses.replace(d2sd, siblings=args.siblings),

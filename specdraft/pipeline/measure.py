@@ -98,6 +98,33 @@ def load_job(world: str | Path, drafter: str | Path, suite: str, num_prompts: in
     return SuiteJob(target, load_drafter(drafter, target), prompts, gen, adaptive)
 
 
+@dataclass
+class ConfigModels:
+    """What a run config decodes with: its world (held-out suites included), target, tokenizer and drafter."""
+
+    world: object
+    target: object
+    tokenizer: object
+    drafter: object
+
+
+def config_models(cfg) -> ConfigModels:
+    """The world ``cfg`` points at (nothing built), its target on ``target.device`` in ``target.dtype``, its
+    tokenizer and the drafter ``decode.drafter`` names (default the training export's)."""
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    from specdraft.pipeline.bench import with_bench_prompts  # noqa: PLC0415
+    from specdraft.pipeline.stages import existing_world  # noqa: PLC0415
+    from specdraft.runtime.drafter_io import load_drafter  # noqa: PLC0415
+    from specdraft.runtime.load import load_target  # noqa: PLC0415
+
+    world = with_bench_prompts(cfg, existing_world(cfg))
+    target = load_target(world.target_dir, dtype=cfg.target.dtype, device=cfg.target.device)
+    tokenizer = AutoTokenizer.from_pretrained(str(world.target_dir), trust_remote_code=False)
+    drafter = load_drafter(cfg.decode.drafter or cfg.drafter_dir(cfg.train.export), target)
+    return ConfigModels(world, target, tokenizer, drafter)
+
+
 def fusion_overhead_ms(drafter, retrace, target, bs: int, mask_token_id: int, n_steps: int = 100,
                        n_pairs: int = 15, accepted: int = 2) -> list[float]:
     """Per-round extra cost of ReTrace over its DFlash backbone (ms), one value per interleaved pair.

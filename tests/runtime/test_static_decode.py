@@ -121,16 +121,23 @@ def tree_factory(first, target, branches: int = 2, distinct: bool = False, sibli
 def test_d2sd_rounds_are_the_eager_engines_round_for_round(branches, distinct, siblings):
     target = make_target(seed=7, vocab=6, std=1.0)
     factory = tree_factory(make_drafter(target, seed=2, block_size=5, std=0.3), target, branches, distinct, siblings)
+    got = _tree_rounds_conform(target, factory)
+    assert sum(w > 0 for r in got for w in r.winner) > 0  # branches win
+    assert sum(w > branches for r in got for w in r.winner) > 0 or not siblings  # and siblings
+
+
+def _tree_rounds_conform(target, factory) -> list:
+    """A tree path's static rounds are the eager engine's, round for round (the same trees, walks and winners), and
+    it decodes the target's greedy output with tree statistics every round; returns that decode's results."""
     counts = check_conformance((target, factory, static_engine(slot_step=1)), (target, factory, None), PROMPTS,
                                CAPS)
-    assert counts["differing_rows"] == 0 and counts["accepted"] > 0, counts  # the same trees, walks and winners
+    assert counts["differing_rows"] == 0 and counts["accepted"] > 0, counts
     gen = GenerationConfig(max_new_tokens=CAPS)
     first, tree = factory(PROMPTS)
     got = static_engine()(target, PROMPTS, gen, drafter=first, tree=tree)
     assert [r.tokens for r in got] == [r.tokens for r in generate(target, PROMPTS, gen)]
-    assert sum(w > 0 for r in got for w in r.winner) > 0  # branches win
-    assert sum(w > branches for r in got for w in r.winner) > 0 or not siblings  # and siblings
-    assert all(len(r.nodes) == len(r.winner) == len(r.accept_lengths) for r in got)  # tree stats every round
+    assert all(len(r.nodes) == len(r.winner) == len(r.accept_lengths) for r in got)
+    return got
 
 
 def _pinned_tree_check():
@@ -168,16 +175,8 @@ def one_pass_factory(target, nodes: int, block_size: int = 5):
 @pytest.mark.parametrize("nodes", [3, 12])
 def test_one_pass_rounds_are_the_eager_engines_round_for_round(nodes):
     target = make_target(seed=7, vocab=6, std=1.0)
-    factory = one_pass_factory(target, nodes)
-    counts = check_conformance((target, factory, static_engine(slot_step=1)), (target, factory, None), PROMPTS,
-                               CAPS)
-    assert counts["differing_rows"] == 0 and counts["accepted"] > 0, counts  # the same trees, walks and winners
-    gen = GenerationConfig(max_new_tokens=CAPS)
-    first, tree = factory(PROMPTS)
-    got = static_engine()(target, PROMPTS, gen, drafter=first, tree=tree)
-    assert [r.tokens for r in got] == [r.tokens for r in generate(target, PROMPTS, gen)]
+    got = _tree_rounds_conform(target, one_pass_factory(target, nodes))
     assert sum(w > 0 for r in got for w in r.winner) > 0 or nodes < 4  # siblings win
-    assert all(len(r.nodes) == len(r.accept_lengths) for r in got)  # tree stats every round
 
 
 def test_one_pass_greedy_output_is_the_targets_with_pinned_drafts():
