@@ -16,7 +16,7 @@ import json
 from collections.abc import Callable
 
 from specdraft.pipeline.bench import length_caps
-from specdraft.runtime.policy import CostModel
+from specdraft.runtime.cost_model import CostModel
 
 
 def static_seconds(lengths: list[int], bs: int, cost: Callable[[int], float]) -> float:

@@ -75,10 +75,12 @@ def load_job(world: str | Path, drafter: str | Path, suite: str, num_prompts: in
     from specdraft.pipeline.policy import sampling_key  # noqa: PLC0415
     from specdraft.pipeline.tokenizer import stop_token_ids  # noqa: PLC0415
     from specdraft.runtime.batch_job import encode_requests, read_requests  # noqa: PLC0415
+    from specdraft.runtime.calibration import Calibration  # noqa: PLC0415
+    from specdraft.runtime.cost_model import CostModel  # noqa: PLC0415
     from specdraft.runtime.decode import GenerationConfig  # noqa: PLC0415
     from specdraft.runtime.drafter_io import load_drafter  # noqa: PLC0415
     from specdraft.runtime.load import load_target  # noqa: PLC0415
-    from specdraft.runtime.policy import AdaptivePolicy, Calibration, CostModel  # noqa: PLC0415
+    from specdraft.runtime.policy import AdaptivePolicy  # noqa: PLC0415
     from specdraft.runtime.sampling import SamplingParams  # noqa: PLC0415
 
     target = load_target(f"{world}/target")

@@ -14,9 +14,11 @@ from pathlib import Path
 import torch
 
 from specdraft.runtime.batch_job import encode_requests, read_requests
+from specdraft.runtime.calibration import Calibration
+from specdraft.runtime.cost_model import CostModel, measure_costs
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.models.target import TargetLM
-from specdraft.runtime.policy import AdaptivePolicy, Calibration, CostModel, measure_costs
+from specdraft.runtime.policy import AdaptivePolicy
 from specdraft.runtime.rounds import draft_confidence
 from specdraft.runtime.sampling import SamplingParams, logits_to_probs
 

@@ -5,10 +5,11 @@ verifies ``k`` drafts costs a drafter round ``D(b)`` plus a target pass over ``k
 ``T(b, k + 1)`` and commits ``sum_rows E_r(k)`` tokens, ``E_r(k) = 1 + sum_{j<=k} prod_{i<=j} a_{r,i}`` with ``a_{r,i}``
 the chance that slot ``i`` is accepted given the slots before it. Plain decoding commits ``b`` tokens per ``T(b, 1)``.
 
-:class:`CostModel` holds ``T`` and ``D`` measured on the machine at two cache lengths (:func:`measure_costs`, cached per
-machine and models), and a round is priced at its rows' mean cache length (:meth:`AdaptivePolicy.at_context`);
-:class:`Calibration` maps the drafter's per-slot confidence (its probability of its own draft, the quantity D²SD
-branches on) to an acceptance probability, fitted on held-in rounds; :class:`AdaptivePolicy` picks, each round, the
+:class:`~specdraft.runtime.cost_model.CostModel` holds ``T`` and ``D`` measured on the machine at two cache lengths
+(:func:`~specdraft.runtime.cost_model.measure_costs`, cached per machine and models), and a round is priced at its
+rows' mean cache length (:meth:`AdaptivePolicy.at_context`); :class:`~specdraft.runtime.calibration.Calibration` maps
+the drafter's per-slot confidence (its probability of its own draft, the quantity D²SD branches on) to an acceptance
+probability, fitted on held-in rounds; :class:`AdaptivePolicy` picks, each round, the
 number of drafts to verify (the same for every row that drafted: the verify pass pads rows to one width, so a narrower
 row would save nothing) and skips drafting altogether while the recent acceptance says a round cannot beat plain
 decoding, retrying after ``retry_every`` rounds and backing off while retries fail. The model is kept honest by what the
@@ -31,238 +32,24 @@ plain decoding), so the output stays lossless.
 
 from __future__ import annotations
 
-import bisect
-import json
 import math
 from collections.abc import Collection
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from specdraft.runtime.phase_clock import wall_seconds
+from specdraft.runtime.calibration import Calibration
+from specdraft.runtime.cost_model import CostModel
 
 MEMO_LIMIT = 4096
 """Entries a memo of prices keeps across context buckets before it starts again."""
-
-CATCH_UP_ENTRIES = 64
-"""Deferred entries a row that :func:`measure_costs` times a catch-up of."""
-
-
-def _interp(xs: list[int], ys: list[float], x: float) -> float:
-    """Piecewise-linear through ``(xs, ys)``, extended linearly past both ends (never below 0)."""
-    if len(xs) == 1:
-        return ys[0] * x / xs[0]
-    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
-    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
-
-
-@dataclass
-class CostModel:
-    """Seconds per target pass on a ``rows`` x ``tokens`` grid and per drafter round by ``rows``, against a cache of
-    ``context`` tokens a row; with ``short`` (the same grid measured against a shorter cache), at any context by
-    :meth:`at`. A pass's attention over the cache adds a cost that grows with the context but not with the new tokens,
-    so it weighs most on a plain pass: one model measured at one context misprices plain against drafted rounds at
-    another by more than any one factor per kind can mend."""
-
-    rows: list[int]
-    tokens: list[int]
-    target_s: list[list[float]]
-    """``[len(rows)][len(tokens)]`` seconds of one target pass with that many rows and new tokens per row."""
-    drafter_s: list[float]
-    """``[len(rows)]`` seconds of one drafter round (block embeds, draft pass, logits) and its context ingest."""
-    key: dict = field(default_factory=dict)
-    """What the costs were measured for (device, dtype, models, versions)."""
-    context: int = 0
-    """Tokens of cache a row the costs were measured against (0: not recorded; the costs then hold at any context)."""
-    short: dict = field(default_factory=dict)
-    """``{"context", "target_s", "drafter_s"}``: the same measured against a shorter cache (empty: not measured)."""
-    ingest_s: list[float] = field(default_factory=list)
-    """``[len(rows)]`` seconds of feeding the drafter :data:`CATCH_UP_ENTRIES` target features a row in one pass (a
-    catch-up on features that waited; empty: not measured)."""
-
-    def __post_init__(self):
-        # (rows, tokens) -> seconds; (rows, 0): the drafter's round; (rows, -1): a catch-up's entry
-        self._memo: dict[tuple[int, int], float] = {}
-        self._at: dict[int, CostModel] = {}  # context -> the costs priced at it
-
-    def target(self, b: int, t: int) -> float:
-        if (b, t) not in self._memo:
-            self._memo[b, t] = _interp(self.rows, [_interp(self.tokens, row, t) for row in self.target_s], b)
-        return self._memo[b, t]
-
-    def drafter(self, b: int) -> float:
-        if (b, 0) not in self._memo:
-            self._memo[b, 0] = _interp(self.rows, self.drafter_s, b)
-        return self._memo[b, 0]
-
-    def catch_up(self, b: int) -> float:
-        """Seconds an entry of a catch-up of ``b`` rows takes (0: not measured)."""
-        if not self.ingest_s:
-            return 0.0
-        if (b, -1) not in self._memo:
-            self._memo[b, -1] = _interp(self.rows, self.ingest_s, b) / (CATCH_UP_ENTRIES * b)
-        return self._memo[b, -1]
-
-    def at(self, context: int) -> "CostModel":
-        """The costs against ``context`` tokens of cache a row: linear in the context through the two measured
-        contexts (below the shorter one, at most halving its costs; past the longer one, not falling); these costs
-        where only one was measured."""
-        if not self.short or not self.context or self.short["context"] == self.context:
-            return self
-        if context not in self._at:
-            c0, c1 = self.short["context"], self.context
-            w = (context - c0) / (c1 - c0)
-
-            def line(near: float, far: float) -> float:
-                if w > 1 and far < near:  # timing noise: a cost falling with the context is not extended
-                    return far
-                return max(near + w * (far - near), 0.5 * near)
-
-            target_s = [[line(n, f) for n, f in zip(near, far)] for near, far in zip(self.short["target_s"],
-                                                                                    self.target_s)]
-            drafter_s = [line(n, f) for n, f in zip(self.short["drafter_s"], self.drafter_s)]
-            self._at[context] = CostModel(self.rows, self.tokens, target_s, drafter_s, self.key, context,
-                                          ingest_s=self.ingest_s)
-        return self._at[context]
-
-    def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(self), indent=1))
-
-    @classmethod
-    def load(cls, path: Path) -> "CostModel":
-        return cls(**json.loads(path.read_text()))
-
-
-@torch.inference_mode()
-def measure_costs(target, drafter, rows=(1, 8, 32, 64), tokens=(1, 2, 4, 8, 16), context: int = 256,
-                  repeats: int = 3, short_context: int = 64) -> CostModel:
-    """Time target passes and drafter rounds against a ``context``-token cache and, where ``short_context`` is
-    shorter, against one of ``short_context`` tokens too (median of ``repeats``)."""
-    dev = target.lm_head.weight.device
-    K = drafter.block_size - 1
-    tokens = sorted({t for t in tokens if t <= K + 1} | {1, K + 1})
-    target_s, drafter_s, ingest_s = _measure_at(target, drafter, rows, tokens, context, repeats)
-    short = {}
-    if 0 < short_context < context:
-        near = _measure_at(target, drafter, rows, tokens, short_context, repeats, catch_ups=False)[:2]
-        short = {"context": short_context, "target_s": near[0], "drafter_s": near[1]}
-    key = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-           "threads": torch.get_num_threads(), "dtype": str(target.lm_head.weight.dtype), "torch": torch.__version__,
-           "context": context}
-    return CostModel(list(rows), tokens, target_s, drafter_s, key, context, short, ingest_s)
-
-
-def _measure_at(target, drafter, rows, tokens, context: int, repeats: int,
-                catch_ups: bool = True) -> tuple[list, list, list]:
-    dev = target.lm_head.weight.device
-    V = target.args.vocab_size
-    K = drafter.block_size - 1
-
-    def timed(fn) -> float:
-        out = [wall_seconds(fn, dev) for _ in range(repeats + 1)][1:]  # the first call warms up
-        return sorted(out)[len(out) // 2]
-
-    g = torch.Generator(device="cpu").manual_seed(0)
-    target_s, drafter_s, ingest_s = [], [], []
-    for b in rows:
-        ctx = torch.randint(0, V, (b, context), generator=g).to(dev)
-        cache = target.new_cache(b, context + K + 2)
-        out = target(ctx, cache=cache, feature_layers=drafter.target_layer_ids)
-        cache.crop(torch.full((b,), context, device=dev))
-        lens = torch.full((b,), context, device=dev)
-        dcache = drafter.new_cache(b, context + 2 * (K + 2))
-        drafter.ingest(dcache, out.features, lens)
-        row = []
-        for t in tokens:
-            new = torch.randint(0, V, (b, t), generator=g).to(dev)
-
-            def verify(new=new):
-                target(new, cache=cache, feature_layers=drafter.target_layer_ids)
-                cache.crop(torch.full((b,), context, device=dev))
-
-            row.append(timed(verify))
-        target_s.append(row)
-        feats = target(ctx[:, :K + 1], cache=None, feature_layers=drafter.target_layer_ids).features
-
-        def draft_round():
-            blk = torch.full((b, K + 1), drafter.config.mask_token_id, dtype=torch.long, device=dev)
-            blk[:, 0] = ctx[:, -1]
-            hidden = drafter.draft_hidden(dcache, drafter.block_embeds(blk, None))
-            drafter.logits(hidden[:, 1:]).argmax(-1)
-            drafter.ingest(dcache, feats, torch.ones(b, dtype=torch.long, device=dev))  # room: repeats + 1 tokens
-
-        drafter_s.append(timed(draft_round))
-        if not catch_ups:
-            continue
-        behind = torch.cat([out.features[:, :CATCH_UP_ENTRIES]] * -(-CATCH_UP_ENTRIES // context), 1)
-        behind = behind[:, :CATCH_UP_ENTRIES]  # [b, CATCH_UP_ENTRIES, F]
-        fed = torch.full((b,), CATCH_UP_ENTRIES, device=dev)
-
-        def catch_up():
-            drafter.ingest(catch_up_cache, behind, fed)
-
-        runs = []
-        for _ in range(repeats + 1):  # a fresh cache each time (room for one catch-up), the first call warming up
-            catch_up_cache = drafter.new_cache(b, CATCH_UP_ENTRIES + 1)
-            runs.append(wall_seconds(catch_up, dev))
-        ingest_s.append(sorted(runs[1:])[len(runs[1:]) // 2])
-    return target_s, drafter_s, ingest_s
 
 
 def _counterpart(key: str | tuple[str, int], kind: str) -> str | tuple[str, int]:
     """The :attr:`AdaptivePolicy._scale` key of ``kind`` rounds at the same granularity as ``key``: over all sizes, or
     at its size."""
     return kind if isinstance(key, str) else (kind, key[1])
-
-
-@dataclass
-class Calibration:
-    """Per-slot map from the drafter's confidence in its draft to the chance the target accepts it (given the
-    slots before it were accepted): a table over ``bins`` equal confidence bins per slot, fitted on held-in rounds;
-    empty = the confidence itself."""
-
-    bins: int = 10
-    table: list[list[float]] = field(default_factory=list)
-    """``[K][bins]`` acceptance rate per slot and confidence bin."""
-
-    def __call__(self, confidence: torch.Tensor) -> torch.Tensor:
-        """Acceptance probabilities ``[b, K]`` of confidences ``[b, K]``."""
-        out = self.predict(confidence.detach().cpu().double().numpy())
-        return torch.as_tensor(out, dtype=confidence.dtype, device=confidence.device)
-
-    def predict(self, confidence: np.ndarray) -> np.ndarray:
-        """:meth:`__call__` on the host (the policy's per-round arithmetic: a few small arrays)."""
-        if not self.table or confidence.shape[1] > len(self.table):
-            return confidence
-        if getattr(self, "_array", None) is None:
-            self._array = np.asarray(self.table, dtype=np.float64)  # [K, bins]
-        idx = np.clip((confidence * self.bins).astype(np.int64), 0, self.bins - 1)  # [b, K]
-        return self._array[np.arange(confidence.shape[1]), idx]
-
-    @classmethod
-    def fit(cls, confidences: torch.Tensor, accepted: torch.Tensor, bins: int = 10,
-            prior: float = 2.0) -> "Calibration":
-        """From rounds' confidences ``[R, K]`` and accepted drafts ``[R]``: slot ``i`` counts in the rounds that
-        reached it (``accepted >= i - 1``), as accepted when ``accepted >= i``. Each bin's rate is shrunk toward its
-        centre with ``prior`` pseudo-rounds."""
-        R, K = confidences.shape
-        slot = torch.arange(1, K + 1)
-        reached = accepted[:, None] >= slot - 1  # [R, K]
-        hit = accepted[:, None] >= slot
-        idx = (confidences * bins).long().clamp(0, bins - 1)
-        table = []
-        for i in range(K):
-            row = []
-            for j in range(bins):
-                sel = reached[:, i] & (idx[:, i] == j)
-                centre = (j + 0.5) / bins
-                row.append(float((hit[sel, i].sum() + prior * centre) / (sel.sum() + prior)))
-            table.append(row)
-        return cls(bins, table)
 
 
 def conditional_acceptance(accept: np.ndarray) -> np.ndarray:

@@ -7,7 +7,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from batching_bound import continuous_seconds, main, static_seconds  # noqa: E402
 
-from specdraft.runtime.policy import CostModel  # noqa: E402
+from specdraft.runtime.cost_model import CostModel  # noqa: E402
 
 
 def test_schedules_on_hand_worked_jobs():

@@ -6,8 +6,9 @@ policy's rounds through the exported models are lossless too."""
 import pytest
 
 from specdraft.runtime.backends.onnx import OnnxDrafter, OnnxTarget, load_manifest
+from specdraft.runtime.calibration import Calibration
 from specdraft.runtime.decode import GenerationConfig, generate
-from specdraft.runtime.policy import AdaptivePolicy, Calibration
+from specdraft.runtime.policy import AdaptivePolicy
 from tests.lossless import SAMPLING_SETTINGS, ControlledDrafter, check_conformance, check_greedy, sampling_pvalues
 from tests.runtime.test_policy import costs
 

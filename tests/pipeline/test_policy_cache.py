@@ -8,8 +8,9 @@ import torch
 
 from specdraft.pipeline import policy as pipeline_policy
 from specdraft.pipeline.policy import adaptive_policy, sampling_key
+from specdraft.runtime.cost_model import CostModel
 from specdraft.runtime.decode import GenerationConfig, generate
-from specdraft.runtime.policy import CostModel, expected_committed
+from specdraft.runtime.policy import expected_committed
 from specdraft.runtime.rounds import draft_confidence
 from specdraft.runtime.sampling import SamplingParams, logits_to_probs
 from tests.helpers import make_target

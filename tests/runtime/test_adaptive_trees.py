@@ -7,11 +7,12 @@ target's distribution."""
 import pytest
 
 from specdraft.runtime import rounds
+from specdraft.runtime.cost_model import CostModel
 from specdraft.runtime.d2sd import TreeDrafting
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.drafter_io import convert_drafter
 from specdraft.runtime.one_pass import OnePassDrafting
-from specdraft.runtime.policy import AdaptivePolicy, CostModel
+from specdraft.runtime.policy import AdaptivePolicy
 from tests.helpers import bigram_oracle, make_drafter, make_target
 from tests.lossless import SAMPLING_SETTINGS, sampling_pvalues
 

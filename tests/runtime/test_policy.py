@@ -11,8 +11,10 @@ import torch
 
 from specdraft.runtime import rounds
 from specdraft.runtime.backlog import Backlog
+from specdraft.runtime.calibration import Calibration
+from specdraft.runtime.cost_model import CostModel, measure_costs
 from specdraft.runtime.decode import GenerationConfig, generate
-from specdraft.runtime.policy import AdaptivePolicy, Calibration, CostModel, expected_committed, measure_costs
+from specdraft.runtime.policy import AdaptivePolicy, expected_committed
 from tests.helpers import bigram_oracle, make_drafter, make_target
 from tests.lossless import (
     RAGGED_CAPS,

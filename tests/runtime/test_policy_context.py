@@ -4,8 +4,9 @@ at the running requests' mean cache length (:meth:`CostModel.at`, :meth:`Adaptiv
 
 import pytest
 
+from specdraft.runtime.cost_model import CostModel, measure_costs
 from specdraft.runtime.decode import GenerationConfig, generate
-from specdraft.runtime.policy import AdaptivePolicy, CostModel, measure_costs
+from specdraft.runtime.policy import AdaptivePolicy
 from tests.helpers import make_drafter, make_target
 
 TOKENS = [1, 2, 3, 4]
