@@ -36,6 +36,17 @@ def costs(per_token: float, drafter: float = 0.1, base: float = 1.0, K: int = 3)
     return CostModel([1, 64], tokens, [[base + per_token * (t - 1) for t in tokens]] * 2, [drafter, drafter])
 
 
+def drafted_at(plan) -> list[int]:
+    """The rounds of ``plan`` (one ``draft_this_round`` answer a round) that drafted."""
+    return [i for i, d in enumerate(plan) if d]
+
+
+def plain_between(plan) -> list[int]:
+    """Plain rounds before each drafted round of ``plan``, since the one before it."""
+    at = drafted_at(plan)
+    return [b - a - 1 for a, b in zip([-1, *at], at)]
+
+
 def test_no_drafts_when_verification_cannot_pay_and_the_whole_block_when_acceptance_is_near_certain():
     conf_low = torch.full((4, 3), 0.3)
     assert AdaptivePolicy(costs(per_token=2.0)).verify_len(conf_low) == 0
@@ -55,8 +66,9 @@ def test_a_drafter_that_does_not_pay_reverts_to_plain_rounds_and_is_retried():
     assert policy.draft_this_round(8)  # nothing known yet: draft
     assert policy.verify_len(torch.full((8, 3), 0.05)) == 0  # no draft worth verifying
     plan = [policy.draft_this_round(8) for _ in range(19)]
-    # plain rounds, retried after 3 of them, then (retries failing: nothing better came in) after 6, then 12
-    assert [i for i, d in enumerate(plan) if d] == [3, 10] and policy.wait == 12
+    # plain rounds, retried after retry_every of them, then (retries failing: nothing better came in) twice as many
+    every = policy.retry_every
+    assert plain_between(plan) == [every, 2 * every] and policy.wait == 4 * every
     policy.width = 3
     for _ in range(6):  # drafting pays again (two of three drafts accepted): drafted rounds, and the wait resets
         policy.observe(torch.full((8,), 2))
@@ -80,8 +92,8 @@ def test_rounds_that_verify_nothing_back_off_to_plain_rounds():
             drafted += 1
             assert policy.verify_len(unsure) == 0
     # the first round, then retries once 2 % of the plain rounds' seconds pays for a retry's 0.51 s extra (26 plain
-    # rounds), each waiting twice as long as the last (8, 16, 32): 26, 27 and 33 plain rounds
-    assert drafted == 4 and policy.wait == 64
+    # rounds), each waiting twice as long as the last (8, 16, 32): three retries, and the wait at its ceiling
+    assert drafted == 4 and policy.wait == policy.max_retry_every
     # one unsure round blends in, it does not erase what verified rounds realised
     sure = AdaptivePolicy(costs(per_token=0.1, drafter=0.1), accept=[0.9, 0.9, 0.9], width=3)
     assert sure.verify_len(torch.full((8, 3), 0.05)) == 0
@@ -136,14 +148,18 @@ def test_retries_are_spread_so_their_extra_cost_stays_a_small_share():
     policy = AdaptivePolicy(costs(per_token=1.0, drafter=1.0), explore_share=0.02, measured=False)  # 3 s against 1 s
     assert policy.draft_this_round(8) and policy.verify_len(torch.full((8, 3), 0.05)) == 0
     plan = [policy.draft_this_round(8) for _ in range(250)]
-    assert [i for i, d in enumerate(plan) if d] == [100, 201]  # 2 s extra each, 2 % of 100 plain rounds
-    # a retry that first fed the drafter 2 s of deferred features: that too is paid for before the next one (48
-    # plain rounds had earned 0.96 s of the next retry's 2 s; 152 more earn the rest and the flush)
+    extra, plain, share = 2.0, 1.0, 0.02  # a retry's seconds over a plain round's, a plain round's, explore_share
+    assert plain_between(plan) == [round(extra / (share * plain))] * 2  # each retry paid for, as soon as it is
+    # a retry that first fed the drafter 2 s of deferred features: that too is paid for before the next one, which
+    # comes that many plain rounds later than it would have
+    twin = deepcopy(policy)
     policy.observe_seconds(8, 1, 0, 3.0, flushed=2.0)
-    assert [i for i, d in enumerate(policy.draft_this_round(8) for _ in range(250)) if d] == [152]
-    cheap = AdaptivePolicy(costs(per_token=0.1, drafter=0.1), explore_share=0.02)  # 0.2 s extra: 10 rounds, then 16
+    flushed, unflushed = (drafted_at(p.draft_this_round(8) for _ in range(250)) for p in (policy, twin))
+    assert flushed[0] - unflushed[0] == round(2.0 / (share * plain))
+    cheap = AdaptivePolicy(costs(per_token=0.1, drafter=0.1), explore_share=0.02)  # 0.2 s extra: 10 rounds' worth
     assert cheap.draft_this_round(8) and cheap.verify_len(torch.full((8, 3), 0.05)) == 0
-    assert [i for i, d in enumerate(cheap.draft_this_round(8) for _ in range(40)) if d] == [10, 27]
+    # the budget's 10 plain rounds first, then the backed-off wait (twice retry_every), whichever is longer
+    assert plain_between(cheap.draft_this_round(8) for _ in range(40)) == [10, 2 * cheap.retry_every]
 
 
 def test_a_retry_is_charged_what_it_measured_over_a_plain_round():
@@ -166,8 +182,14 @@ def test_a_retry_is_charged_what_it_measured_over_a_plain_round():
                 policy.observe_seconds(8, 0, 0, 1.0)
         return at
 
-    assert retries(2.0) == [100, 201, 302, 403, 504, 605]  # 2 s each, 2 % of 100 plain rounds
-    assert retries(6.0) == [100, 401]  # 6 s each: 300 plain rounds after the first
+    def gaps(measured: float) -> list[int]:
+        at = retries(measured)
+        return [b - a - 1 for a, b in zip([-1, *at], at)]
+
+    # the first retry waits for its price (2 s at 2 % of 1 s plain rounds: 100); each next one for what the last one
+    # measured over a plain round
+    assert gaps(2.0) == [100] * 6
+    assert gaps(6.0) == [100, 300]
 
 
 def test_new_requests_filling_half_the_batch_bring_the_retry_forward():
@@ -188,10 +210,11 @@ def test_new_requests_filling_half_the_batch_bring_the_retry_forward():
     assert not any(policy.draft_this_round(8, fresh=3) for _ in range(20))  # three of eight rows are new: not enough
     assert policy.draft_this_round(8, fresh=4)  # four of eight: this round probes them
     assert policy.verify_len(low) == 0  # the new rows do not pay either: back to waiting
-    assert [i for i, d in enumerate(policy.draft_this_round(8) for _ in range(65)) if d] == [64]
-    poor = AdaptivePolicy(costs(per_token=1.0, drafter=1.0), explore_share=0.02)  # a probe: 2 s, 100 plain rounds
+    assert plain_between(policy.draft_this_round(8) for _ in range(65)) == [policy.wait]  # the wait that stayed
+    poor = AdaptivePolicy(costs(per_token=1.0, drafter=1.0), explore_share=0.02)  # a probe: 2 s extra
     assert poor.draft_this_round(8) and poor.verify_len(low) == 0
-    assert [i for i, d in enumerate(poor.draft_this_round(8, fresh=8) for _ in range(101)) if d] == [100]
+    # new requests or not, a probe waits until the exploring budget pays for it (2 % of 1 s plain rounds)
+    assert plain_between(poor.draft_this_round(8, fresh=8) for _ in range(101)) == [round(2.0 / 0.02)]
 
 
 def test_new_requests_start_from_the_acceptance_drafted_requests_had():
