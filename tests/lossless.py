@@ -86,6 +86,15 @@ class _Rows:
     def __init__(self, history: list[list[int]], inner=None):
         self.history, self.inner = history, inner
 
+    @property
+    def grow_to(self) -> int:
+        """The inner cache's bound when it grows as a deferred drafter catches up (an AttributeError without one)."""
+        return self.inner.grow_to
+
+    @grow_to.setter
+    def grow_to(self, length: int) -> None:
+        self.inner.grow_to = length
+
     def select_rows(self, rows: torch.Tensor) -> None:
         self.history = [self.history[i] for i in rows.tolist()]
         if self.inner is not None:

@@ -233,10 +233,10 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
     loaded = {"ar": _Entry(None, "ar", "", "", None, tgt, "torch")}  # label -> what a row decodes with
     for st, d in dirs.items():
         drafter = load_drafter(d, tgt)
-        adaptive = "adaptive" in b.policies and drafter.arch_name in ("dflash", "vp")
+        adaptive = "adaptive" in b.policies
         for backend in b.backends:
             if backend == "torch":
-                if "fixed" in b.policies or not adaptive:  # a drafter the policy cannot run keeps its fixed rows
+                if "fixed" in b.policies:
                     loaded[f"{drafter.arch_name}:{st}"] = _Entry(drafter, drafter.arch_name, st, str(d), None, tgt,
                                                                  backend)
                 continue
@@ -264,7 +264,7 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
                 tree_rows[f"ddtree{n}:{st}" + ("+measured" if how == "measured" else "")] = (
                     "ddtree", partial(one_pass_drafting, cfg, drafter, n, how))
         for name, (method, tree) in tree_rows.items():
-            if "fixed" in b.policies or not adaptive:
+            if "fixed" in b.policies:
                 loaded[name] = _Entry(drafter, method, st, str(d), tree(), tgt, "torch")
             if adaptive:  # the policy decides between a whole tree round and a plain one
                 loaded[f"{name}+adaptive"] = _Entry(drafter, method, st, str(d), tree(), tgt, "torch",

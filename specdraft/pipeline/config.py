@@ -283,8 +283,9 @@ class DecodeConfig:
     """fixed: verify the whole block every round. adaptive: per round, verify the number of drafts that maximises
     expected committed tokens per second on this machine (costs measured once and cached under
     ``<work_dir>/policy/``, drafter confidences calibrated on held-in prompts), and decode plainly while drafting
-    does not pay. A drafter without cross-round state (dflash, vp); with d2sd or ddtree a drafted round is a whole tree
-    round, the policy choosing between it and a plain round."""
+    does not pay (a chain drafter: ReTrace's prior then covers the drafts a round verified, and starts over after a
+    plain round); with d2sd or ddtree a drafted round is a whole tree round, the policy choosing between it and a
+    plain round."""
     cuda_graphs: bool = False
     """Decode through the static-shape path: CUDA graphs per batch-size bucket on a GPU (the same static rounds run
     without graphs on a CPU); greedy jobs take tokens from the fused LM-head argmax. Chains (ar, dflash, vp,
@@ -301,9 +302,6 @@ class DecodeConfig:
         if self.cuda_graphs and self.method == "ddtree" and self.tree_budget == "measured":
             raise OptionError("cuda_graphs", "a measured tree budget varies the nodes a round verifies; the static "
                               "path verifies a fixed budget per bucket: set decode.tree_budget=fixed")
-        if self.policy == "adaptive" and self.method == "retrace":
-            raise OptionError("policy", "adaptive defers the drafter's context through plain rounds; ReTrace's prior "
-                              "reads the round before (use a dflash or vp drafter, or decode.policy=fixed)")
         if self.policy == "adaptive" and self.cuda_graphs:
             raise OptionError("policy", "adaptive rounds change width and rows round by round; the CUDA-graph path "
                               "replays fixed shapes (set decode.cuda_graphs=false or decode.policy=fixed)")
@@ -354,8 +352,7 @@ class BenchConfig:
     policies: list[Literal["fixed", "adaptive"]] = field(default_factory=lambda: ["fixed"])
     """Speculation policies each chain drafter and each tree row runs with on the torch backend (rows
     ``<arch>:<stage>+adaptive``, ``ddtree<N>:<stage>+adaptive``, ... beside the fixed ones; see ``decode.policy``).
-    ``[adaptive]`` alone leaves the fixed rows out (their time goes to more repeats); a drafter the adaptive policy
-    cannot run (retrace) keeps its fixed rows."""
+    ``[adaptive]`` alone leaves the fixed rows out (their time goes to more repeats)."""
     batching: list[Literal["static", "continuous"]] = field(default_factory=lambda: ["static"])
     """How each method decodes a suite at each batch size: static batches of that size, or continuous batching with
     that many slots over the whole suite (``decode.prefill_chunk`` applies); rows carry ``batching``, and

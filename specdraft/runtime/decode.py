@@ -200,8 +200,8 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
         tree: tree rounds, D²SD's or one-pass (needs ``drafter``, a first drafter without cross-round state).
         timings: when given, wall seconds per round phase are added to it (prefill, draft, second_draft, tree,
             verify, compaction, commit), synchronising the device at each phase boundary.
-        policy: chain rounds only: an :class:`AdaptivePolicy` choosing whether to draft and how many drafts to
-            verify each round (None: the whole block every round).
+        policy: an :class:`AdaptivePolicy` choosing whether to draft and how many drafts to verify each round
+            (with ``tree``: a whole tree round or a plain one; None: the whole block or tree every round).
         slots: continuous batching: at most ``slots`` requests decode at once, and when one finishes the next in
             ``prompts`` is prefilled into its own cache rows and joins the running batch (Orca, OSDI'22). ``None``
             decodes every prompt as one static batch.

@@ -177,8 +177,9 @@ def _commit_second(second, state, caches: dict, rnd: Round) -> None:
 
 
 class AdaptiveRounds(ChainRounds):
-    """An :class:`AdaptivePolicy` choosing each round: a plain round (its features wait in :attr:`backlog`), a few
-    rows drafting while the others decode plainly (exploring), or every row drafting the first ``k`` drafts. The
+    """An :class:`AdaptivePolicy` choosing each round: a plain round (its features wait in :attr:`backlog`; a
+    drafter's cross-round state starts over), a few rows drafting while the others decode plainly (exploring, for a
+    drafter without cross-round state), or every row drafting the first ``k`` drafts. The
     policy prices rounds by their measured seconds. With a ``tree`` a drafted round is a tree round of every row,
     whole (the policy decides between it and a plain round; the tree's own budget, if measured, sizes it)."""
 
@@ -276,6 +277,8 @@ class AdaptiveRounds(ChainRounds):
     def commit(self, state, caches: dict, rnd: Round) -> None:
         if rnd.draft_tokens.shape[1] == 0:
             self.backlog.add(rnd.features)  # a plain round: the drafter catches up when drafting resumes
+            if state.draft_state is not None:  # ReTrace's rejected suffix is the block before this round's token
+                state.draft_state = state.draft_state.blank(len(state.anchor))
         elif rnd.widths is not None:  # the explorers ingest now, the others' features wait like a plain round's
             drafted = rnd.widths > 0  # [b]
             self.job.drafter.ingest(caches["d"], rnd.features, torch.where(drafted, rnd.num_accepted + 1, 0))

@@ -132,7 +132,7 @@ def test_greedy_decode_job_equals_ar_job(tiny_world, drafter_dir, tmp_path):
 
 def test_a_retrace_job_on_the_static_path_writes_the_eager_jobs_rows(tiny_world, drafter_dir, tmp_path):
     """decode.cuda_graphs with a ReTrace drafter (an active fusion: its prior changes the drafts): the static rounds
-    carry the prior as the eager engine does."""
+    carry the prior as the eager engine does; under the adaptive policy the job writes the same completions."""
     target = load_target(tiny_world.target_dir)
     retrace = convert_drafter(load_drafter(drafter_dir, target), "retrace")
     with torch.no_grad():
@@ -143,12 +143,16 @@ def test_a_retrace_job_on_the_static_path_writes_the_eager_jobs_rows(tiny_world,
     inp = tmp_path / "in.jsonl"
     _three_prompts(inp)
     rows = {}
-    for graphs in ("false", "true"):
-        path = tmp_path / f"{graphs}.jsonl"
+    for mode in ("decode.cuda_graphs=false", "decode.cuda_graphs=true", "decode.policy=adaptive"):
+        path = tmp_path / f"{len(rows)}.jsonl"
         assert main(["decode", *_args(tiny_world, out, tmp_path, "decode.method=retrace", "decode.batching=static",
-                                      f"decode.cuda_graphs={graphs}"), "--input", str(inp), "--output", str(path)]) == 0
-        rows[graphs] = _rows(path)
-    assert rows["true"] == rows["false"]  # completions and accept lengths
+                                      mode), "--input", str(inp), "--output", str(path)]) == 0
+        rows[mode] = _rows(path)
+    assert rows["decode.cuda_graphs=true"] == rows["decode.cuda_graphs=false"]  # completions and accept lengths
+    adaptive = rows["decode.policy=adaptive"]
+    assert {i: r["completion"] for i, r in adaptive.items()} == {
+        i: r["completion"] for i, r in rows["decode.cuda_graphs=false"].items()}
+    assert all(len(r["verified"]) == len(r["accept_lengths"]) for r in adaptive.values())
 
 
 def test_a_continuous_job_killed_mid_way_resumes_with_every_request_once_and_its_own_cap(tiny_world, drafter_dir,

@@ -149,25 +149,28 @@ def build_prior(hidden: torch.Tensor, draft_tokens: torch.Tensor, num_accepted: 
 
     Args:
         hidden: ``[b, Bk, D]`` drafter hidden states of the block (slot 0 = anchor).
-        draft_tokens: ``[b, K]`` drafts for slots 1..K.
+        draft_tokens: ``[b, K]`` drafts for slots 1..K (``K < Bk - 1``: a round that verified the first ``K`` of the
+            block's drafts; the slots past ``K`` retain nothing).
         num_accepted: ``[b]``.
         stats: :func:`verify_stats` of the verify logits.
-        target_context: ``[b, Bk, D]`` the drafter's fused view of the verify features (``fuse_context``); index
+        target_context: ``[b, >=K + 1, D]`` the drafter's fused view of the verify features (``fuse_context``); index
             ``s`` is the target's state at slot ``s``.
         embed: the (target's) token embedding.
         embed_drafted: retain ``e(drafted token)`` next to ``hidden`` (:attr:`ReTraceOptions.embed_drafted`).
     """
     b, Bk, _ = hidden.shape
-    K = Bk - 1
+    K = draft_tokens.shape[1]  # drafts verified: Bk - 1, or fewer in a narrow round (the slots past carry nothing)
     agree = (stats.target_tokens == draft_tokens).to(stats.p_draft.dtype)
-    slot = torch.arange(1, Bk, device=hidden.device, dtype=stats.p_draft.dtype).div_(Bk).expand(b, K)
+    slot = torch.arange(1, K + 1, device=hidden.device, dtype=stats.p_draft.dtype).div_(Bk).expand(b, K)
     scalars = torch.stack([agree, stats.p_draft, stats.entropy, slot], -1)  # [b, K, 4]
     scalars = F.pad(scalars, (0, 0, 1, 0))  # slot 0 (the anchor) carries no signal
-    valid = torch.arange(Bk, device=hidden.device)[None, :] > num_accepted[:, None]  # [b, Bk] rejected: s >= n + 1
-    signals = torch.cat([embed(F.pad(stats.target_tokens, (1, 0))).to(hidden.dtype), target_context.to(hidden.dtype),
-                         scalars.to(hidden.dtype)], dim=-1)  # [b, Bk, 2D + 4]
+    s = torch.arange(Bk, device=hidden.device)[None, :]
+    valid = (s > num_accepted[:, None]) & (s <= K)  # [b, Bk] rejected: n + 1 <= s <= K
+    signals = torch.cat([embed(F.pad(stats.target_tokens, (1, 0))).to(hidden.dtype),
+                         target_context[:, :K + 1].to(hidden.dtype), scalars.to(hidden.dtype)], dim=-1)  # [b, K+1, .]
+    signals = F.pad(signals, (0, 0, 0, Bk - 1 - K))  # [b, Bk, 2D + 4]
     if embed_drafted:
-        drafted = embed(F.pad(draft_tokens, (1, 0))).to(hidden.dtype)  # [b, Bk, D] (slot 0: placeholder, never valid)
+        drafted = embed(F.pad(draft_tokens, (1, Bk - 1 - K))).to(hidden.dtype)  # [b, Bk, D] (slot 0: never valid)
         hidden = torch.cat([hidden, drafted], dim=-1)  # [b, Bk, 2D]
     return Prior(hidden.detach(), signals.detach(), valid, num_accepted + 1)
 
