@@ -15,12 +15,15 @@ import torch
 from specdraft.errors import SpecdraftError
 from specdraft.export.onnx import export_onnx, weights_hash
 from specdraft.runtime.backends.onnx import OnnxDrafter, OnnxTarget, load_manifest
+from specdraft.runtime.calibration import Calibration
 from specdraft.runtime.d2sd import TreeDrafting
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.drafter_io import convert_drafter
 from specdraft.runtime.models.retrace import build_prior, verify_stats
+from specdraft.runtime.policy import AdaptivePolicy
 from tests.helpers import make_drafter, make_target
 from tests.lossless import check_conformance
+from tests.runtime.test_policy import costs
 
 TOL = 1e-4
 
@@ -156,6 +159,17 @@ def test_retrace_through_onnx_runtime_carries_its_prior_like_torch(exported_retr
     assert [r.tokens for r in got] == [r.tokens for r in generate(target, PROMPTS, gen)]
     counts = check_conformance((ot, lambda p: od, None), (target, lambda p: drafter, None), PROMPTS, CAPS)
     assert counts["differing_rows"] == 0 and counts["accepted"] > 0, counts  # the prior changes drafts the same way
+    widths = []
+
+    def adaptive(*args, **kwargs):  # narrow and plain rounds: the prior covers what a round verified, or starts over
+        results = generate(*args, **kwargs, policy=AdaptivePolicy(costs(0.2), Calibration(bins=1, table=[[0.5]] * 3),
+                                                                  measured=False))
+        widths.extend(v for r in results for v in r.verified)
+        return results
+
+    counts = check_conformance((ot, lambda p: od, adaptive), (target, lambda p: drafter, adaptive), PROMPTS, CAPS)
+    assert counts["differing_rows"] == 0 and counts["accepted"] > 0, counts
+    assert 0 < max(widths) < drafter.block_size - 1, sorted(set(widths))  # rounds narrower than the block
     # one draft pass with a prior: ORT's fused block equals torch's, and the prior changes it
     g = torch.Generator().manual_seed(0)
     B, Bk, D, V = 2, drafter.block_size, drafter.config.hidden_size, drafter.config.vocab_size
