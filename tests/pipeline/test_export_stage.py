@@ -76,9 +76,10 @@ def test_decode_on_the_onnx_backend_writes_what_torch_writes(exported_drafter, t
     assert "another drafter" in capsys.readouterr().err
 
 
-def test_d2sd_on_the_onnx_backend_writes_what_torch_writes(tiny_world, tmp_path):
+def test_trees_on_the_onnx_backend_write_what_torch_writes(tiny_world, tmp_path):
     """``export`` with ``decode.method=d2sd`` exports the second drafter too; the tree then drafts with both exports
-    and verifies with the exported target."""
+    and verifies with the exported target, under the fixed and the adaptive policy; one-pass trees run on the
+    exports as well."""
     first, second = tmp_path / "first", tmp_path / "second"
     for out, seed in ((first, 0), (second, 5)):
         assert main(["init-drafter", "--target", str(tiny_world.target_dir), "--out", str(out), "--layers", "1",
@@ -95,12 +96,22 @@ def test_d2sd_on_the_onnx_backend_writes_what_torch_writes(tiny_world, tmp_path)
     inp = tmp_path / "in.jsonl"
     _three_prompts(inp)
     rows = {}
-    for backend in ("torch", "onnx"):
-        out = tmp_path / f"{backend}.jsonl"
-        assert main(["decode", *_args(tiny_world, first, tmp_path, *tree, f"decode.backend={backend}"), "--input",
+    one_pass = ["decode.method=ddtree", "decode.tree_nodes=6"]
+    for name, how in (("torch", tree), ("onnx", tree), ("onnx-adaptive", [*tree, "decode.policy=adaptive"]),
+                      ("torch-ddtree", one_pass), ("onnx-ddtree", one_pass),
+                      ("onnx-ddtree-adaptive", [*one_pass, "decode.policy=adaptive"])):
+        out = tmp_path / f"{name}.jsonl"
+        backend = name.split("-")[0]
+        assert main(["decode", *_args(tiny_world, first, tmp_path, *how, f"decode.backend={backend}"), "--input",
                      str(inp), "--output", str(out)]) == 0
-        rows[backend] = _rows(out)
+        rows[name] = _rows(out)
     assert rows["onnx"] == rows["torch"]  # completions and accept lengths, round for round
+    assert rows["onnx-ddtree"] == rows["torch-ddtree"]  # one-pass trees on the exported models too
+    completions = {name: {i: r["completion"] for i, r in got.items()} for name, got in rows.items()}
+    assert completions["onnx-adaptive"] == completions["onnx-ddtree-adaptive"] == completions["torch"]
+    for name in ("onnx-adaptive", "onnx-ddtree-adaptive"):  # a plain round or a whole tree round, every round
+        assert all(set(r["verified"]) <= {0, 3} and len(r["verified"]) == len(r["accept_lengths"])
+                   for r in rows[name].values())
 
 
 def test_decode_without_an_export_says_which_command_writes_it(drafter_dir, tiny_world, tmp_path, capsys):  # noqa: F811
