@@ -162,14 +162,14 @@ def test_retrace_through_onnx_runtime_carries_its_prior_like_torch(exported_retr
     widths = []
 
     def adaptive(*args, **kwargs):  # narrow and plain rounds: the prior covers what a round verified, or starts over
-        results = generate(*args, **kwargs, policy=AdaptivePolicy(costs(0.2), Calibration(bins=1, table=[[0.5]] * 3),
-                                                                  measured=False))
+        results = generate(*args, **kwargs, policy=AdaptivePolicy(costs(0.3), Calibration(bins=1, table=[[0.5]] * 3),
+                                                                  retry_every=2, measured=False))
         widths.extend(v for r in results for v in r.verified)
         return results
 
     counts = check_conformance((ot, lambda p: od, adaptive), (target, lambda p: drafter, adaptive), PROMPTS, CAPS)
     assert counts["differing_rows"] == 0 and counts["accepted"] > 0, counts
-    assert 0 < max(widths) < drafter.block_size - 1, sorted(set(widths))  # rounds narrower than the block
+    assert set(widths) == {0, 1}, sorted(set(widths))  # one-draft rounds and plain ones
     # one draft pass with a prior: ORT's fused block equals torch's, and the prior changes it
     g = torch.Generator().manual_seed(0)
     B, Bk, D, V = 2, drafter.block_size, drafter.config.hidden_size, drafter.config.vocab_size

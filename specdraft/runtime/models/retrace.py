@@ -160,6 +160,8 @@ def build_prior(hidden: torch.Tensor, draft_tokens: torch.Tensor, num_accepted: 
     """
     b, Bk, _ = hidden.shape
     K = draft_tokens.shape[1]  # drafts verified: Bk - 1, or fewer in a narrow round (the slots past carry nothing)
+    if K > Bk - 1:
+        raise ValueError(f"{K} drafts for a block of {Bk} slots (at most {Bk - 1} drafts)")
     agree = (stats.target_tokens == draft_tokens).to(stats.p_draft.dtype)
     slot = torch.arange(1, K + 1, device=hidden.device, dtype=stats.p_draft.dtype).div_(Bk).expand(b, K)
     scalars = torch.stack([agree, stats.p_draft, stats.entropy, slot], -1)  # [b, K, 4]
