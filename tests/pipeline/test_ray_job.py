@@ -1,6 +1,6 @@
 """`specdraft decode ... decode.runner=ray` on a local Ray cluster with two CPU workers (the optional `ray` extra;
 skipped without it): the JSONL contract, bad lines reported by line, resume without duplicates, and the completions
-of the local job, for chains, D²SD trees in static batches and the adaptive policy."""
+of the local job, for chains, D²SD trees in static batches and the adaptive policy over chains and trees."""
 
 import json
 
@@ -44,8 +44,11 @@ def test_a_ray_job_writes_the_local_jobs_rows_once_each_and_resumes(tiny_world, 
 
 
 @pytest.mark.parametrize("mode", [["decode.method=d2sd", "decode.second_drafter=same", "decode.tree_k=2",
-                                   "decode.batching=static"], ["decode.policy=adaptive"]],
-                         ids=["d2sd-static-batches", "adaptive-policy"])
+                                   "decode.batching=static"], ["decode.policy=adaptive"],
+                                  ["decode.method=ddtree", "decode.tree_nodes=6", "decode.policy=adaptive"],
+                                  ["decode.method=d2sd", "decode.second_drafter=same", "decode.tree_k=2",
+                                   "decode.policy=adaptive"]],
+                         ids=["d2sd-static-batches", "adaptive-policy", "adaptive-one-pass-trees", "adaptive-d2sd"])
 def test_a_ray_job_decodes_trees_and_the_adaptive_policy_as_the_local_job(tiny_world, drafter_dir, tmp_path,  # noqa: F811
                                                                           mode):
     inp = tmp_path / "in.jsonl"
@@ -61,6 +64,8 @@ def test_a_ray_job_decodes_trees_and_the_adaptive_policy_as_the_local_job(tiny_w
     if "decode.policy=adaptive" in mode:  # its choices follow measured round times: the completions are the contract
         assert {i: r["completion"] for i, r in got.items()} == {i: r["completion"] for i, r in want.items()}
         assert all(len(r["verified"]) == len(r["accept_lengths"]) for r in got.values())
+        if len(mode) > 1:  # trees: each round a whole tree or a plain one
+            assert all(set(r["verified"]) <= {0, 3} for r in got.values())
     else:  # one task of the six requests, in the local job's batches: the same rows, accept lengths included
         assert got == want
 

@@ -6,11 +6,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from specdraft.errors import SpecdraftError
 from specdraft.pipeline.cli import main
 from specdraft.pipeline.data import regenerated_temperature
 from specdraft.pipeline.train import check_resumable
+from specdraft.runtime.drafter_io import convert_drafter, load_drafter, record_target, save_drafter
+from specdraft.runtime.load import load_target
 
 pytestmark = pytest.mark.integration  # `make test-fast` leaves it out
 
@@ -105,6 +108,19 @@ def test_run_end_to_end_and_rerun_is_cached(tmp_path, monkeypatch, capsys):
         lo, hi = r["speedup_ci95"]
         assert len(r["speedup_per_repeat"]) == 2 and lo <= sum(r["speedup_per_repeat"]) / 2 <= hi
     assert "x (" in (w / "bench" / "bench.md").read_text()
+
+    # a ReTrace drafter (the sft drafter converted, its prior active) gets fixed and adaptive rows like DFlash's
+    target = load_target(world / "target")
+    retrace = convert_drafter(load_drafter(w / "drafter" / "sft", target), "retrace")
+    with torch.no_grad():
+        torch.nn.init.normal_(retrace.retrace_gate_out.weight, std=0.5, generator=torch.Generator().manual_seed(0))
+    record_target(save_drafter(retrace, w / "drafter" / "retrace"), world / "target")
+    assert main([*bench[:-4], "bench.stages=[retrace]", "bench.temperatures=[0.0]", "bench.batch_sizes=[2]"]) == 0
+    rows = json.loads((w / "bench" / "bench.json").read_text())["results"]
+    drafted = sorted((r["method"], r["stage"], r["policy"], r["suite"]) for r in rows if r["method"] != "ar")
+    assert drafted == [("retrace", "retrace", p, s) for p in ("adaptive", "fixed") for s in ("code", "math")]
+    for r in rows:
+        assert r["tau"] >= 1.0 and (r["policy"] != "adaptive" or 0 <= r["verified_per_round"] <= 3)
 
 
 def test_empty_prompt_file_for_data_is_one_clean_line(tmp_path, capsys, tiny_world):
