@@ -284,12 +284,12 @@ class DecodeConfig:
     expected committed tokens per second on this machine (costs measured once and cached under
     ``<work_dir>/policy/``, drafter confidences calibrated on held-in prompts), and decode plainly while drafting
     does not pay (a chain drafter: ReTrace's prior then covers the drafts a round verified, and starts over after a
-    plain round); with d2sd or ddtree a drafted round is a whole tree round, the policy choosing between it and a
-    plain round."""
+    plain round); with d2sd or ddtree, and on the CUDA-graph path, a drafted round is a whole tree or block round
+    of every row, the policy choosing between it and a plain round."""
     cuda_graphs: bool = False
     """Decode through the static-shape path: CUDA graphs per batch-size bucket on a GPU (the same static rounds run
     without graphs on a CPU); greedy jobs take tokens from the fused LM-head argmax. Chains (ar, dflash, vp,
-    retrace), d2sd trees (siblings included) and ddtree trees at a fixed budget."""
+    retrace), d2sd trees (siblings included) and ddtree trees at a fixed budget, under either policy."""
 
     def __post_init__(self):
         if self.backend not in ("torch", "onnx", "trt"):
@@ -302,9 +302,6 @@ class DecodeConfig:
         if self.cuda_graphs and self.method == "ddtree" and self.tree_budget == "measured":
             raise OptionError("cuda_graphs", "a measured tree budget varies the nodes a round verifies; the static "
                               "path verifies a fixed budget per bucket: set decode.tree_budget=fixed")
-        if self.policy == "adaptive" and self.cuda_graphs:
-            raise OptionError("policy", "adaptive rounds change width and rows round by round; the CUDA-graph path "
-                              "replays fixed shapes (set decode.cuda_graphs=false or decode.policy=fixed)")
         if self.tree_budget not in ("fixed", "measured"):
             raise OptionError("tree_budget", f"{self.tree_budget!r} is not one of fixed, measured")
         if self.batching not in ("continuous", "static"):

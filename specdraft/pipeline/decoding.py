@@ -52,14 +52,18 @@ def build_decoding(cfg: RunConfig, world, drafter_dir: Path | None, tokenizer, d
     gen = GenerationConfig(max_new_tokens=d.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer),
                            sampling=SamplingParams(d.temperature, d.top_k, d.top_p), draft_sampling=d.draft_sampling)
     generator = torch.Generator(device=target.lm_head.weight.device).manual_seed(d.seed)
-    engine = StaticEngine(target, drafter, d.batch_size, tree=tree,  # ReTrace's prior reads the verify logits
-                          argmax_heads=d.temperature == 0 and d.method != "retrace") if d.cuda_graphs else None
     policy = None
     if d.policy == "adaptive":
         policy = adaptive_policy(cfg.work_path, target, drafter, drafter_dir,
                                  heldin_prompts(world, tokenizer, cfg.data.enable_thinking), stop_token_ids(tokenizer),
                                  (d.batch_size,), log, gen.sampling, d.draft_sampling)
-        policy.whole_rounds = tree is not None  # a tree round is drafted whole, by every row
+        # a tree round is drafted whole, by every row; the static path drafts every row's whole block too
+        policy.whole_rounds = tree is not None or d.cuda_graphs
+    # greedy static jobs take tokens from the fused LM-head argmax, except where logits are read: ReTrace's prior, and
+    # the policy's confidence in a chain's drafts (a tree's first draft keeps its logits)
+    heads = d.temperature == 0 and d.method != "retrace" and (policy is None or tree is not None)
+    engine = StaticEngine(target, drafter, d.batch_size, tree=tree, argmax_heads=heads, policy=policy) \
+        if d.cuda_graphs else None
     return Decoding(target, gen, d.batch_size, drafter, generator, tree, engine, policy, d.batching,
                     d.prefill_chunk or None)
 

@@ -37,8 +37,19 @@ rounds run eagerly: the CPU tests check the static-shape logic, the GPU tests th
 A one-pass round (``tree=`` a fixed-budget :class:`~specdraft.runtime.one_pass.OnePassDrafting`) is the D²SD round
 without the branch step: the best-first tree of the first draft's distributions, eagerly, at its node budget.
 
+With an adaptive policy (``policy=``, pricing whole rounds) each round is either the drafted round above, for every
+row, or a plain round: the target's one-token pass and the drafter's ingest of its features, two graphs of their
+own::
+
+    plain_verify  (anchor -> target logits, features)     graph
+    accept        (the target's token)                     eager, no host sync
+    plain_commit  (lengths += 1, drafter ingest)           graph
+
+The policy decides on the host between rounds (from the last round's host sync: no extra one), and hears each round's
+accepted drafts and wall seconds.
+
 Scope: chains with a DFlash, VP or ReTrace drafter or none (AR), D²SD trees (with or without one-pass siblings) and
-fixed-budget one-pass trees of stateless drafters. ReTrace's
+fixed-budget one-pass trees of stateless drafters, under a fixed or an adaptive policy. ReTrace's
 prior (the rejected suffix it carries into the next round) lives in fixed-shape buffers of each bucket: the draft
 step fuses it into every slot (slots no prior lands on add zero), the commit step returns the drafter's fused view
 of the verify pass, and the next prior is built eagerly from the round's outputs.
@@ -46,6 +57,7 @@ of the verify pass, and the next prior is built eagerly from the round's outputs
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
 
@@ -60,8 +72,9 @@ from specdraft.runtime.models.dflash import DFlashDrafter
 from specdraft.runtime.models.retrace import Prior, ReTraceDrafter
 from specdraft.runtime.models.target import TargetLM
 from specdraft.runtime.one_pass import OnePassDrafting
+from specdraft.runtime.policy import AdaptivePolicy
 from specdraft.runtime.requests import GenerationConfig, Requests, RowResult
-from specdraft.runtime.rounds import propose, verify_round
+from specdraft.runtime.rounds import draft_confidence, propose, verify_round
 from specdraft.runtime.sampling import logits_to_probs, sample
 from specdraft.runtime.verify import accept_greedy_tokens
 
@@ -125,10 +138,13 @@ class _Bucket:
     tree_tokens: torch.Tensor | None = None  # [n, N] input of a tree's verify
     tree_depth: torch.Tensor | None = None  # [n, N]
     tree_mask: torch.Tensor | None = None  # [n, N, N]
+    plain_features: torch.Tensor | None = None  # [n, 1, F] a plain round's target features, read by plain_commit
     draft: Callable[[], tuple[torch.Tensor, ...]] | None = None
     branch: Callable[[], tuple[torch.Tensor, ...]] | None = None
     verify: Callable[[], tuple[torch.Tensor, ...]] | None = None
     commit: Callable[[], tuple[torch.Tensor, ...]] | None = None
+    plain_verify: Callable[[], tuple[torch.Tensor, ...]] | None = None  # an adaptive policy's plain round
+    plain_commit: Callable[[], tuple[torch.Tensor, ...]] | None = None
 
 
 class _Round(NamedTuple):
@@ -142,6 +158,7 @@ class _Round(NamedTuple):
     nodes: torch.Tensor | None = None  # [n] a tree's real nodes
     winner: torch.Tensor | None = None  # [n] the candidate holding the accepted path
     hidden: torch.Tensor | None = None  # [n, Bk, D] ReTrace: the drafter's hidden states of the block
+    confidence: torch.Tensor | None = None  # [n, K] with a policy: the drafter's probability of each of its drafts
 
 
 def slots_needed(prompts: Sequence[Sequence[int]], caps: Sequence[int], block: int,
@@ -167,13 +184,26 @@ class StaticDecoder:
             logits (a tree's first draft keeps its logits: its confidences place the branches).
         tree: tree rounds, verified at the tree's fixed node budget: D²SD's (a stateless second drafter, with or
             without one-pass siblings) or one-pass (a fixed budget).
+        policy: an :class:`AdaptivePolicy` pricing whole rounds (``whole_rounds``) choosing, each round, between a
+            drafted round of every row (the block or the tree, as without a policy) and a plain round: the target's
+            one-token pass and the drafter's ingest of its features, two more graphs per bucket (in a memory pool of
+            their own, as they replay in either order with the drafted round's).
     """
 
     def __init__(self, target: TargetLM, drafter: Drafter | None, max_batch: int, max_len: int,
                  buckets: Sequence[int] = BUCKETS, graphs: bool | None = None, argmax_heads: bool = False,
-                 tree: TreeDrafting | OnePassDrafting | None = None):
+                 tree: TreeDrafting | OnePassDrafting | None = None, policy: AdaptivePolicy | None = None):
         dev = target.lm_head.weight.device
         self.check_drafter(drafter)
+        if policy is not None:
+            if drafter is None:
+                raise ValueError("an adaptive policy chooses when to draft: it needs a drafter")
+            if not policy.whole_rounds:
+                raise ValueError("the static path verifies whole blocks and trees: the policy must price its rounds "
+                                 "so (whole_rounds=True)")
+            if argmax_heads and tree is None:
+                raise ValueError("an adaptive policy reads the drafter's confidence in its drafts, which argmax "
+                                 "heads do not return: argmax_heads=False")
         if tree is not None:
             if isinstance(tree, OnePassDrafting) and tree.budget is not None:
                 raise ValueError("the static path verifies a fixed node budget per bucket; a measured budget runs on "
@@ -206,6 +236,8 @@ class StaticDecoder:
         for cache in self._caches():
             cache.fixed_shape = True
         self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        self.policy = policy
+        self.plain_pool = torch.cuda.graph_pool_handle() if self.graphs and policy is not None else None
         self._buckets: dict[int, _Bucket] = {}
 
     @staticmethod
@@ -289,10 +321,26 @@ class StaticDecoder:
                 self.second.ingest(scache, bk.features, bk.counts)
             return (fused,) if self.stateful else ()  # ReTrace: the drafter's view of the verify pass
 
+        def plain_verify():
+            out = target(bk.anchor[:, None], cache=tcache, feature_layers=self.feature_layers,
+                         return_logits=not self.argmax_heads)
+            bk.plain_features.copy_(out.features)
+            return (heads(out),)  # [n, 1, V] (or [n, 1] tokens)
+
+        def plain_commit():
+            tcache.commit(bk.counts)
+            drafter.ingest(dcache, bk.plain_features, bk.counts)  # the drafter's context keeps up, one token a row
+            if self.second is not None:
+                self.second.ingest(scache, bk.plain_features, bk.counts)
+            return ()
+
         # captured in the order they replay: graphs sharing one memory pool are only safe so
         steps = {**({"draft": draft} if drafter is not None else {}),
                  **({"branch": branch} if tree is not None and self.one_pass is None else {}),
                  "verify": verify_tree if tree is not None else verify, "commit": commit}
+        plain = {"plain_verify": plain_verify, "plain_commit": plain_commit} if self.policy is not None else {}
+        if plain:
+            bk.plain_features = torch.zeros(n, 1, feat.shape[-1], dtype=feat.dtype, device=dev)
         if self.graphs:
             saved = [c.lengths.clone() for c in self._caches()]
 
@@ -300,7 +348,8 @@ class StaticDecoder:
                 for c, s in zip(self._caches(), saved):
                     c.lengths.copy_(s)
             steps = {k: _Graphed(fn, self.pool, restore) for k, fn in steps.items()}
-        for k, fn in steps.items():
+            plain = {k: _Graphed(fn, self.plain_pool, restore) for k, fn in plain.items()}
+        for k, fn in {**steps, **plain}.items():
             setattr(bk, k, fn)
         self._buckets[n] = bk
         return bk
@@ -319,8 +368,22 @@ class StaticDecoder:
         (verified,) = bk.verify()
         if self.argmax_heads:
             return _Round(draft_tokens, None, *accept_greedy_tokens(draft_tokens, verified), None)
+        confidence = draft_confidence(draft_logits, draft_tokens, draft_probs) if self.policy is not None else None
         return _Round(draft_tokens, draft_logits, *verify_round(draft_tokens, draft_probs, verified, params,
-                                                                generator), verified, hidden=hidden)
+                                                                generator), verified, hidden=hidden,
+                      confidence=confidence)
+
+    def _plain_round(self, bk: _Bucket, config: GenerationConfig, generator) -> _Round:
+        """An adaptive policy's plain round: the target's next token after each anchor, no draft (a tree job's
+        verifies its root alone)."""
+        draft_tokens = bk.anchor.new_zeros(bk.n, 0)
+        (verified,) = bk.plain_verify()  # [n, 1, V] (or [n, 1] tokens)
+        if self.argmax_heads:
+            acc, logits = accept_greedy_tokens(draft_tokens, verified), None
+        else:
+            acc, logits = verify_round(draft_tokens, None, verified, config.sampling, generator), verified
+        ones = torch.ones_like(bk.anchor) if self.tree is not None else None
+        return _Round(draft_tokens, None, *acc, logits, ones, None if ones is None else 0 * ones)
 
     def _tree_round(self, bk: _Bucket, config: GenerationConfig, generator) -> _Round:
         params, tree, K = config.sampling, self.tree, self.block - 1
@@ -453,6 +516,11 @@ class StaticDecoder:
             self._carry_prior(self._bucket(n), None)
         active = torch.zeros(n, dtype=torch.bool, device=dev)
         active[:B] = torch.tensor([not d for d in done], device=dev)
+        policy = self.policy
+        if policy is not None:
+            policy.new_job()
+        fresh = {r for r in range(B) if not done[r]}  # requests no drafted round has run for yet (the policy probes)
+        opening = set(fresh)  # requests whose next round is their first (the policy prices it apart)
         while not all(done[r] for r in slots):
             live = [i for i, r in enumerate(slots) if not done[r]]
             if self.bucket_for(len(live)) < n:  # the active rows fit a smaller bucket: move them to the front
@@ -470,12 +538,17 @@ class StaticDecoder:
             bk = self._bucket(n)
             bk.anchor.zero_()
             bk.anchor[:len(slots)] = anchor
-            rnd = self._round(bk, config, generator)
+            ids = [slots[i] for i in live]  # the round's requests
+            drafted, started = True, time.perf_counter()  # (after the last round's host sync)
+            if policy is not None:
+                policy.before_round(*requests.progress(ids))  # priced at the rows' context and what they have left
+                drafted = policy.draft_rows(len(ids), len(fresh), ids, opening) > 0
+            rnd = self._round(bk, config, generator) if drafted else self._plain_round(bk, config, generator)
             bk.counts.copy_(commit_counts(rnd.num_accepted, active))
-            committed = bk.commit()
-            if self.stateful:  # the rejected suffix each row carries into its next round
+            committed = bk.commit() if drafted else bk.plain_commit()
+            if self.stateful:  # the rejected suffix each row carries into its next round (none after a plain one)
                 prior = self.drafter.next_round_state(None, rnd.hidden, rnd.draft_tokens, rnd.num_accepted,
-                                                      rnd.target_logits, committed[0])
+                                                      rnd.target_logits, committed[0]) if drafted else None
                 self._carry_prior(bk, prior)
             anchor = rnd.next_token[:len(slots)].clone()
             zeros = torch.zeros_like(rnd.num_accepted)
@@ -488,12 +561,26 @@ class StaticDecoder:
                 observer(RoundRecord(torch.tensor([slots[i] for i in live], device=dev), run.draft_tokens,
                                      run.draft_logits, None, run.num_accepted, run.next_token, run.target_logits,
                                      nodes=run.nodes, winner=run.winner))
+            useful = []  # the drafts each request committed
             for i in live:
                 a, t, nodes, winner, d = *host[i][:4], host[i][4:]
-                requests.record(slots[i], a, d, t, len(d), *((nodes, winner) if self.tree is not None else ()))
+                useful.append(requests.record(slots[i], a, d, t, len(d),
+                                              *((nodes, winner) if self.tree is not None else ())))
             finished = [i for i in live if done[slots[i]]]
             if finished:
                 active[torch.tensor(finished, device=dev)] = False
+            if policy is not None:
+                if drafted:
+                    at = torch.tensor(live, dtype=torch.long, device=dev)
+                    confidence = rnd.confidence if rnd.confidence is not None else draft_confidence(
+                        rnd.draft_logits, rnd.draft_logits.argmax(-1), None)  # [n, K] a tree's: its first draft's
+                    policy.whole(confidence[at])
+                    policy.observe(torch.tensor(useful), ids, opening)
+                    fresh.clear()
+                opening.clear()
+                fresh.difference_update(slots[i] for i in finished)
+                width = rnd.draft_tokens.shape[1]
+                policy.observe_seconds(len(ids), len(ids) if drafted else 0, width, time.perf_counter() - started)
         return requests.results
 
 
@@ -503,7 +590,7 @@ class StaticEngine:
     rounded up to ``slot_step`` so growing requests rebuild rarely.
 
     Args:
-        target, drafter, tree: as :class:`StaticDecoder`; calls must pass the same models and tree.
+        target, drafter, tree, policy: as :class:`StaticDecoder`; calls must pass the same models, tree and policy.
         max_batch: the batch size of the job (the largest bucket).
         argmax_heads: greedy jobs: tokens from the fused LM-head argmax, no logits.
         graphs: as :class:`StaticDecoder`.
@@ -511,18 +598,19 @@ class StaticEngine:
 
     def __init__(self, target: TargetLM, drafter: Drafter | None, max_batch: int, argmax_heads: bool = False,
                  graphs: bool | None = None, buckets: Sequence[int] = BUCKETS, slot_step: int = 256,
-                 tree: TreeDrafting | OnePassDrafting | None = None):
+                 tree: TreeDrafting | OnePassDrafting | None = None, policy: AdaptivePolicy | None = None):
         StaticDecoder.check_drafter(drafter)
-        self.target, self.drafter, self.tree, self.max_batch = target, drafter, tree, max_batch
+        self.target, self.drafter, self.tree, self.policy, self.max_batch = target, drafter, tree, policy, max_batch
         self.argmax_heads, self.graphs, self.buckets, self.slot_step = argmax_heads, graphs, buckets, slot_step
         self.decoder: StaticDecoder | None = None
 
     def __call__(self, target: TargetLM, prompts: Sequence[Sequence[int]], config: GenerationConfig,
                  drafter: Drafter | None = None, generator: torch.Generator | None = None,
                  tree: TreeDrafting | OnePassDrafting | None = None,
-                 observer: Callable[[RoundRecord], None] | None = None, **_) -> list[RowResult]:
-        if target is not self.target or drafter is not self.drafter:
-            raise ValueError("a StaticEngine decodes with the target and drafter it was built for")
+                 observer: Callable[[RoundRecord], None] | None = None, policy: AdaptivePolicy | None = None,
+                 **_) -> list[RowResult]:
+        if target is not self.target or drafter is not self.drafter or policy is not self.policy:
+            raise ValueError("a StaticEngine decodes with the target, drafter and policy it was built for")
         if tree != self.tree:
             raise ValueError("a StaticEngine decodes the rounds it was built for: pass the tree it was built with "
                              "(or none, for chains), or build another")
@@ -534,5 +622,5 @@ class StaticEngine:
             slots = -(-need // self.slot_step) * self.slot_step
             self.decoder = None  # free the old caches and graphs first
             d = self.decoder = StaticDecoder(self.target, self.drafter, max(self.max_batch, len(prompts)), slots,
-                                             self.buckets, self.graphs, self.argmax_heads, tree)
+                                             self.buckets, self.graphs, self.argmax_heads, tree, self.policy)
         return d.generate(prompts, config, generator, observer)

@@ -18,6 +18,7 @@ from specdraft.runtime.one_pass import OnePassDrafting
 from specdraft.runtime.static_decode import StaticDecoder, StaticEngine
 from tests.helpers import make_drafter, make_target, requires_cuda, retrace_from
 from tests.lossless import check_conformance
+from tests.runtime.test_static_adaptive import pattern
 
 pytestmark = [pytest.mark.gpu, requires_cuda,
               pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install '.[triton]')")]
@@ -114,6 +115,32 @@ def test_cuda_graph_retrace_rounds_are_the_eager_static_rounds():
     eager = StaticEngine(target, drafter, 16, graphs=False)
     counts = check_conformance((target, lambda p: drafter, graphed), (target, lambda p: drafter, eager), prompts, caps)
     assert counts["differing_rows"] == 0 and counts["accepted"] > 0, counts
+
+
+@pytest.mark.parametrize("kind", ["dflash", "retrace", "one_pass", "d2sd"])
+def test_cuda_graph_adaptive_rounds_are_the_eager_static_rounds(kind):
+    """The adaptive policy on the CUDA-graph path, a fixed pattern of drafted and plain rounds: the plain rounds'
+    verify and commit replay as graphs of their own (their own memory pool) between the drafted rounds' graphs, and
+    every round equals the same static rounds run eagerly."""
+    prompts = [[1, 2, 3], [5, 4, 3, 2, 1, 0], [4], [2, 2], [3, 1, 4, 1, 5], [0], [1, 1, 1, 3], [1, 0], [5, 5, 1]]
+    caps = [10, 25, 17, 30, 8, 21, 14, 19, 12]
+    target = make_target(seed=7, vocab=6, std=1.0).cuda()
+    bind = (target.model.embed_tokens, target.lm_head)
+    first = make_drafter(target, seed=2, block_size=5, std=0.3)
+    first = (retrace_from(first, active=True) if kind == "retrace" else first).cuda().bind_target(*bind)
+    second = convert_drafter(make_drafter(target, seed=5, block_size=5, std=0.3), "vp").cuda().bind_target(*bind)
+    tree = {"one_pass": OnePassDrafting(12), "d2sd": TreeDrafting(second, 2)}.get(kind)
+    graphed, eager = (StaticEngine(target, first, 16, graphs=g, tree=tree, policy=pattern()) for g in (True, False))
+
+    def engine(static):
+        return lambda *args, **kwargs: static(*args, **kwargs, policy=static.policy)
+    counts = check_conformance((target, lambda p: (first, tree), engine(graphed)),
+                               (target, lambda p: (first, tree), engine(eager)), prompts, caps)
+    assert counts["differing_rows"] == 0 and counts["accepted"] > 0, counts
+    gen = GenerationConfig(max_new_tokens=caps)
+    got = engine(graphed)(target, prompts, gen, drafter=first, tree=tree)
+    assert [r.tokens for r in got] == [r.tokens for r in generate(target, prompts, gen)]  # fp32: the target's output
+    assert 0 in {v for r in got for v in r.verified}  # plain rounds replayed
 
 
 def test_lm_head_argmax_at_qwen3_vocabulary():

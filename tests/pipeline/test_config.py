@@ -47,7 +47,6 @@ def test_dotted_overrides_are_typed():
     (["decode.prefill_chunk=-1"], "decode.prefill_chunk"),
     (["bench.batching=[]"], "bench.batching"),
     (["bench.length_spread=0.5"], "bench.length_spread"),
-    (["decode.policy=adaptive", "decode.cuda_graphs=true"], "decode.policy"),
     (["decode.method=ddtree", "decode.tree_budget=measured", "decode.cuda_graphs=true", "decode.batching=static"],
      "decode.cuda_graphs"),
     (["decode.tree_nodes=1"], "decode.tree_nodes"),

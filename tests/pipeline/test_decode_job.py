@@ -93,12 +93,14 @@ def test_greedy_decode_job_equals_ar_job(tiny_world, drafter_dir, tmp_path):
     _three_prompts(inp)
     outs = {}
     modes = {"false": [], "true": ["decode.cuda_graphs=true", "decode.batching=static"],
-             "static": ["decode.batching=static"], "adaptive": ["decode.policy=adaptive"]}
+             "static": ["decode.batching=static"], "adaptive": ["decode.policy=adaptive"],
+             "adaptive-graphs": ["decode.policy=adaptive", "decode.cuda_graphs=true", "decode.batching=static"]}
     tree = ["decode.second_drafter=same", "decode.tree_k=2"]  # D²SD with the first drafter re-drafting
     for method, graphs in (("ar", "false"), ("dflash", "false"), ("dflash", "true"), ("ar", "true"),
                            ("dflash", "static"), ("dflash", "adaptive"), ("d2sd", "static"), ("d2sd", "true"),
                            ("ddtree", "false"), ("ddtree", "static"), ("ddtree", "true"), ("ddtree", "adaptive"),
-                           ("d2sd", "adaptive")):
+                           ("d2sd", "adaptive"), ("dflash", "adaptive-graphs"), ("ddtree", "adaptive-graphs"),
+                           ("d2sd", "adaptive-graphs")):
         outs[method, graphs] = tmp_path / f"{method}-{graphs}.jsonl"
         extra = {"d2sd": tree, "ddtree": ["decode.tree_nodes=6"]}.get(method, [])
         assert main(["decode", *_args(tiny_world, drafter_dir, tmp_path, f"decode.method={method}", *modes[graphs],
@@ -119,8 +121,12 @@ def test_greedy_decode_job_equals_ar_job(tiny_world, drafter_dir, tmp_path):
     assert len(list((tmp_path / "work" / "policy").glob("*.json"))) == 1
     assert comp["d2sd", "static"] == comp["d2sd", "true"] == comp["ar", "false"] == comp["ddtree", "false"]
     assert comp["ddtree", "true"] == comp["ar", "false"] == comp["ddtree", "adaptive"] == comp["d2sd", "adaptive"]
-    for method in ("ddtree", "d2sd"):  # a plain round or a whole tree round, and the tree's statistics every round
-        rows = [json.loads(line) for line in outs[method, "adaptive"].read_text().splitlines()]
+    assert comp["ar", "false"] == comp["dflash", "adaptive-graphs"] == comp["ddtree", "adaptive-graphs"] \
+        == comp["d2sd", "adaptive-graphs"]
+    for method, mode in (("ddtree", "adaptive"), ("d2sd", "adaptive"), ("dflash", "adaptive-graphs"),
+                         ("ddtree", "adaptive-graphs"), ("d2sd", "adaptive-graphs")):
+        # a plain round or a whole tree (or block) round, and the tree's statistics every round
+        rows = [json.loads(line) for line in outs[method, mode].read_text().splitlines()]
         assert all(set(r["verified"]) <= {0, 3} and len(r["verified"]) == len(r["accept_lengths"]) for r in rows)
     tau = {(m, g): {json.loads(line)["id"]: json.loads(line)["tau"] for line in outs[m, g].read_text().splitlines()}
            for m, g in (("dflash", "true"), ("dflash", "false"), ("d2sd", "true"), ("d2sd", "static"),
@@ -132,7 +138,8 @@ def test_greedy_decode_job_equals_ar_job(tiny_world, drafter_dir, tmp_path):
 
 def test_a_retrace_job_on_the_static_path_writes_the_eager_jobs_rows(tiny_world, drafter_dir, tmp_path):
     """decode.cuda_graphs with a ReTrace drafter (an active fusion: its prior changes the drafts): the static rounds
-    carry the prior as the eager engine does; under the adaptive policy the job writes the same completions."""
+    carry the prior as the eager engine does; under the adaptive policy, eager or static, the job writes the same
+    completions."""
     target = load_target(tiny_world.target_dir)
     retrace = convert_drafter(load_drafter(drafter_dir, target), "retrace")
     with torch.no_grad():
@@ -143,17 +150,19 @@ def test_a_retrace_job_on_the_static_path_writes_the_eager_jobs_rows(tiny_world,
     inp = tmp_path / "in.jsonl"
     _three_prompts(inp)
     rows = {}
-    for mode in ("decode.cuda_graphs=false", "decode.cuda_graphs=true", "decode.policy=adaptive"):
+    for mode in ("decode.cuda_graphs=false", "decode.cuda_graphs=true", "decode.policy=adaptive",
+                 "decode.policy=adaptive decode.cuda_graphs=true"):
         path = tmp_path / f"{len(rows)}.jsonl"
         assert main(["decode", *_args(tiny_world, out, tmp_path, "decode.method=retrace", "decode.batching=static",
-                                      mode), "--input", str(inp), "--output", str(path)]) == 0
+                                      *mode.split()), "--input", str(inp), "--output", str(path)]) == 0
         rows[mode] = _rows(path)
     assert rows["decode.cuda_graphs=true"] == rows["decode.cuda_graphs=false"]  # completions and accept lengths
-    adaptive = rows["decode.policy=adaptive"]
-    assert {i: r["completion"] for i, r in adaptive.items()} == {
-        i: r["completion"] for i, r in rows["decode.cuda_graphs=false"].items()}
-    assert all(len(r["verified"]) == len(r["accept_lengths"]) and all(0 <= v <= 3 for v in r["verified"])
-               for r in adaptive.values())  # the widths the policy chose, within the block
+    for mode in ("decode.policy=adaptive", "decode.policy=adaptive decode.cuda_graphs=true"):
+        adaptive = rows[mode]
+        assert {i: r["completion"] for i, r in adaptive.items()} == {
+            i: r["completion"] for i, r in rows["decode.cuda_graphs=false"].items()}
+        assert all(len(r["verified"]) == len(r["accept_lengths"]) and all(0 <= v <= 3 for v in r["verified"])
+                   for r in adaptive.values())  # the widths the policy chose, within the block
 
 
 def test_a_continuous_job_killed_mid_way_resumes_with_every_request_once_and_its_own_cap(tiny_world, drafter_dir,
