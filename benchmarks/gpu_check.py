@@ -11,9 +11,10 @@ Steps, in order of what a broken environment or a short budget should still show
    mask on a 64-node tree; ReTrace's fusion; the LM-head argmax.
 4. ``decode``: a round over an AR step through CUDA graphs and eagerly, Qwen3-8B shapes, batch 1 and 8.
 5. ``fusion``: ReTrace's fusion share of a round at the Qwen3-8B shape.
-6. ``adaptive``, ``trees``, ``d2sd``, ``trt``: the tiny world's bench cells (adaptive against 0.97x AR), every tree
-   kind through CUDA graphs against the eager engine (τ equal at T=0, tokens/s), D²SD's round cost, and TensorRT
-   engines; each only where its artifacts (and TensorRT) are present.
+6. ``adaptive``, ``trees``, ``static_adaptive``, ``d2sd``, ``trt``: the tiny world's bench cells (adaptive against
+   0.97x AR), every tree kind through CUDA graphs against the eager engine (τ equal at T=0, tokens/s), AR, fixed and
+   adaptive DFlash through CUDA graphs, D²SD's round cost, and TensorRT engines; each only where its artifacts (and
+   TensorRT) are present.
 
 Results: ``$OUT/<step>.txt`` (its output), ``$OUT/<step>.json`` (its figures, where it has some) and
 ``$OUT/gpu_check.json`` (every step's status, seconds and figures; rewritten after each step); a one-screen summary at
@@ -77,6 +78,11 @@ def default_steps() -> list[Step]:
                              "target.device=cuda", "decode.drafter=artifacts/tiny/drafter/sft",
                              "decode.second_drafter=same", "work_dir={out}/trees", "--prompts", "16",
                              "--out", "{out}/trees.json"]],
+             needs=[world_path, "artifacts/tiny/drafter/sft"]),
+        Step("static_adaptive", 90, [
+            ["{py}", "benchmarks/static_adaptive.py", "configs/tiny.yaml", f"target.path={world_path}",
+             "target.device=cuda", "decode.drafter=artifacts/tiny/drafter/sft", "work_dir={out}/adaptive",
+             "--prompts", "16", "--out", "{out}/static_adaptive.json"]],
              needs=[world_path, "artifacts/tiny/drafter/sft"]),
         Step("d2sd", 120, [["{py}", "benchmarks/d2sd_cost.py", "configs/tiny.yaml", "--prompts", "16", "--k", "4",
                             "target.device=cuda", "--out", "{out}/d2sd.json"]],

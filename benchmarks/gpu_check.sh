@@ -14,8 +14,8 @@
 #             timeout_s: 600
 #   3. the results come back under the call's files_at (gpu_check.json, one <step>.txt/.json per step).
 #
-# Without artifacts/tiny the world-dependent steps (adaptive, trees, d2sd, trt) are skipped and say so. DEADLINE overrides
-# the budget in seconds; ONLY=smoke,kernels runs a subset.
+# Without artifacts/tiny the world-dependent steps (adaptive, trees, static_adaptive, d2sd, trt) are skipped and say so.
+# DEADLINE overrides the budget in seconds; ONLY=smoke,kernels runs a subset.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 exec "${PYTHON:-python3}" benchmarks/gpu_check.py --out "${OUT:-artifacts/gpu}" --deadline "${DEADLINE:-540}" \
