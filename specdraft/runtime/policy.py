@@ -218,9 +218,9 @@ class AdaptivePolicy:
             # new requests are half the batch: they start from the acceptance drafted requests had on average, not
             # from the last rounds of the ones before them (with ``rows``, each request without its own does)
             self.accept = list(self.population)
-        plain = self._priced.target(b, 1) * self._scaled("plain", b)
+        plain = self._priced.target(b, 1) * self.measured_ratio("plain", b)
         margin = self.margin if self.width > 0 and paying else 0.0
-        scale = self._scaled("drafted", b)
+        scale = self.measured_ratio("drafted", b)
         # the requests' acceptance drifts with every round: bounded by the drift's end points, a round after a plain
         # one that cannot pay at the bound is decided without the exact rate (a plain round's decision stays a few
         # dict lookups; after a drafted round, which changed the acceptance, the exact rate is computed at once); the
@@ -284,7 +284,7 @@ class AdaptivePolicy:
         ceiling = st[6].get(self._context)  # by context: the acceptance, hence the ceiling's key, stands
         if ceiling is None:
             ceiling = st[6][self._context] = self._ceiling_rate(b, st[7])
-        plain_scale, drafted_scale = self._scaled("plain", b), self._scaled("drafted", b)
+        plain_scale, drafted_scale = self.measured_ratio("plain", b), self.measured_ratio("drafted", b)
         plain = self._priced.target(b, 1) * plain_scale
         if ceiling / drafted_scale >= b / plain:
             return False
@@ -334,8 +334,8 @@ class AdaptivePolicy:
                 verify = min(verify, plain + self._priced.target(m, width))
             self._extra_memo[key] = (self._priced.drafter(m) + verify, plain)
         drafted, plain = self._extra_memo[key]
-        plain_scale = self._scaled("plain", b) if plain_scale is None else plain_scale
-        drafted_scale = self._scaled("drafted", b) if drafted_scale is None else drafted_scale
+        plain_scale = self.measured_ratio("plain", b) if plain_scale is None else plain_scale
+        drafted_scale = self.measured_ratio("drafted", b) if drafted_scale is None else drafted_scale
         return max(drafted * drafted_scale - plain * plain_scale, 0.0)
 
     def _size(self, b: int) -> int:
@@ -344,7 +344,7 @@ class AdaptivePolicy:
             self._size_memo[b] = min(self.costs.rows, key=lambda r: abs(math.log(r / b)))
         return self._size_memo[b]
 
-    def _scaled(self, kind: str, b: int | None = None) -> float:
+    def measured_ratio(self, kind: str, b: int | None = None) -> float:
         """Measured / modelled seconds of ``kind`` rounds (``plain`` or ``drafted``) of about ``b`` rows: as measured
         at that size; a kind not measured at that size yet: its ratio over all sizes, times how the other kind runs at
         that size against its own ratio over all sizes; a kind not measured at all: as the other, or as modelled. A
@@ -392,7 +392,7 @@ class AdaptivePolicy:
         if drafting and self._exploring:
             self._credit -= flushed
             if self._charged is not None and self.measured:  # what it took over a plain round, not its price
-                plain = self._priced.target(b, 1) * self._scaled("plain", b)
+                plain = self._priced.target(b, 1) * self.measured_ratio("plain", b)
                 self._credit -= max(seconds - plain, 0.0) - self._charged
             self._charged = None
         if fed:  # fed to the drafting rows (a batch fed whole writes its entries in one pass: cheaper per entry)

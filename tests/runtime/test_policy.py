@@ -518,9 +518,9 @@ def test_measured_round_seconds_rescale_the_cost_model():
     policy.observe_seconds(8, 0, 0, 1.0)
     for _ in range(30):
         policy.observe_seconds(8, 8, 3, 3 * 1.4)
-    assert policy._scaled("drafted") == pytest.approx(3.0, rel=0.05) and not policy.draft_this_round(8)
+    assert policy.measured_ratio("drafted") == pytest.approx(3.0, rel=0.05) and not policy.draft_this_round(8)
     policy.observe_seconds(8, 0, 0, 100.0)  # a stall (another process, a collection) in one plain round
-    assert policy._scaled("plain") == pytest.approx(1.1)
+    assert policy.measured_ratio("plain") == pytest.approx(1.1)
     model_only = AdaptivePolicy(costs(per_token=0.1, drafter=0.1), accept=[0.5, 0.5, 0.5], width=3, measured=False)
     model_only.observe_seconds(8, 8, 3, 3 * 1.4)
     assert model_only.draft_this_round(8)
@@ -539,20 +539,21 @@ def test_round_seconds_rescale_the_cost_model_by_size():
         policy.observe_seconds(1, 0, 0, 1.0)
     for _ in range(30):
         policy.observe_seconds(1, 1, 3, 2 * 1.4)
-    assert policy._scaled("drafted", 1) == pytest.approx(2.0, rel=0.05)
-    assert policy._scaled("drafted", 64) == pytest.approx(1.0) and policy._scaled("plain", 1) == pytest.approx(1.0)
+    assert policy.measured_ratio("drafted", 1) == pytest.approx(2.0, rel=0.05)
+    assert policy.measured_ratio("drafted", 64) == pytest.approx(1.0)
+    assert policy.measured_ratio("plain", 1) == pytest.approx(1.0)
     assert not policy.draft_this_round(1) and policy.draft_this_round(64)
     # sizes between the measured row counts take the nearest one's (by ratio)
-    assert policy._scaled("drafted", 4) == policy._scaled("drafted", 1)
-    assert policy._scaled("drafted", 40) == policy._scaled("drafted", 64)
+    assert policy.measured_ratio("drafted", 4) == policy.measured_ratio("drafted", 1)
+    assert policy.measured_ratio("drafted", 40) == policy.measured_ratio("drafted", 64)
     # plain rounds of 64 rows measured at three times the model, drafted ones at 64 not yet: priced alike
     fresh = AdaptivePolicy(costs(per_token=0.1, drafter=0.1), accept=[0.5, 0.5, 0.5], width=3)
     fresh.observe_seconds(1, 0, 0, 1.0)
     fresh.observe_seconds(1, 1, 3, 1.4)
     fresh.observe_seconds(64, 0, 0, 3.0)
-    assert fresh._scaled("drafted", 64) == pytest.approx(fresh._scaled("drafted") * fresh._scale["plain", 64]
-                                                         / fresh._scale["plain"])
-    assert fresh._scaled("drafted", 64) > fresh._scaled("drafted", 1)
+    assert fresh.measured_ratio("drafted", 64) == pytest.approx(
+        fresh.measured_ratio("drafted") * fresh.measured_ratio("plain", 64) / fresh.measured_ratio("plain"))
+    assert fresh.measured_ratio("drafted", 64) > fresh.measured_ratio("drafted", 1)
 
 
 def test_drafted_rounds_priced_as_following_the_machines_drift_while_none_runs():
@@ -565,27 +566,27 @@ def test_drafted_rounds_priced_as_following_the_machines_drift_while_none_runs()
     for _ in range(3):
         policy.observe_seconds(8, 0, 0, 1.5 * c.target(8, 1))
         policy.observe_seconds(8, 8, 3, 1.5 * (c.drafter(8) + c.target(8, 4)))
-    assert policy._scaled("drafted", 8) == pytest.approx(1.5)
+    assert policy.measured_ratio("drafted", 8) == pytest.approx(1.5)
     for _ in range(100):
         policy.observe_seconds(8, 0, 0, 0.75 * c.target(8, 1))
-    assert policy._scaled("plain", 8) == pytest.approx(0.75, rel=1e-3)
-    assert policy._scaled("drafted", 8) == pytest.approx(0.75, rel=1e-3)
-    assert policy._scaled("drafted", 1) == pytest.approx(0.75, rel=1e-3)  # over all sizes too
+    assert policy.measured_ratio("plain", 8) == pytest.approx(0.75, rel=1e-3)
+    assert policy.measured_ratio("drafted", 8) == pytest.approx(0.75, rel=1e-3)
+    assert policy.measured_ratio("drafted", 1) == pytest.approx(0.75, rel=1e-3)  # over all sizes too
     policy.accept = [0.8] * 3
     frozen = deepcopy(policy)
     frozen._anchor.clear()
-    assert frozen._scaled("drafted", 8) == pytest.approx(1.5) and not frozen.draft_this_round(8)
+    assert frozen.measured_ratio("drafted", 8) == pytest.approx(1.5) and not frozen.draft_this_round(8)
     assert policy.draft_this_round(8)
     policy.observe_seconds(8, 8, 3, 0.9 * (c.drafter(8) + c.target(8, 4)))  # measured again: from where it was
-    assert policy._scaled("drafted", 8) == pytest.approx(0.75 + 0.1 * (0.9 - 0.75), rel=1e-3)
+    assert policy.measured_ratio("drafted", 8) == pytest.approx(0.75 + 0.1 * (0.9 - 0.75), rel=1e-3)
     early = AdaptivePolicy(costs(per_token=0.3, drafter=0.3))  # drafted rounds measured before any plain one
     early.observe_seconds(8, 8, 3, 1.5 * (c.drafter(8) + c.target(8, 4)))
     for _ in range(100):
         early.observe_seconds(8, 0, 0, 0.75 * c.target(8, 1))  # the first plain ratio is 0.75: nothing drifted yet
-    assert early._scaled("drafted", 8) == pytest.approx(1.5 * early._scaled("plain", 8) / 0.75, rel=1e-3)
+    assert early.measured_ratio("drafted", 8) == pytest.approx(1.5 * early.measured_ratio("plain", 8) / 0.75, rel=1e-3)
     early.observe_seconds(8, 0, 0, 1.5 * c.target(8, 1))  # the machine slows
-    assert early._scaled("drafted", 8) == pytest.approx(1.5 * early._scaled("plain", 8) / 0.75, rel=1e-3)
-    assert early._scaled("drafted", 8) > 1.6
+    assert early.measured_ratio("drafted", 8) == pytest.approx(1.5 * early.measured_ratio("plain", 8) / 0.75, rel=1e-3)
+    assert early.measured_ratio("drafted", 8) > 1.6
 
 
 def test_the_policy_learns_from_the_drafts_rows_committed():

@@ -58,7 +58,7 @@ def test_plain_passes_are_priced_at_the_rows_context_not_from_the_drafted_rounds
         policy.observe_seconds(8, 8, 2, DRAFTER_S + true.target(8, 3))
     assert policy.draft_this_round(8) is (len(contexts) == 1)
     if len(contexts) == 2:
-        assert policy._scaled("drafted", 8) == pytest.approx(1.0)
+        assert policy.measured_ratio("drafted", 8) == pytest.approx(1.0)
         policy.at_context(256)
         assert policy.draft_this_round(8)
         fresh = AdaptivePolicy(measured_at(*contexts), accept=[0.5, 0.5, 0.5], width=2)
@@ -185,7 +185,7 @@ def test_an_exploring_rounds_seconds_rescale_nothing():
     policy.observe_seconds(32, 4, 2, 99.0, flushed=0.01, fed=100)
     assert policy._scale == {} and policy._catch_up[1] == pytest.approx(1e-4)
     policy.observe_seconds(32, 32, 2, 1.5)  # as modelled
-    assert policy._scaled("drafted", 32) == pytest.approx(1.0)
+    assert policy.measured_ratio("drafted", 32) == pytest.approx(1.0)
 
 
 def costs_of(per_token: float) -> CostModel:
