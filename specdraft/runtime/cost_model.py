@@ -141,7 +141,7 @@ def _measure_at(target, drafter, rows, tokens, context: int, repeats: int,
         out = target(ctx, cache=cache, feature_layers=drafter.target_layer_ids)
         cache.crop(torch.full((b,), context, device=dev))
         lens = torch.full((b,), context, device=dev)
-        dcache = drafter.new_cache(b, context + 2 * (K + 2))
+        dcache = drafter.new_cache(b, context + 2 * (K + 2) + 1)
         drafter.ingest(dcache, out.features, lens)
         row = []
         for t in tokens:
@@ -153,15 +153,19 @@ def _measure_at(target, drafter, rows, tokens, context: int, repeats: int,
 
             row.append(timed(verify))
         target_s.append(row)
-        feats = target(ctx[:, :K + 1], cache=None, feature_layers=drafter.target_layer_ids).features
+        verified = target(ctx[:, :K + 1], cache=None, feature_layers=drafter.target_layer_ids)  # [b, K + 1, *]
+        feats, one = verified.features, torch.ones(b, dtype=torch.long, device=dev)
+        carried = [None]  # a drafter's cross-round state (ReTrace's prior: a round rejected at its first draft)
 
         def draft_round():
             blk = torch.full((b, K + 1), drafter.config.mask_token_id, dtype=torch.long, device=dev)
             blk[:, 0] = ctx[:, -1]
-            hidden = drafter.draft_hidden(dcache, drafter.block_embeds(blk, None))
-            drafter.logits(hidden[:, 1:]).argmax(-1)
-            drafter.ingest(dcache, feats, torch.ones(b, dtype=torch.long, device=dev))  # room: repeats + 1 tokens
+            hidden = drafter.draft_hidden(dcache, drafter.block_embeds(blk, carried[0]))  # [b, K + 1, D]
+            drafts = drafter.logits(hidden[:, 1:]).argmax(-1)  # [b, K]
+            fused = drafter.ingest(dcache, feats, one)  # room: repeats + 2 tokens
+            carried[0] = drafter.next_round_state(None, hidden, drafts, one - 1, verified.logits, fused)
 
+        draft_round()  # the state a drafted round carries into the next, timed from there
         drafter_s.append(timed(draft_round))
         if not catch_ups:
             continue

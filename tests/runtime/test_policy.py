@@ -15,7 +15,7 @@ from specdraft.runtime.calibration import Calibration
 from specdraft.runtime.cost_model import CostModel, measure_costs
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.policy import AdaptivePolicy, expected_committed
-from tests.helpers import bigram_oracle, make_drafter, make_target
+from tests.helpers import bigram_oracle, make_drafter, make_target, retrace_from
 from tests.lossless import (
     RAGGED_CAPS,
     RAGGED_PROMPTS,
@@ -832,6 +832,20 @@ def test_measured_costs_grow_with_rows_and_tokens():
     model = measure_costs(target, drafter, rows=(1, 4), tokens=(1, 5), context=32, repeats=1)
     assert model.tokens == [1, 5] and len(model.target_s) == 2 and all(s > 0 for s in model.drafter_s)
     assert model.target(2, 3) > 0 and model.drafter(2) > 0
+
+
+def test_a_retrace_drafters_round_is_timed_with_the_prior_a_round_carries():
+    """ReTrace's drafted round fuses the prior the round before carried and builds the next: both are in its price
+    (a round rejected at its first draft carries the longest prior)."""
+    target = make_target(seed=0, vocab=64)
+    drafter = retrace_from(make_drafter(target, block_size=5), active=True)
+    priors = []
+    embeds = drafter.block_embeds
+    drafter.block_embeds = lambda blk, state, **kw: priors.append(state) or embeds(blk, state, **kw)
+    model = measure_costs(target, drafter, rows=(1, 4), tokens=(1, 5), context=32, repeats=1, short_context=0)
+    assert all(s > 0 for s in model.drafter_s)
+    carried = [p for p in priors if p is not None]
+    assert len(carried) == len(priors) - 2 and all(bool(p.valid[:, 1:].all()) for p in carried)  # but the first
 
 
 @torch.inference_mode()
