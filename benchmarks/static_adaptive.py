@@ -1,6 +1,8 @@
 """The adaptive policy on the static path: AR, fixed DFlash and adaptive DFlash, all three through
 :class:`~specdraft.runtime.static_decode.StaticEngine` (CUDA graphs on a GPU, the same static rounds eagerly on a CPU),
-on the same held-out prompts batch by batch, the order of the three rotating from batch to batch. Reports per suite
+on the same held-out prompts batch by batch, the order of the three rotating from batch to batch, after one untimed
+batch each (caches sized, first-call costs paid; the adaptive policy starts each suite from the cached one and learns
+through the untimed batch as a job's first batch would). Reports per suite
 and temperature each one's τ and tokens/s, the two drafted ones' tokens/s over AR's, the adaptive job's share of
 plain rounds, and at T=0 how many requests' tokens differ from AR's (none should).
 
@@ -77,7 +79,11 @@ def compare(target, drafter, policies: dict[float, AdaptivePolicy], suites: dict
             fresh = replace(policy, whole_rounds=True)  # each suite's policy starts from the cached one
             engines = {"ar": (StaticEngine(target, None, batch_size, argmax_heads=greedy), None),
                        "fixed": (StaticEngine(target, drafter, batch_size, argmax_heads=greedy), None),
-                       "adaptive": (StaticEngine(target, drafter, batch_size, policy=fresh), fresh)}
+                       "adaptive": (StaticEngine(target, drafter, batch_size, argmax_heads=greedy, policy=fresh),
+                                    fresh)}
+            for engine, p in engines.values():  # untimed: caches sized, first-call costs paid
+                engine(target, prompts[:batch_size], gen, drafter=engine.drafter,
+                       generator=torch.Generator(device=dev).manual_seed(seed), policy=p)
             acc = {e: {"tokens": 0, "emitted": 0, "rounds": 0, "plain": 0, "seconds": 0.0, "rows": []}
                    for e in engines}
             for turn, i in enumerate(range(0, len(prompts), batch_size)):

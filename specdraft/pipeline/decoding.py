@@ -59,10 +59,8 @@ def build_decoding(cfg: RunConfig, world, drafter_dir: Path | None, tokenizer, d
                                  (d.batch_size,), log, gen.sampling, d.draft_sampling)
         # a tree round is drafted whole, by every row; the static path drafts every row's whole block too
         policy.whole_rounds = tree is not None or d.cuda_graphs
-    # greedy static jobs take tokens from the fused LM-head argmax, except where logits are read: ReTrace's prior, and
-    # the policy's confidence in a chain's drafts (a tree's first draft keeps its logits)
-    heads = d.temperature == 0 and d.method != "retrace" and (policy is None or tree is not None)
-    engine = StaticEngine(target, drafter, d.batch_size, tree=tree, argmax_heads=heads, policy=policy) \
+    heads = d.temperature == 0 and d.method != "retrace"  # greedy: the fused argmax (ReTrace's prior reads logits)
+    engine = StaticEngine(target, drafter, d.batch_size, tree=tree, policy=policy, argmax_heads=heads) \
         if d.cuda_graphs else None
     return Decoding(target, gen, d.batch_size, drafter, generator, tree, engine, policy, d.batching,
                     d.prefill_chunk or None)

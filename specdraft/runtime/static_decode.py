@@ -181,7 +181,8 @@ class StaticDecoder:
         graphs: capture CUDA graphs (default: when the target is on CUDA); otherwise the static rounds run eagerly.
         argmax_heads: greedy decoding only: the verify step (and a chain's draft step) returns greedy tokens from the
             fused LM-head argmax (:func:`~specdraft.kernels.lm_head_argmax.lm_head_argmax`) and never materialises
-            logits (a tree's first draft keeps its logits: its confidences place the branches).
+            logits (a tree's first draft keeps its logits: its confidences place the branches; so does a chain's
+            under a policy, which reads them).
         tree: tree rounds, verified at the tree's fixed node budget: D²SD's (a stateless second drafter, with or
             without one-pass siblings) or one-pass (a fixed budget).
         policy: an :class:`AdaptivePolicy` pricing whole rounds (``whole_rounds``) choosing, each round, between a
@@ -201,9 +202,6 @@ class StaticDecoder:
             if not policy.whole_rounds:
                 raise ValueError("the static path verifies whole blocks and trees: the policy must price its rounds "
                                  "so (whole_rounds=True)")
-            if argmax_heads and tree is None:
-                raise ValueError("an adaptive policy reads the drafter's confidence in its drafts, which argmax "
-                                 "heads do not return: argmax_heads=False")
         if tree is not None:
             if isinstance(tree, OnePassDrafting) and tree.budget is not None:
                 raise ValueError("the static path verifies a fixed node budget per bucket; a measured budget runs on "
@@ -227,6 +225,9 @@ class StaticDecoder:
             raise ValueError("a ReTrace drafter's prior reads the verify logits and has no meaning in a tree: "
                              "argmax_heads=False, no tree")
         self.argmax_heads = argmax_heads
+        # a tree's first draft keeps its logits (its confidences place the branches), and so does a chain's under a
+        # policy (it reads the drafter's confidence in its drafts); the target's passes still take the argmax heads
+        self.draft_heads = argmax_heads and tree is None and policy is None
         self.feature_layers = drafter.target_layer_ids if drafter is not None else ()
         self.tcache = target.new_cache(max_batch, max_len)
         self.dcache = drafter.new_cache(max_batch, max_len) if drafter is not None else None
@@ -267,7 +268,7 @@ class StaticDecoder:
         dcache = _rows(self.dcache, n) if self.dcache is not None else None
         scache = _rows(self.scache, n) if self.scache is not None else dcache
         drafter, target, second = self.drafter, self.target, tree.second if tree is not None else None
-        draft_heads = self.argmax_heads and tree is None  # a tree's first draft needs its confidences
+        draft_heads = self.draft_heads
         if self.stateful:
             bk.prior = drafter.empty_prior(n)
         if tree is not None:
@@ -358,17 +359,18 @@ class StaticDecoder:
         params, draft_logits, draft_probs, hidden = config.sampling, None, None, None
         if self.drafter is None:
             draft_tokens = bk.anchor.new_zeros(bk.n, 0)
-        elif self.argmax_heads:
+        elif self.draft_heads:
             draft_tokens = bk.draft()[0].clone()  # a graph output: the next replay overwrites it
         else:
             draft_logits, *rest = bk.draft()  # ReTrace's draft step returns the block's hidden states too
             hidden = rest[0] if rest else None
             draft_tokens, draft_probs = propose(draft_logits, params, config.draft_sampling, generator)
+        confidence = draft_confidence(draft_logits, draft_tokens, draft_probs) if self.policy is not None else None
         bk.verify_tokens.copy_(torch.cat([bk.anchor[:, None], draft_tokens], dim=1))
         (verified,) = bk.verify()
         if self.argmax_heads:
-            return _Round(draft_tokens, None, *accept_greedy_tokens(draft_tokens, verified), None)
-        confidence = draft_confidence(draft_logits, draft_tokens, draft_probs) if self.policy is not None else None
+            return _Round(draft_tokens, None, *accept_greedy_tokens(draft_tokens, verified), None,
+                          confidence=confidence)
         return _Round(draft_tokens, draft_logits, *verify_round(draft_tokens, draft_probs, verified, params,
                                                                 generator), verified, hidden=hidden,
                       confidence=confidence)

@@ -43,13 +43,14 @@ def pattern() -> Pattern:
     return Pattern(costs(0.0), whole_rounds=True, measured=False)
 
 
-def static_engine(policy_factory, buckets=(1, 2, 4, 8, 16), seen: list | None = None):
+def static_engine(policy_factory, buckets=(1, 2, 4, 8, 16), seen: list | None = None, heads: bool = False):
     """An engine with :func:`generate`'s signature decoding through a fresh :class:`StaticEngine` and a fresh policy
-    per call (as each decode job builds one); ``seen`` collects every row's drafts verified per round."""
+    per call (as each decode job builds one); ``seen`` collects every row's drafts verified per round; ``heads``: the
+    target's passes take the fused argmax (greedy jobs)."""
     def engine(target, prompts, gen, drafter=None, generator=None, tree=None, observer=None):
         policy = policy_factory()
         static = StaticEngine(target, drafter, max(len(prompts), max(buckets)), graphs=False, buckets=buckets,
-                              tree=tree, policy=policy)
+                              tree=tree, policy=policy, argmax_heads=heads)
         results = static(target, prompts, gen, drafter=drafter, generator=generator, tree=tree, observer=observer,
                          policy=policy)
         if seen is not None:
@@ -69,14 +70,16 @@ def _trees(target, block_size: int):
     return {"chain": None, "one_pass": OnePassDrafting(8), "d2sd": TreeDrafting(second, 1)}
 
 
+@pytest.mark.parametrize("heads", [False, True], ids=["logits", "argmax-heads"])
 @pytest.mark.parametrize("kind", ["chain", "one_pass", "d2sd"])
-def test_the_shared_greedy_harness_passes_with_a_policy_that_always_drafts(kind):
-    """Free verification: every round drafts whole; the harness's ragged batch, single rows and stop token."""
+def test_the_shared_greedy_harness_passes_with_a_policy_that_always_drafts(kind, heads):
+    """Free verification: every round drafts whole; the harness's ragged batch, single rows and stop token; with the
+    fused argmax heads the draft keeps its logits (the policy reads the drafter's confidence)."""
     target, oracle = bigram_oracle(2, runner_up=True)
     tree = _trees(target, oracle.block_size)[kind]
     seen = []
-    got = check_greedy(target, lambda p: (oracle, tree), PROMPTS, CAPS, engine=static_engine(lambda: whole(0.0),
-                                                                                             seen=seen))
+    got = check_greedy(target, lambda p: (oracle, tree), PROMPTS, CAPS,
+                       engine=static_engine(lambda: whole(0.0), seen=seen, heads=heads))
     assert got["mismatches"] == 0 and got["partial"] + got["full"] > 0, got
     assert set(seen) == {3}
 
@@ -140,8 +143,6 @@ def test_refusals_name_the_problem():
     target, oracle = bigram_oracle(2)
     with pytest.raises(ValueError, match="whole_rounds"):
         StaticDecoder(target, oracle, 4, 64, policy=AdaptivePolicy(costs(0.0)))
-    with pytest.raises(ValueError, match="argmax_heads=False"):
-        StaticDecoder(target, oracle, 4, 64, argmax_heads=True, policy=whole(0.0))
     with pytest.raises(ValueError, match="needs a drafter"):
         StaticDecoder(target, None, 4, 64, policy=whole(0.0))
     engine = StaticEngine(target, oracle, 4, graphs=False, policy=whole(0.0))
