@@ -12,15 +12,13 @@ plain rounds, and at T=0 how many requests' tokens differ from AR's (none should
 
 from __future__ import annotations
 
-import argparse
 import time
 from dataclasses import replace
 
 import torch
 
-from specdraft.pipeline.bench import suite_prompts
 from specdraft.pipeline.config import load_config
-from specdraft.pipeline.measure import config_models, write_report
+from specdraft.pipeline.measure import Tally, config_models, held_out_suites, suite_parser, write_report
 from specdraft.pipeline.policy import adaptive_policy, heldin_prompts
 from specdraft.pipeline.tokenizer import stop_token_ids
 from specdraft.runtime.decode import GenerationConfig
@@ -30,24 +28,14 @@ from specdraft.runtime.static_decode import StaticEngine
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("config")
-    ap.add_argument("--prompts", type=int, default=16, help="held-out prompts per suite")
-    ap.add_argument("--suites", default="math,code,dialogue")
-    ap.add_argument("--temperatures", default="0,1")
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="")
-    args, overrides = ap.parse_known_args(argv)
+    args, overrides = suite_parser(__doc__.splitlines()[0]).parse_known_args(argv)
     cfg = load_config(args.config, overrides)
     job = config_models(cfg)
-    world, target, tok, drafter = job.world, job.target, job.tokenizer, job.drafter
+    target, tok, drafter = job.target, job.tokenizer, job.drafter
     stops = stop_token_ids(tok)
     drafter_dir = cfg.decode.drafter or cfg.drafter_dir(cfg.train.export)
-    heldin = heldin_prompts(world, tok, cfg.data.enable_thinking)
-    suites = {suite: suite_prompts(world, suite, args.prompts, tok, cfg.data.enable_thinking,
-                                   target.args.max_position_embeddings) for suite in args.suites.split(",")}
+    heldin = heldin_prompts(job.world, tok, cfg.data.enable_thinking)
+    suites = held_out_suites(cfg, job, args.suites, args.prompts)
     temperatures = [float(t) for t in args.temperatures.split(",")]
     policies = {}
     for temperature in temperatures:
@@ -84,8 +72,7 @@ def compare(target, drafter, policies: dict[float, AdaptivePolicy], suites: dict
             for engine, p in engines.values():  # untimed: caches sized, first-call costs paid
                 engine(target, prompts[:batch_size], gen, drafter=engine.drafter,
                        generator=torch.Generator(device=dev).manual_seed(seed), policy=p)
-            acc = {e: {"tokens": 0, "emitted": 0, "rounds": 0, "plain": 0, "seconds": 0.0, "rows": []}
-                   for e in engines}
+            tally = {e: Tally() for e in engines}
             for turn, i in enumerate(range(0, len(prompts), batch_size)):
                 for e in list(engines)[turn % 3:] + list(engines)[:turn % 3]:  # the order rotates
                     engine, p = engines[e]
@@ -93,21 +80,15 @@ def compare(target, drafter, policies: dict[float, AdaptivePolicy], suites: dict
                     t0 = time.perf_counter()
                     res = engine(target, prompts[i:i + batch_size], gen, drafter=engine.drafter, generator=g,
                                  policy=p)
-                    a = acc[e]
-                    a["seconds"] += time.perf_counter() - t0
-                    a["tokens"] += sum(len(r.tokens) for r in res)
-                    a["rounds"] += sum(len(r.accept_lengths) for r in res)
-                    a["emitted"] += sum(sum(r.accept_lengths) for r in res)
-                    a["plain"] += sum(v == 0 for r in res for v in r.verified) if p is not None else 0
-                    a["rows"] += [r.tokens for r in res]
+                    tally[e].add(res, time.perf_counter() - t0)
             cell = {"suite": suite, "temperature": temperature,
-                    **{f"{e}_tau": a["emitted"] / max(a["rounds"], 1) for e, a in acc.items() if e != "ar"},
-                    **{f"{e}_tokens_per_s": a["tokens"] / a["seconds"] for e, a in acc.items()},
-                    "adaptive_plain_share": acc["adaptive"]["plain"] / max(acc["adaptive"]["rounds"], 1)}
+                    **{f"{e}_tau": t.tau for e, t in tally.items() if e != "ar"},
+                    **{f"{e}_tokens_per_s": t.tokens_per_s for e, t in tally.items()},
+                    "adaptive_plain_share": tally["adaptive"].plain / max(tally["adaptive"].rounds, 1)}
             for e in ("fixed", "adaptive"):
                 cell[f"{e}_over_ar"] = cell[f"{e}_tokens_per_s"] / cell["ar_tokens_per_s"]
             if greedy:
-                cell["differing_requests"] = sum(sum(x != y for x, y in zip(acc[e]["rows"], acc["ar"]["rows"]))
+                cell["differing_requests"] = sum(sum(x[0] != y[0] for x, y in zip(tally[e].rows, tally["ar"].rows))
                                                  for e in ("fixed", "adaptive"))
             cells.append(cell)
             print(" ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in cell.items()),

@@ -10,15 +10,13 @@ static rounds run eagerly, so there the tokens/s ratio is the static bookkeeping
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import time
 
 import torch
 
-from specdraft.pipeline.bench import suite_prompts
 from specdraft.pipeline.config import load_config
-from specdraft.pipeline.measure import config_models, write_report
+from specdraft.pipeline.measure import Tally, config_models, held_out_suites, suite_parser, write_report
 from specdraft.pipeline.tokenizer import stop_token_ids
 from specdraft.pipeline.trees import one_pass_drafting, tree_drafting
 from specdraft.runtime.decode import GenerationConfig, generate
@@ -27,28 +25,19 @@ from specdraft.runtime.static_decode import StaticEngine
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("config")
-    ap.add_argument("--prompts", type=int, default=16, help="held-out prompts per suite")
-    ap.add_argument("--suites", default="math,code,dialogue")
-    ap.add_argument("--temperatures", default="0,1")
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap = suite_parser(__doc__.splitlines()[0])
     ap.add_argument("--k", type=int, default=2, help="D²SD branches")
     ap.add_argument("--siblings", type=int, default=16, help="one-pass siblings in the merged tree")
     ap.add_argument("--nodes", type=int, default=24, help="the one-pass tree's node budget")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="")
     args, overrides = ap.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
     job = config_models(cfg)
-    world, target, tok, first = job.world, job.target, job.tokenizer, job.drafter
+    target, tok, first = job.target, job.tokenizer, job.drafter
     d2sd = tree_drafting(cfg, target, first, args.k)
     trees = {"dflash": None, f"d2sd{args.k}": d2sd,
              f"d2sd{args.k}+{args.siblings}": dataclasses.replace(d2sd, siblings=args.siblings),
              f"ddtree{args.nodes}": one_pass_drafting(cfg, first, args.nodes, "fixed")}
-    suites = {suite: suite_prompts(world, suite, args.prompts, tok, cfg.data.enable_thinking,
-                                   target.args.max_position_embeddings) for suite in args.suites.split(",")}
+    suites = held_out_suites(cfg, job, args.suites, args.prompts)
     report = {"config": args.config, "device": str(target.lm_head.weight.device), "prompts": args.prompts,
               "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
               **compare(target, first, trees, suites, [float(t) for t in args.temperatures.split(",")],
@@ -70,26 +59,20 @@ def compare(target, first, trees: dict, suites: dict[str, list[list[int]]], temp
                                    sampling=SamplingParams(temperature))
             for method, tree in trees.items():
                 engines = {"eager": generate, "static": static[method]}
-                acc = {e: {"tokens": 0, "emitted": 0, "rounds": 0, "seconds": 0.0, "rows": []} for e in engines}
+                tally = {e: Tally() for e in engines}
                 for turn, i in enumerate(range(0, len(prompts), batch_size)):
                     for e in (list(engines) if turn % 2 else list(engines)[::-1]):
                         g = torch.Generator(device=dev).manual_seed(seed + turn)
                         t0 = time.perf_counter()
                         res = engines[e](target, prompts[i:i + batch_size], gen, drafter=first, generator=g,
                                          tree=tree)
-                        a = acc[e]
-                        a["seconds"] += time.perf_counter() - t0
-                        a["tokens"] += sum(len(r.tokens) for r in res)
-                        a["rounds"] += sum(len(r.accept_lengths) for r in res)
-                        a["emitted"] += sum(sum(r.accept_lengths) for r in res)
-                        a["rows"] += [(r.tokens, r.accept_lengths) for r in res]
+                        tally[e].add(res, time.perf_counter() - t0)
                 cell = {"suite": suite, "temperature": temperature, "method": method,
-                        **{f"{e}_tau": a["emitted"] / max(a["rounds"], 1) for e, a in acc.items()},
-                        **{f"{e}_tokens_per_s": a["tokens"] / a["seconds"] for e, a in acc.items()}}
+                        **{f"{e}_tau": t.tau for e, t in tally.items()},
+                        **{f"{e}_tokens_per_s": t.tokens_per_s for e, t in tally.items()}}
                 cell["static_over_eager"] = cell["static_tokens_per_s"] / cell["eager_tokens_per_s"]
                 if temperature == 0:
-                    cell["differing_requests"] = sum(x != y for x, y in zip(acc["eager"]["rows"],
-                                                                           acc["static"]["rows"]))
+                    cell["differing_requests"] = sum(x != y for x, y in zip(tally["eager"].rows, tally["static"].rows))
                 cells.append(cell)
                 print(" ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in cell.items()),
                       flush=True)

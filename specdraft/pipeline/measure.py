@@ -3,10 +3,11 @@ suite job loaded from a world, and the ReTrace fusion's cost per round."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -125,6 +126,58 @@ def config_models(cfg) -> ConfigModels:
     tokenizer = AutoTokenizer.from_pretrained(str(world.target_dir), trust_remote_code=False)
     drafter = load_drafter(cfg.decode.drafter or cfg.drafter_dir(cfg.train.export), target)
     return ConfigModels(world, target, tokenizer, drafter)
+
+
+@dataclass
+class Tally:
+    """Decode results summed over batches: tokens, verify rounds, tokens those rounds emitted, plain rounds (an
+    adaptive policy's), wall seconds, and each request's tokens and accept lengths."""
+
+    tokens: int = 0
+    rounds: int = 0
+    emitted: int = 0
+    plain: int = 0
+    seconds: float = 0.0
+    rows: list = field(default_factory=list)
+
+    def add(self, results, seconds: float) -> None:
+        self.seconds += seconds
+        self.tokens += sum(len(r.tokens) for r in results)
+        self.rounds += sum(len(r.accept_lengths) for r in results)
+        self.emitted += sum(sum(r.accept_lengths) for r in results)
+        self.plain += sum(v == 0 for r in results for v in r.verified)
+        self.rows += [(r.tokens, r.accept_lengths) for r in results]
+
+    @property
+    def tau(self) -> float:
+        return self.emitted / max(self.rounds, 1)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+def suite_parser(description: str) -> argparse.ArgumentParser:
+    """The arguments every benchmark over a config's held-out suites takes (``key=value`` overrides of the config
+    follow them): the config, prompts per suite, suites, temperatures, batch size, new tokens, seed and ``--out``."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("config")
+    ap.add_argument("--prompts", type=int, default=16, help="held-out prompts per suite")
+    ap.add_argument("--suites", default="math,code,dialogue")
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="")
+    return ap
+
+
+def held_out_suites(cfg, job: ConfigModels, suites: str, prompts: int) -> dict[str, list[list[int]]]:
+    """The first ``prompts`` held-out prompts of each of the comma-separated ``suites``, encoded for the target."""
+    from specdraft.pipeline.bench import suite_prompts  # noqa: PLC0415
+
+    return {suite: suite_prompts(job.world, suite, prompts, job.tokenizer, cfg.data.enable_thinking,
+                                 job.target.args.max_position_embeddings) for suite in suites.split(",")}
 
 
 def fusion_overhead_ms(drafter, retrace, target, bs: int, mask_token_id: int, n_steps: int = 100,
