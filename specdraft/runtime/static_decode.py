@@ -525,7 +525,8 @@ class StaticDecoder:
         opening = set(fresh)  # requests whose next round is their first (the policy prices it apart)
         while not all(done[r] for r in slots):
             live = [i for i, r in enumerate(slots) if not done[r]]
-            if self.bucket_for(len(live)) < n:  # the active rows fit a smaller bucket: move them to the front
+            moved = self.bucket_for(len(live)) < n
+            if moved:  # the active rows fit a smaller bucket: move them to the front
                 self._compact(live)
                 if self.stateful:
                     at = torch.tensor(live, device=dev)
@@ -541,6 +542,8 @@ class StaticDecoder:
             bk.anchor.zero_()
             bk.anchor[:len(slots)] = anchor
             ids = [slots[i] for i in live]  # the round's requests
+            if policy is not None and moved and dev.type == "cuda":
+                torch.cuda.synchronize()  # the compaction's copies are not the round's seconds
             drafted, started = True, time.perf_counter()  # (after the last round's host sync)
             if policy is not None:
                 policy.before_round(*requests.progress(ids))  # priced at the rows' context and what they have left

@@ -117,11 +117,13 @@ def test_cuda_graph_retrace_rounds_are_the_eager_static_rounds():
     assert counts["differing_rows"] == 0 and counts["accepted"] > 0, counts
 
 
-@pytest.mark.parametrize("kind", ["dflash", "retrace", "one_pass", "d2sd"])
-def test_cuda_graph_adaptive_rounds_are_the_eager_static_rounds(kind):
+@pytest.mark.parametrize(("kind", "heads"), [("dflash", False), ("dflash", True), ("retrace", False),
+                                             ("one_pass", False), ("one_pass", True), ("d2sd", True)])
+def test_cuda_graph_adaptive_rounds_are_the_eager_static_rounds(kind, heads):
     """The adaptive policy on the CUDA-graph path, a fixed pattern of drafted and plain rounds: the plain rounds'
     verify and commit replay as graphs of their own (their own memory pool) between the drafted rounds' graphs, and
-    every round equals the same static rounds run eagerly."""
+    every round equals the same static rounds run eagerly; with the fused argmax heads greedy jobs take (the draft
+    keeping its logits for the policy) too."""
     prompts = [[1, 2, 3], [5, 4, 3, 2, 1, 0], [4], [2, 2], [3, 1, 4, 1, 5], [0], [1, 1, 1, 3], [1, 0], [5, 5, 1]]
     caps = [10, 25, 17, 30, 8, 21, 14, 19, 12]
     target = make_target(seed=7, vocab=6, std=1.0).cuda()
@@ -130,7 +132,8 @@ def test_cuda_graph_adaptive_rounds_are_the_eager_static_rounds(kind):
     first = (retrace_from(first, active=True) if kind == "retrace" else first).cuda().bind_target(*bind)
     second = convert_drafter(make_drafter(target, seed=5, block_size=5, std=0.3), "vp").cuda().bind_target(*bind)
     tree = {"one_pass": OnePassDrafting(12), "d2sd": TreeDrafting(second, 2)}.get(kind)
-    graphed, eager = (StaticEngine(target, first, 16, graphs=g, tree=tree, policy=pattern()) for g in (True, False))
+    graphed, eager = (StaticEngine(target, first, 16, graphs=g, tree=tree, policy=pattern(), argmax_heads=heads)
+                      for g in (True, False))
 
     def engine(static):
         return lambda *args, **kwargs: static(*args, **kwargs, policy=static.policy)

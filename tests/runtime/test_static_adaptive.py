@@ -26,9 +26,9 @@ def whole(per_token: float, K: int = 3, **kwargs) -> AdaptivePolicy:
 
 
 class Pattern(AdaptivePolicy):
-    """Drafts every row in rounds 1, 4, 7, ... of a call and decodes plainly in the others; a drafted chain round
-    verifies the whole block. The kinds of round are fixed, not priced, so two engines can be compared round for
-    round."""
+    """Drafts every row in rounds 1, 4, 7, ... of the policy's life and decodes plainly in the others; a drafted chain
+    round verifies the whole block. The kinds of round are fixed, not priced, so two engines given the same calls can
+    be compared round for round."""
 
     def draft_rows(self, b, fresh=0, rows=None, opening=()):
         self.calls = getattr(self, "calls", 0) + 1
@@ -84,18 +84,20 @@ def test_the_shared_greedy_harness_passes_with_a_policy_that_always_drafts(kind,
     assert set(seen) == {3}
 
 
+@pytest.mark.parametrize("heads", [False, True], ids=["logits", "argmax-heads"])
 @pytest.mark.parametrize("kind", ["chain", "one_pass", "d2sd"])
 @pytest.mark.parametrize("per_token", [0.6, 5.0], ids=["pays", "never-pays"])
-def test_greedy_output_is_the_targets_where_drafting_pays_and_where_it_does_not(kind, per_token):
+def test_greedy_output_is_the_targets_where_drafting_pays_and_where_it_does_not(kind, per_token, heads):
     """Where the oracle's two right drafts a round pay for the verify, every round drafts; where they cannot, rounds
     are plain but for the first and the retries. Rows finish and move to smaller buckets, a stop token ends some
-    inside a round."""
+    inside a round; with the fused argmax heads too (greedy jobs' default)."""
     target, oracle = bigram_oracle(2, runner_up=True)
     tree = _trees(target, oracle.block_size)[kind]
     verified, accepted = [], []
     for stop in ((3,), ()):
         gen = GenerationConfig(max_new_tokens=CAPS, stop_token_ids=stop)
-        got = static_engine(lambda: whole(per_token, retry_every=2))(target, PROMPTS, gen, drafter=oracle, tree=tree)
+        got = static_engine(lambda: whole(per_token, retry_every=2), heads=heads)(target, PROMPTS, gen,
+                                                                                   drafter=oracle, tree=tree)
         assert [r.tokens for r in got] == [r.tokens for r in generate(target, PROMPTS, gen)]
         for r in got:
             assert len(r.verified) == len(r.accept_lengths) == len(r.accepted)
@@ -125,6 +127,51 @@ def test_drafted_and_plain_rounds_draft_what_the_eager_engines_adaptive_rounds_d
     counts = check_conformance((target, lambda p: (first, tree), static_engine(pattern)),
                                (target, lambda p: (first, tree), eager_engine(pattern)), PROMPTS, CAPS)
     assert counts["differing_rows"] == 0 and counts["accepted"] > 0, counts
+
+
+class Recording(AdaptivePolicy):
+    """A policy on a synthetic machine that records what each engine tells it (rows as sets: the engines order their
+    rows differently), and decides as the policy does."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.calls = []
+
+    def before_round(self, context, remaining=0, deferred=0):
+        self.calls.append(("before_round", round(context, 6), remaining))  # deferred: the eager engine's backlog
+        super().before_round(context, remaining, deferred)
+
+    def draft_rows(self, b, fresh=0, rows=None, opening=()):
+        m = super().draft_rows(b, fresh, rows, opening)
+        self.calls.append(("draft_rows", b, fresh, frozenset(rows), frozenset(opening), m))
+        return m
+
+    def observe(self, num_accepted, rows=None, opening=()):
+        self.calls.append(("observe", frozenset(zip(rows, num_accepted.tolist())), frozenset(opening)))
+        super().observe(num_accepted, rows, opening)
+
+    def observe_seconds(self, b, drafting, width, seconds, flushed=0.0, fed=0):
+        self.calls.append(("observe_seconds", b, drafting, width))
+        super().observe_seconds(b, drafting, width, seconds, flushed, fed)
+
+
+@pytest.mark.parametrize("per_token", [0.0, 1.0], ids=["drafts", "mostly-plain"])
+def test_the_policy_hears_from_the_static_path_what_it_hears_from_the_eager_engine(per_token):
+    """The same static batch through both engines with a policy deciding from the model alone: the same calls, in the
+    same order, with the same rows, requests in their opening round, new requests, accepted drafts and round sizes
+    (the eager engine's own width choice aside: a chain round there may verify fewer drafts, so a policy that drafts
+    for free, where the whole block is the best width, is compared)."""
+    target, oracle = bigram_oracle(2)
+    gen = GenerationConfig(max_new_tokens=CAPS)
+    heard = []
+    for engine in (static_engine, eager_engine):
+        policy = Recording(costs(per_token), whole_rounds=True, measured=False, retry_every=2)
+        got = engine(lambda: policy)(target, PROMPTS, gen, drafter=oracle)
+        assert [r.tokens for r in got] == [r.tokens for r in generate(target, PROMPTS, gen)]
+        heard.append(policy.calls)
+    assert heard[0] == heard[1]
+    kinds = [c[-1] > 0 for c in heard[0] if c[0] == "draft_rows"]
+    assert any(kinds) and (per_token == 0.0) == all(kinds), kinds
 
 
 def test_a_policy_that_always_drafts_decodes_the_fixed_static_rounds():
