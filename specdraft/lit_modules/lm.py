@@ -19,10 +19,11 @@ def cosine_with_warmup(step: int, warmup: int, total: int, floor: float = 0.1) -
 class CausalLMModule(L.LightningModule):
     """Next-token LM training; ``batch`` is ``[B, T]`` packed token ids."""
 
-    def __init__(self, hf_config: dict, lr: float, warmup_steps: int, max_steps: int):
+    def __init__(self, hf_config: dict, lr: float, warmup_steps: int, max_steps: int, attention: str = "sdpa"):
+        """``attention``: the transformers attention implementation the model trains with (``sdpa`` or ``eager``)."""
         super().__init__()
         self.save_hyperparameters()
-        self.model = Qwen3ForCausalLM(Qwen3Config(**hf_config))
+        self.model = Qwen3ForCausalLM(Qwen3Config(**hf_config, attn_implementation=attention))
 
     def _loss(self, ids: torch.Tensor) -> torch.Tensor:
         logits = self.model(input_ids=ids[:, :-1]).logits  # [B, T-1, V]

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 
 from specdraft.errors import SpecdraftError
 from specdraft.lit_modules.lm import CausalLMModule
-from specdraft.pipeline.config import RunConfig
+from specdraft.pipeline.config import RunConfig, TinyTargetConfig
 from specdraft.pipeline.corpora import DOMAINS, Doc, build_corpus
 from specdraft.pipeline.jsonl import write_jsonl
 from specdraft.pipeline.lightning_utils import TrackerCallback, quiet_lightning, resolve_precision
@@ -113,6 +113,16 @@ def _pack(tokenizer, docs: list[Doc], seq_len: int) -> torch.Tensor:
     return torch.tensor(stream[: n * (seq_len + 1)]).view(n, seq_len + 1)
 
 
+def target_config(tiny: TinyTargetConfig, vocab: int, eos_token_id: int | None = None,
+                  pad_token_id: int | None = None) -> dict:
+    """The transformers ``Qwen3Config`` arguments of the embedded world's target of shape ``tiny``."""
+    return dict(vocab_size=vocab, hidden_size=tiny.hidden_size, intermediate_size=tiny.intermediate_size,
+                num_hidden_layers=tiny.num_layers, num_attention_heads=tiny.num_heads,
+                num_key_value_heads=tiny.num_kv_heads, head_dim=tiny.hidden_size // tiny.num_heads,
+                max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=10000.0,
+                bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+
+
 def _build_world(cfg: RunConfig, wdir: Path, tracker: Tracker, log) -> World:
     t0 = time.perf_counter()
     tiny, data = cfg.target.tiny, cfg.data
@@ -128,11 +138,7 @@ def _build_world(cfg: RunConfig, wdir: Path, tracker: Tracker, log) -> World:
     torch.manual_seed(tiny.seed)
     train = _pack(tokenizer, corpus.train, tiny.seq_len)
     val = {dom: _pack(tokenizer, docs, tiny.seq_len) for dom, docs in corpus.holdout.items()}
-    hf_config = dict(vocab_size=vocab, hidden_size=tiny.hidden_size, intermediate_size=tiny.intermediate_size,
-                     num_hidden_layers=tiny.num_layers, num_attention_heads=tiny.num_heads,
-                     num_key_value_heads=tiny.num_kv_heads, head_dim=tiny.hidden_size // tiny.num_heads,
-                     max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=10000.0,
-                     bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    hf_config = target_config(tiny, vocab, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     module = CausalLMModule(hf_config, tiny.lr, tiny.warmup_steps, tiny.max_steps)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(train), batch_size=tiny.batch_size,
                                          shuffle=True, drop_last=True,
