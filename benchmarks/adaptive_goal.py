@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 
 
@@ -40,6 +41,13 @@ def summary(run: dict[tuple, dict], goal: float, paying: set[tuple[str, float]])
     return out
 
 
+def _speedup(row: dict) -> str:
+    """A cell's mean speedup over AR, with its 95 % interval where it has one (a run of one repeat has none)."""
+    lo, hi = row["speedup_ci95"]
+    mean = f"{statistics.mean(row['speedup_per_repeat']):.2f}"
+    return mean if math.isnan(lo) or math.isnan(hi) else f"{mean} ({lo:.2f}–{hi:.2f})"
+
+
 def main(argv: list[str] | None = None) -> dict[str, dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", help="pairs: a name, then its bench.json")
@@ -56,8 +64,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         parts = []
         for run in runs:
             r = run.get(key)
-            parts.append("-" if r is None else f"{statistics.mean(r['speedup_per_repeat']):.2f} "
-                         f"({r['speedup_ci95'][0]:.2f}–{r['speedup_ci95'][1]:.2f})")
+            parts.append("-" if r is None else _speedup(r))
         print(f"| {key[0]} | {key[1]:g} | {key[2]} | {key[3]} | " + " | ".join(parts) + " |")
     out = {name: summary(run, args.goal, paying) for name, run in zip(names, runs)}
     for name, s in out.items():

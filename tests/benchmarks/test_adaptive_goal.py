@@ -30,3 +30,15 @@ def test_pools_the_cells_where_drafting_does_not_pay_and_counts_the_cells_agains
     assert off["cells"] == 2 and off["pooled"] == pytest.approx(0.955) and off["at_goal"] == 1
     assert off["wholly_below"] == 1 and off["by_batch_size"] == {1: pytest.approx(0.97), 8: pytest.approx(0.94)}
     assert out["all"]["cells"] == 3 and out["all"]["at_goal"] == 2
+
+
+def test_a_cell_of_one_repeat_is_printed_without_an_interval(tmp_path, capsys):
+    path = tmp_path / "one.json"
+    cell = {"suite": "code", "temperature": 1.0, "batch_size": 1, "batching": "static"}
+    path.write_text(json.dumps({"results": [
+        {**cell, "method": "ar", "policy": "fixed"},
+        {**cell, "method": "dflash", "policy": "adaptive", "speedup_per_repeat": [0.96],
+         "speedup_ci95": [float("nan"), float("nan")]}]}))
+    main(["one", str(path)])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("| code"))
+    assert line == "| code | 1 | 1 | static | 0.96 |"
