@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
     ratios = {name: [s / f for s, f in zip(seconds[name], seconds[first])] for name in names}
     return write_report({
         "precision": precision, "threads": torch.get_num_threads(), "repeats": args.repeats, "steps": args.steps,
-        "step_s": {name: [round(s, 4) for s in v] for name, v in seconds.items()},
+        "step_s": {name: [round(s, 6) for s in v] for name, v in seconds.items()},
         f"ratio_to_{first}": {name: {"median": round(statistics.median(r), 3), "min": round(min(r), 3),
                                      "max": round(max(r), 3)} for name, r in ratios.items()},
     }, args.out)
