@@ -9,8 +9,7 @@ where the engine makes them (between two target passes a call runs several times
 loop: its code and data are out of the caches), per job: seconds, calls, µs a call and share of the job. Kind
 ``plain`` is the adaptive engine with a policy that never drafts (a drafter attached, its caches, the target's
 features and their backlog kept, every round plain): what the engine's plain path costs over AR's, exploring left
-out. Kind ``padded`` is the adaptive engine whose exploring rounds never verify the explorers' drafts in a pass of
-their own rows (only padded into the pass of every row, as before that pass existed). ``--keep-policy`` keeps each
+out. ``--keep-policy`` keeps each
 kind's policy from repeat to repeat, as a bench cell does (what a policy learns in one job, the next starts from).
 Where a kind's time goes against AR's, in measures the machine's
 speed drifts move far less than tokens/s: each job's ``host_s``, its seconds outside the models' passes (the engine's
@@ -19,8 +18,7 @@ of the decode loop; and ``step_ms``, the median of its one-token target passes (
 rounds' and AR's: a median over hundreds of passes is not moved by a few slow ones). The summary gives each kind's host
 time a round over AR's, as µs and as a share of AR's job, and its median step over AR's, paired by repeat.
 Besides each job's line, each kind's tokens/s over AR's in the same repeat (median and range over repeats: slow
-drifts of the machine cancel within a repeat), and with both ``adaptive`` and ``padded`` the mean of their paired
-ratios with one standard error.
+drifts of the machine cancel within a repeat).
 
     python benchmarks/policy_overhead.py artifacts/tiny/world-f8d6f235a11e artifacts/tiny/drafter/sft \\
         artifacts/cb-bench/policy/<key>.json --suite dialogue --slots 32 --temperature 1
@@ -42,9 +40,9 @@ from specdraft.runtime.policy import AdaptivePolicy
 
 
 def policy_of(base: AdaptivePolicy, kind: str) -> AdaptivePolicy | None:
-    """A fresh copy of ``base`` for ``adaptive``, ``plain`` and ``padded``, with one field set for
+    """A fresh copy of ``base`` for ``adaptive`` and ``plain``, with one field set for
     ``adaptive@FIELD=VALUE`` (a number); None for AR and fixed."""
-    if kind in ("adaptive", "plain", "padded"):
+    if kind in ("adaptive", "plain"):
         return replace(base)
     if kind.startswith("adaptive@"):
         name, value = kind.removeprefix("adaptive@").split("=")
@@ -70,8 +68,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="each kind keeps its policy from repeat to repeat, as a bench cell does (default: a fresh "
                          "copy each job)")
     ap.add_argument("--kinds", default="ar,adaptive",
-                    help="comma-separated: ar, adaptive, fixed (the whole block), plain (adaptive, never drafting), "
-                         "padded (adaptive, its explorers verifying in the pass of every row, never in their own); "
+                    help="comma-separated: ar, adaptive, fixed (the whole block), plain (adaptive, never drafting); "
                          "adaptive@FIELD=VALUE: adaptive with one policy field set (e.g. adaptive@explore_share=0)")
     args = ap.parse_args(argv)
     job = load_job(args.world, args.drafter, args.suite, args.num_prompts, args.max_new_tokens, args.spread,
@@ -80,18 +77,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     verify_round = rounds.verify_round
     passes = timed_passes(target, drafter)
     calls: dict[str, list] = {}  # policy method -> [seconds, calls] in the current job
-    timed = (("before_round", "draft_rows", "observe_seconds", "observe", "verify_len", "explore_len")
+    timed = (("before_round", "draft_this_round", "observe_seconds", "observe", "verify_len")
              if args.time_calls else ())
     originals = {name: getattr(AdaptivePolicy, name) for name in timed}
     for name, method in originals.items():
         setattr(AdaptivePolicy, name, _timed(method, calls.setdefault(name, [0.0, 0])))
-    apart = rounds.verifies_apart
     try:
         return _run(args, target, drafter, prompts, gen, base, calls, passes)
     finally:  # the class and the engine as they were, for a caller in the same process
         for name, method in originals.items():
             setattr(AdaptivePolicy, name, method)
-        rounds.verifies_apart, rounds.verify_round = apart, verify_round
+        rounds.verify_round = verify_round
 
 
 def _run(args, target, drafter, prompts, gen, base, calls: dict[str, list], passes: dict) -> list[dict]:
@@ -99,15 +95,13 @@ def _run(args, target, drafter, prompts, gen, base, calls: dict[str, list], pass
     rows = []
     kinds = args.kinds.split(",")
     kept: dict[str, AdaptivePolicy | None] = {}  # --keep-policy: each kind's policy, from repeat to repeat
-    apart = rounds.verifies_apart
     for rep in range(args.repeats):
         for kind in kinds if rep % 2 == 0 else kinds[::-1]:
             policy = kept.get(kind) or policy_of(base, kind)
             if args.keep_policy:
                 kept[kind] = policy
-            rounds.verifies_apart = apart if kind != "padded" else (lambda cache: False)
             if kind == "plain":
-                policy.draft_rows = lambda b, fresh=0, rows=None, opening=(): 0
+                policy.draft_this_round = lambda b, fresh=0, rows=None, opening=(): False
             if policy is not None and args.no_probes and "draft_this_round" not in vars(policy):  # wrapped once
                 plain = policy.draft_this_round
                 policy.draft_this_round = (lambda b, fresh=0, rows=None, opening=(), plain=plain:
@@ -141,7 +135,6 @@ def _run(args, target, drafter, prompts, gen, base, calls: dict[str, list], pass
                          **{f"{k}_s": v for k, v in sorted(timings.items())},
                          **({f"measured_{k}": policy._ratio(k) for k in policy._scale if isinstance(k, str)}
                             if policy else {})})
-            rounds.verifies_apart = apart
             print(" ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in rows[-1].items()))
             for name, (sec, n) in calls.items():
                 if n:
@@ -164,12 +157,6 @@ def _run(args, target, drafter, prompts, gen, base, calls: dict[str, list], pass
             print(f"{kind} over ar: host time a round {statistics.median(extra):+.1f} us (median; "
                   f"{extra[0]:+.1f} to {extra[-1]:+.1f}), {statistics.median(share):+.2%} of ar's job; one-token "
                   f"target pass {steps}")
-    for other in (k for k in kinds if "adaptive" in kinds and k == "padded"):
-        by = {k: {r["repeat"]: r["tokens_per_s"] for r in rows if r["kind"] == k} for k in ("adaptive", other)}
-        pairs = [by["adaptive"][i] / by[other][i] for i in sorted(by["adaptive"])]
-        se = statistics.stdev(pairs) / len(pairs) ** 0.5 if len(pairs) > 1 else float("nan")
-        print(f"adaptive / {other}, paired over {len(pairs)} repeats: mean {statistics.mean(pairs):.3f} ± {se:.3f} "
-              f"(one standard error)")
     return rows
 
 

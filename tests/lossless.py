@@ -343,13 +343,12 @@ def round_trace(target, prompts, gen: GenerationConfig, factory: DrafterFactory,
     trace: list[list[tuple]] = [[] for _ in prompts]
 
     def observe(rec) -> None:
-        b, K = rec.draft_tokens.shape
-        widths = rec.widths.tolist() if rec.widths is not None else [K] * b
+        b = rec.draft_tokens.shape[0]
         nodes = rec.nodes.tolist() if rec.nodes is not None else [0] * b
         winner = rec.winner.tolist() if rec.winner is not None else [0] * b
-        for r, d, a, t, w, n, c in zip(rec.rows.tolist(), rec.draft_tokens.tolist(), rec.num_accepted.tolist(),
-                                       rec.next_tokens.tolist(), widths, nodes, winner):
-            trace[r].append((tuple(d[:w]), a, t, n, c))
+        for r, d, a, t, n, c in zip(rec.rows.tolist(), rec.draft_tokens.tolist(), rec.num_accepted.tolist(),
+                                    rec.next_tokens.tolist(), nodes, winner):
+            trace[r].append((tuple(d), a, t, n, c))
 
     results = (engine or generate)(target, prompts, gen, drafter=drafter, generator=generator, tree=tree,
                                    observer=observe)
@@ -465,7 +464,7 @@ def wrong_rule_caught(patches, monkeypatch, factory: Callable, sampled: bool, al
 
 
 def _wrong_sampling(bonus_shift: bool = False, all_accepted_slots: bool = False):
-    def rule(draft_tokens, draft_probs, target_probs, generator=None, widths=None):  # chain rounds: widths None
+    def rule(draft_tokens, draft_probs, target_probs, generator=None):
         B, K = draft_tokens.shape
         p = target_probs[:, :K].gather(-1, draft_tokens[..., None])[..., 0]
         q = draft_probs.gather(-1, draft_tokens[..., None])[..., 0]
@@ -481,7 +480,7 @@ def _wrong_sampling(bonus_shift: bool = False, all_accepted_slots: bool = False)
 
 
 def _wrong_greedy(bonus_shift: bool = False, all_accepted_slots: bool = False):
-    def rule(draft_tokens, target_logits, widths=None):  # chain rounds: widths None
+    def rule(draft_tokens, target_logits):
         t = target_logits.argmax(-1)
         K = draft_tokens.shape[1]
         m = (draft_tokens == t[:, :K]).long()
@@ -516,10 +515,10 @@ def _first_candidate_only(tree, node_targets):
         acc.path.shape)) + torch.arange(acc.path.shape[1]))
 
 
-def _untruncated_target(draft_tokens, draft_probs, target_logits, params, generator=None, widths=None):
+def _untruncated_target(draft_tokens, draft_probs, target_logits, params, generator=None):
     """Verifies against the target at the right temperature but without top-k / top-p."""
     plain = SamplingParams(temperature=params.temperature)
-    return _verify_round(draft_tokens, draft_probs, target_logits, plain, generator, widths)
+    return _verify_round(draft_tokens, draft_probs, target_logits, plain, generator)
 
 
 def _drafts_sampled_at_t1(draft_logits, params, draft_sampling, generator=None):

@@ -59,32 +59,25 @@ class Backlog:
         self.rows = (self.rows or [[] for _ in range(rows)]) + (other.rows or [[] for _ in range(other_rows)])
         self.tokens += other.tokens
 
-    def flush(self, drafter, cache, rows: torch.Tensor | None = None, second: tuple | None = None) -> None:
-        """Feed rows their deferred features in order: every row (``ingest`` of ``[b, n, F]``, each row's entries
-        first), or only ``rows`` (the drafter's ``ingest_rows`` of ``[m, n, F]``; the other rows keep theirs).
-        ``second``: a second ``(drafter, cache)`` fed the same features (D²SD's, every row)."""
-        if rows is not None and second is not None:
-            raise ValueError("a second drafter is fed every row's features, not some rows'")
+    def flush(self, drafter, cache, second: tuple | None = None) -> None:
+        """Feed every row its deferred features in order (``ingest`` of ``[b, n, F]``, each row's entries first).
+        ``second``: a second ``(drafter, cache)`` fed the same features (D²SD's)."""
         self._run = None
-        fed = list(range(len(self.rows))) if rows is None else rows.tolist()
-        counts = [sum(_piece_len(x) for x in self.rows[i]) for i in fed]
+        counts = [sum(_piece_len(x) for x in row) for row in self.rows]
         self.tokens -= sum(counts)
         if max(counts, default=0) == 0:
             return
-        parts = next(x for i in fed for x in self.rows[i])
+        parts = next(x for row in self.rows for x in row)
         parts = parts.run.entries[0] if isinstance(parts, _RunRow) else parts
         parts = parts if isinstance(parts, tuple) else (parts,)  # the feature layers' outputs, or all of them
-        feats = parts[0].new_zeros(len(fed), max(counts), sum(x.shape[-1] for x in parts))  # [b or m, n, F]
-        for j, i in enumerate(fed):
-            _write_row(feats[j], self.rows[i])
-            self.rows[i] = []
+        feats = parts[0].new_zeros(len(self.rows), max(counts), sum(x.shape[-1] for x in parts))  # [b, n, F]
+        for j, row in enumerate(self.rows):
+            _write_row(feats[j], row)
+        self.rows = [[] for _ in self.rows]
         counts = torch.tensor(counts, device=feats.device)
-        if rows is None:
-            drafter.ingest(cache, feats, counts)
-            if second is not None:
-                second[0].ingest(second[1], feats, counts)
-        else:
-            drafter.ingest_rows(cache, feats, counts, rows)
+        drafter.ingest(cache, feats, counts)
+        if second is not None:
+            second[0].ingest(second[1], feats, counts)
 
 
 _Piece = torch.Tensor | tuple[torch.Tensor, ...]

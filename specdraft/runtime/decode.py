@@ -235,7 +235,7 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
         rnd = rounds.run(state, caches, lambda: requests.progress(state.rows.tolist()))
         if observer is not None:
             observer(RoundRecord(state.rows, rnd.draft_tokens, rnd.draft_logits, rnd.hidden, rnd.num_accepted,
-                                 rnd.next_token, rnd.target_logits, rnd.nodes, rnd.winner, rnd.widths))
+                                 rnd.next_token, rnd.target_logits, rnd.nodes, rnd.winner))
         tcache = caches["t"]
         tcache.crop(tcache.lengths + rnd.num_accepted + 1)  # anchor + accepted drafts are now committed
         rounds.commit(state, caches, rnd)

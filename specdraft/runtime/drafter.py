@@ -22,12 +22,6 @@ class Drafter(Protocol):
     ``config.mask_token_id`` is the token of the block's draft slots. The cross-round state is ``None`` or an object
     with ``select(rows) -> state`` (rows kept when finished rows are compacted away), ``blank(n) -> state`` (``n`` rows
     that carry nothing) and ``cat(state) -> state`` (rows admitted by continuous batching).
-
-    Optional, for an adaptive policy's exploring rounds (a few rows draft, the others decode plainly in the same
-    pass): ``carries_state = False`` (``next_round_state`` carries nothing), ``ingest_rows(cache, ctx_features
-    [m, T, F], counts [m], rows [m])`` (:meth:`ingest` for some of the cache's rows) and a cache with
-    ``gather_rows(rows, room) -> cache`` (copies of some rows, with ``room`` scratch slots). A drafter without them
-    drafts for every row in those rounds.
     """
 
     config: Any
@@ -87,5 +81,3 @@ class RoundRecord:
     nodes: torch.Tensor | None = None  # [b] D²SD: tree nodes verified (then draft_tokens is the winning candidate,
     #   target_logits are along its path and draft_logits/hidden are the first drafter's)
     winner: torch.Tensor | None = None  # [b] D²SD: the winning candidate (0 = the first draft)
-    widths: torch.Tensor | None = None  # [b] drafts each row verified when rows differ (an adaptive policy's
-    #   exploring round: rows that did not draft have width 0 and zero padding in draft_tokens/logits/hidden)

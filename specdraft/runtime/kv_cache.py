@@ -127,37 +127,6 @@ class KVCache:
         self.k, self.v = [b[:n] for b in self._kb], [b[:n] for b in self._vb]
         self.lengths = self.lengths.index_select(0, rows)
 
-    def gather_rows(self, rows: torch.Tensor, room: int) -> "KVCache":
-        """A new cache holding copies of rows ``rows``: their committed entries and ``room`` scratch slots past the
-        longest (a few rows' drafts against their own context, leaving this cache as it is)."""
-        lengths = self.lengths.index_select(0, rows)  # [m]
-        used = int(lengths.max()) + room
-        have = min(used, self.max_len)  # a growing cache may not yet hold the scratch room
-
-        def take(b: torch.Tensor) -> torch.Tensor:  # [m, H_kv, used, D] (only used copied)
-            x = b[:, :, :have].index_select(0, rows)
-            return x if have == used else torch.cat([x, x.new_zeros(*x.shape[:2], used - have, x.shape[3])], 2)
-
-        out = KVCache.__new__(KVCache)
-        out.k, out.v = [take(b) for b in self.k], [take(b) for b in self.v]
-        out._kb, out._vb, out.lengths, out.max_len, out.fixed_shape = out.k, out.v, lengths, used, False
-        out.grow_to = 0
-        return out
-
-    def put_rows(self, src: "KVCache", rows: torch.Tensor, start: torch.Tensor, count: int) -> None:
-        """Copy ``count`` slots from ``start`` ``[m]`` on of each row of ``src`` (a :meth:`gather_rows` copy that a pass
-        wrote into) back into rows ``rows`` ``[m]`` of this cache, at the same slots (lengths are left as they are).
-        The slots must be within ``max_len``: the caller makes room first (:meth:`check_room`), as a growth here would
-        keep only committed entries."""
-        if count == 0:
-            return
-        if int(start.max()) + count > self.max_len:
-            raise ValueError(f"put_rows past the cache's {self.max_len} slots: make room before the pass")
-        slots = start[:, None] + torch.arange(count, device=start.device)  # [m, count]
-        own = torch.arange(rows.shape[0], device=rows.device)[:, None]  # [m, 1]
-        for dst, new in zip((*self.k, *self.v), (*src.k, *src.v)):
-            dst[rows[:, None], :, slots] = new[own, :, slots]  # [m, count, H_kv, D]
-
     def reserve(self, rows: int) -> None:
         """Make room for ``rows`` rows in all (continuous batching reserves its slots once): new zeroed buffers into
         which only the rows' committed entries are copied (a drafter cache whose ingest is deferred copies nothing)."""

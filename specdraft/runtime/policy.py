@@ -22,8 +22,8 @@ opening round (the first after its prompt), which starts from how earlier reques
 opening differs from its middle (a greedy math answer's formulaic first line is drafted almost whole, a dialogue
 turn's first tokens hardly at all), and the round-averaged acceptance is the long requests' (those still running at a
 job's tail). Rounds that only
-explore (the job's first, a retry, a probe of new requests) draft for a few rows, new requests first, while the others
-verify nothing in the same pass, and together cost at most a set share of the plain rounds' seconds. A plain row feeds
+explore (the job's first, a retry, a probe of new requests) together cost at most a set share of the plain rounds'
+seconds. A plain row feeds
 the drafter nothing: its target features wait, and the drafter ingests them in one pass when it next drafts for the row;
 drafting resumes only where the rows' remaining tokens win that catch-up back. Only how much is drafted and verified
 changes: verifying the first ``k`` drafts of a block is speculative decoding with a block of ``k`` drafts (``k = 0``:
@@ -83,11 +83,6 @@ class AdaptivePolicy:
     plain round (and the features it fed the drafter last time) are earned (where a drafted round costs several
     plain ones, as with many rows on a CPU, exploring is rarer; a drafter that never pays then costs about this
     share over plain decoding)."""
-    explore_rows: int = 4
-    """Rows that draft in the job's first round, a retry or a new-request probe, while drafting is not known to pay
-    (the others decode plainly in the same pass): what those rounds learn is the drafter's acceptance, and a few rows
-    tell it for a fraction of the batch's drafter round and deferred ingest. 0: every row (the engine also drafts every
-    row for a drafter that carries state between rounds)."""
     margin: float = 0.05
     """Leave the full block (or drafting) only for a predicted gain above this fraction: the costs and the calibration
     are estimates, and where they are nearly tied the fixed block is the safer choice."""
@@ -96,8 +91,8 @@ class AdaptivePolicy:
     cost_smoothing: float = 0.1
     """Weight of the latest round in the running ratio of measured to modelled seconds (:meth:`observe_seconds`)."""
     whole_rounds: bool = False
-    """Drafted rounds verify their whole draft, every row drafting (tree rounds): a drafted round, exploring ones
-    included, is priced at the full width only, and :meth:`whole` records each such round's width as the block's."""
+    """Drafted rounds verify their whole draft (tree rounds): a drafted round is priced at the full width only, and
+    :meth:`whole` records each such round's width as the block's."""
     measured: bool = True
     """Rescale the cost model by the rounds' measured seconds (False: decide from the cost model alone, as tests that
     pin decisions on a synthetic machine do)."""
@@ -106,8 +101,8 @@ class AdaptivePolicy:
     none drafted yet)."""
     population: list[float] = field(default_factory=list)
     """The same over every row of every drafted round (weighted by rows, the older rounds' by ``population_decay``
-    per round; a slot starts from 8 rows' worth of the calibrated prediction, so the few rows of a first exploring
-    round do not decide alone): what a request's own record starts from and drifts back to."""
+    per round; a slot starts from 8 rows' worth of the calibrated prediction, so the few rows of a job's first round
+    do not decide alone): what a request's own record starts from and drifts back to."""
     population_decay: float = 0.95
     start_decay: float = 0.98
     """Per request whose opening round is counted in :attr:`start`, the weight the earlier requests' keep."""
@@ -124,9 +119,9 @@ class AdaptivePolicy:
         # memos of prices, keyed by the context they were priced at (a job's rows sweep the same contexts request
         # after request: a new context bucket every few rounds at one row must not price every width again)
         self._rate_memo: dict = {}
-        self._seconds_memo: dict[tuple[int, int, int, int], np.ndarray] = {}  # (context, drafting, rows, K) -> by width
+        self._seconds_memo: dict[tuple[int, int, int], np.ndarray] = {}  # (context, rows, K) -> by width
         self._round_memo: dict[tuple[int, int, int, int], tuple] = {}  # (context, rows, drafting, width) -> model, keys
-        self._extra_memo: dict[tuple, tuple[float, float]] = {}  # (context, rows, width, explore_rows) -> seconds
+        self._extra_memo: dict[tuple, tuple[float, float]] = {}  # (context, rows, width) -> seconds
         self._exploring = True  # the last drafted round was a first round, a retry or a probe (not known to pay)
         self._predicted: list[float] = []  # the last drafted round's predicted acceptance per slot (conditional)
         self._drafting = 0  # the rows that drafted in it
@@ -247,10 +242,9 @@ class AdaptivePolicy:
         ``plain_rate`` wins back, over their remaining tokens (at most what their caps leave), the seconds of first
         feeding the drafter the features that waited, at the seconds an entry took in this job's catch-ups of about
         as many rows (none at this size yet: as the cost model times a catch-up of these rows, rescaled as the
-        nearest size fed ran against it, an exploring round's few rows costing more an entry than a batch; where the
-        model timed none, the nearest size's; none fed: as timed, or free where untimed). A
-        batch's tail, its rows near their caps, would not win back feeding the drafter every token since their
-        prompts."""
+        nearest size fed ran against it; where the model timed none, the nearest size's; none fed: as timed, or free
+        where untimed). A batch's tail, its rows near their caps, would not win back feeding the drafter every token
+        since their prompts."""
         if not self._deferred:
             return True
         per_entry = self._catch_up.get(self._size(b))
@@ -301,29 +295,15 @@ class AdaptivePolicy:
         self.skipped += 1
         self._credit = min(self._credit + self.explore_share * plain, 2 * extra)
 
-    def draft_rows(self, b: int, fresh: int = 0, rows: list[int] | None = None, opening: Collection[int] = ()) -> int:
-        """How many of the ``b`` rows draft this round: 0 (a plain round, see :meth:`draft_this_round`), all of them
-        while drafting pays, or ``explore_rows`` for the job's first round, a retry or a new-request probe."""
-        if not self.draft_this_round(b, fresh, rows, opening):
-            return 0
-        return self._explorers(b) if self._exploring else b
-
-    def _explorers(self, b: int) -> int:
-        return min(b, self.explore_rows) if self.explore_rows > 0 and not self.whole_rounds else b
-
     def _exploring_extra(self, b: int, plain_scale: float | None = None, drafted_scale: float | None = None) -> float:
-        """Seconds an exploring round costs over a plain round (it is assumed to verify the last drafted width, padded
-        over every row or, with fewer explorers than rows, in a pass of their own rows (:meth:`explore_len`), at the
-        lower of the two prices: an estimate of when the next is due, the measured seconds being what it is charged),
-        at the measured ratios of plain and drafted rounds of ``b`` rows (given: as the caller just read them)."""
-        key = (self._context, b, self.width, self.explore_rows)
+        """Seconds an exploring round costs over a plain round (it is assumed to verify the last drafted width: an
+        estimate of when the next is due, the measured seconds being what it is charged), at the measured ratios of
+        plain and drafted rounds of ``b`` rows (given: as the caller just read them)."""
+        key = (self._context, b, self.width)
         if key not in self._extra_memo:
-            m, width, plain = self._explorers(b), max(self.width, 1), self._priced.target(b, 1)
-            # the last width padded over every row, or (fewer explorers than rows) in a pass of their own rows
-            verify = self._priced.target(b, width + 1)
-            if m < b:
-                verify = min(verify, plain + self._priced.target(m, width))
-            self._extra_memo[key] = (self._priced.drafter(m) + verify, plain)
+            width = max(self.width, 1)
+            drafted = self._priced.drafter(b) + self._priced.target(b, width + 1)
+            self._extra_memo[key] = (drafted, self._priced.target(b, 1))
         drafted, plain = self._extra_memo[key]
         plain_scale = self.measured_ratio("plain", b) if plain_scale is None else plain_scale
         drafted_scale = self.measured_ratio("drafted", b) if drafted_scale is None else drafted_scale
@@ -377,9 +357,7 @@ class AdaptivePolicy:
         the extra it was priced at). The running ratio to what the
         cost model prices such a round at rescales the model: what it does not time (sampling, verification, commit,
         the drafter's ingest of the accepted tokens) and how far the machine runs from when it was measured. One
-        slow round moves the ratio by at most a factor ``1 + cost_smoothing``. A round where only some rows drafted
-        (an exploring one) rescales nothing: it gathers and scatters the few rows' drafter state, which a drafted
-        round of every row does not."""
+        slow round moves the ratio by at most a factor ``1 + cost_smoothing``."""
         if drafting and self._exploring:
             self._credit -= flushed
             if self._charged is not None and self.measured:  # what it took over a plain round, not its price
@@ -392,7 +370,7 @@ class AdaptivePolicy:
             for seen, value in ((self._catch_up, per_entry), (self._catch_up_ratio, per_entry / timed if timed else 0)):
                 old = seen.get(size)
                 seen[size] = value if old is None else old + self.cost_smoothing * (value - old)
-        if not self.measured or 0 < drafting < b:  # a few rows explored: gathers and scatters no drafted round has
+        if not self.measured:
             return
         priced = self._round_memo.get((self._context, b, drafting, width))  # plain rounds of a size: every round
         if priced is None:
@@ -418,16 +396,15 @@ class AdaptivePolicy:
                 if drafted in self._scale and drafted not in self._anchor:
                     self._anchor[drafted] = self._scale[key]
 
-    def verify_len(self, confidence: torch.Tensor, rows: int | None = None) -> int:
-        """Drafts to verify (0..K) given the drafted block's per-slot confidences ``[m, K]`` of the ``m`` rows that
-        drafted, in a pass of ``rows`` rows (default ``m``; the others verify nothing and commit one token each, at
-        the padded width's cost): the width that maximises the pass's expected committed tokens per second (the
+    def verify_len(self, confidence: torch.Tensor) -> int:
+        """Drafts to verify (0..K) given the drafted block's per-slot confidences ``[b, K]``: the width that maximises
+        the pass's expected committed tokens per second (the
         drafter's round is paid by now; plain decoding, k = 0, still costs it this round). Slots past the chosen
         width will not be verified: their predicted acceptance is this round's evidence for them in the running
         acceptance (realised outcomes update the verified ones in :meth:`observe`), so a burst's long-gone acceptance
         of deep slots cannot keep narrow rounds drafting."""
         accept = self.calibration.predict(confidence.cpu().double().numpy())  # [m, K]
-        return self._choose(accept, self._width(accept, rows))
+        return self._choose(accept, self._width(accept))
 
     def whole(self, confidence: torch.Tensor) -> None:
         """A drafted round that verified its whole draft (a tree round), its first drafter's per-slot confidences
@@ -435,28 +412,12 @@ class AdaptivePolicy:
         accept = self.calibration.predict(confidence.cpu().double().numpy())  # [b, K]
         self._choose(accept, accept.shape[1])
 
-    def explore_len(self, confidence: torch.Tensor, rows: int) -> tuple[int, bool]:
-        """An exploring round's width for its ``m`` explorers (confidences ``[m, K]``) among ``rows`` rows, and whether
-        they verify it in a target pass of their own after the plain pass of every row: where padding every row to a
-        width does not pay (:meth:`verify_len` of the ``rows`` would verify nothing, so the round would learn nothing
-        of the acceptance it explores), the explorers verify the width a round of their rows alone would (its extra
-        seconds are the exploring budget's); else ``(verify_len, False)``. The first decision to draft many rows is
-        then made on realised acceptance."""
-        m = confidence.shape[0]
-        accept = self.calibration.predict(confidence.cpu().double().numpy())  # [m, K]
-        padded = self._width(accept, rows)
-        if padded > 0 or m >= rows:
-            return self._choose(accept, padded), False
-        own = self._choose(accept, self._width(accept))
-        return own, own > 0
-
-    def _width(self, accept: np.ndarray, rows: int | None = None) -> int:
-        """The width that maximises a pass's expected committed tokens per second for ``m`` drafting rows' predicted
-        acceptance ``accept`` ``[m, K]`` in a pass of ``rows`` rows (see :meth:`verify_len`)."""
-        m = accept.shape[0]
-        b = rows or m
-        tokens = expected_committed(accept).sum(0) + (b - m)  # [K + 1]
-        rate = tokens / self._round_seconds(m, b, len(tokens) - 1)  # [K + 1] expected committed tokens per second
+    def _width(self, accept: np.ndarray) -> int:
+        """The width that maximises a pass's expected committed tokens per second for the rows' predicted acceptance
+        ``accept`` ``[b, K]`` (see :meth:`verify_len`)."""
+        b = accept.shape[0]
+        tokens = expected_committed(accept).sum(0)  # [K + 1]
+        rate = tokens / self._round_seconds(b, len(tokens) - 1)  # [K + 1] expected committed tokens per second
         best = int(rate.argmax())
         return best if rate[best] > (1 + self.margin) * rate[-1] else len(rate) - 1
 
@@ -542,16 +503,16 @@ class AdaptivePolicy:
     def _best_rate(self, committed: np.ndarray, b: int) -> float:
         """Committed tokens per second of a drafted round of ``b`` rows at its best width 1..K, given the round's
         expected committed tokens by width ``[K + 1]``."""
-        rates = committed[1:] / self._round_seconds(b, b, len(committed) - 1)[1:]  # [K] by width 1..K
+        rates = committed[1:] / self._round_seconds(b, len(committed) - 1)[1:]  # [K] by width 1..K
         return float(rates[-1] if self.whole_rounds else rates.max())
 
-    def _round_seconds(self, m: int, b: int, K: int) -> np.ndarray:
-        """``[K + 1]``: modelled seconds of a round of ``b`` rows, ``m`` of them drafting, verifying ``k = 0..K``
-        drafts (memoised: plain rounds ask it every round)."""
-        key = (self._context, m, b, K)
+    def _round_seconds(self, b: int, K: int) -> np.ndarray:
+        """``[K + 1]``: modelled seconds of a drafted round of ``b`` rows verifying ``k = 0..K`` drafts (memoised:
+        plain rounds ask it every round)."""
+        key = (self._context, b, K)
         if key not in self._seconds_memo:
             self._seconds_memo[key] = np.array(
-                [self._priced.drafter(m) + self._priced.target(b, k + 1) for k in range(K + 1)])
+                [self._priced.drafter(b) + self._priced.target(b, k + 1) for k in range(K + 1)])
         return self._seconds_memo[key]
 
     def _own(self, counts: np.ndarray, prior: np.ndarray, bound: bool = False) -> np.ndarray:
@@ -601,7 +562,7 @@ class AdaptivePolicy:
         verified slots from their outcomes, the slots past them that it has from the round's calibrated prediction
         (a row's worth each, as :meth:`_blend_predicted` counts the population's); a slot first reached starts from 2
         requests' worth of the population's acceptance (:meth:`_prior`: few openings are drafted while drafting does
-        not pay, an exploring round's four, and a job's first decision rests on them). Earlier requests keep
+        not pay, and a job's first decision rests on them). Earlier requests keep
         ``start_decay`` each."""
         m = len(accepted)
         if m == 0:

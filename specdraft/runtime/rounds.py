@@ -1,6 +1,6 @@
 """What one verify round of :func:`~specdraft.runtime.decode.generate` does, by kind: the target alone
 (:class:`PlainRounds`), a drafted block every round (:class:`ChainRounds`), a draft tree every round
-(:class:`TreeRounds`), or an adaptive policy's choice of plain, exploring and drafted rounds (:class:`AdaptiveRounds`).
+(:class:`TreeRounds`), or an adaptive policy's choice of plain and drafted rounds (:class:`AdaptiveRounds`).
 
 Each kind drafts and verifies a round (:meth:`run`), feeds what the round committed to its drafters (:meth:`commit`)
 and hears how it went (:meth:`end_round`); the engine around them admits, accepts, emits and compacts the same way
@@ -17,7 +17,6 @@ import torch
 
 from specdraft.runtime.backlog import Backlog
 from specdraft.runtime.d2sd import TreeDrafting
-from specdraft.runtime.explore import explorers, explores_rows, scatter_rows, verifies_apart, verify_apart
 from specdraft.runtime.models.target import TargetLM
 from specdraft.runtime.one_pass import OnePassDrafting
 from specdraft.runtime.phase_clock import PhaseClock, wall_seconds
@@ -60,17 +59,15 @@ class Round:
     target_logits: torch.Tensor  # [b, K + 1, V]
     nodes: torch.Tensor | None = None  # [b] trees: nodes verified, root included
     winner: torch.Tensor | None = None  # [b] trees: the candidate holding the accepted path
-    widths: torch.Tensor | None = None  # [b] drafts each row verified, where rows differ
     drafting: int = 0  # rows that drafted
 
     def per_row(self) -> list[tuple]:
         """Each row's outcome on the host, as :meth:`Requests.record` takes it: ``(accepted, drafts, next_token,
         verified, nodes, winner)``."""
         b, width = self.num_accepted.shape[0], self.draft_tokens.shape[1]
-        widths = self.widths.tolist() if self.widths is not None else [width] * b
         nodes = self.nodes.tolist() if self.nodes is not None else [None] * b
         winner = self.winner.tolist() if self.winner is not None else [None] * b
-        return list(zip(self.num_accepted.tolist(), self.draft_tokens.tolist(), self.next_token.tolist(), widths,
+        return list(zip(self.num_accepted.tolist(), self.draft_tokens.tolist(), self.next_token.tolist(), [width] * b,
                         nodes, winner))
 
 
@@ -178,8 +175,7 @@ def _commit_second(second, state, caches: dict, rnd: Round) -> None:
 
 class AdaptiveRounds(ChainRounds):
     """An :class:`AdaptivePolicy` choosing each round: a plain round (its features wait in :attr:`backlog`; a
-    drafter's cross-round state starts over), a few rows drafting while the others decode plainly (exploring, for a
-    drafter without cross-round state), or every row drafting the first ``k`` drafts. The
+    drafter's cross-round state starts over), or every row drafting the first ``k`` drafts. The
     policy prices rounds by their measured seconds. With a ``tree`` a drafted round is a tree round of every row,
     whole (the policy decides between it and a plain round; the tree's own budget, if measured, sizes it)."""
 
@@ -199,7 +195,6 @@ class AdaptiveRounds(ChainRounds):
         self.backlog = Backlog()
         self.fresh: set[int] = set()  # requests admitted since the last drafted round (the policy probes them)
         self.opening: set[int] = set()  # requests whose next round is their first (the policy prices it apart)
-        self.explored = 0  # exploring rounds so far (the plain rows they draft for take turns)
         # a plain round's features wait in the backlog as the layers' outputs (concatenated once, when a row is fed)
         self.split = {"concat_features": False} if isinstance(job.target, TargetLM) else {}
         self.started = self.flushed = self.pricing = 0.0
@@ -220,14 +215,11 @@ class AdaptiveRounds(ChainRounds):
         self.started, self.flushed, self.fed, self.pricing = time.perf_counter(), 0.0, 0, 0.0
         b, ids = state.rows.numel(), state.rows.tolist()
         policy.before_round(*progress(), self.backlog.tokens)  # priced at the rows' context and what they have left
-        m = policy.draft_rows(b, len(self.fresh), ids, self.opening)
-        if m == 0:
+        if not policy.draft_this_round(b, len(self.fresh), ids, self.opening):
             rnd = self._plain(state, caches["t"], self.split)
             if self.tree is not None:  # a plain round of a tree job verifies the root alone
                 rnd.nodes, rnd.winner = torch.ones_like(rnd.num_accepted), torch.zeros_like(rnd.num_accepted)
             return rnd
-        if m < b and self.tree is None and explores_rows(job.drafter, caches["d"]):
-            return self._explore(state, caches, m)
         self.fresh.clear()
         self._flush(caches)  # plain rounds' features, deferred until drafting resumes
         if self.tree is not None:
@@ -245,44 +237,11 @@ class AdaptiveRounds(ChainRounds):
         drafted = (hidden, draft_logits[:, :k], draft_tokens[:, :k], probs)
         return self._verify(state, caches["t"], drafted, b)
 
-    def _explore(self, state, caches: dict, m: int) -> Round:
-        """``m`` of the rows draft (new requests first), the others decode plainly; the explorers' drafts verify in
-        the pass of every row, or in a pass of their own rows after every row's plain pass."""
-        job, policy, b = self.job, self.policy, state.rows.numel()
-        few = explorers(m, state.rows, self.fresh, self.explored)  # [m]
-        self.explored += 1
-        self.fresh.clear()  # a probe of some new requests stands for all of them, as a full round did
-        self._flush(caches, few)
-        part = _draft(job.drafter, caches["d"].gather_rows(few, job.drafter.block_size), state.anchor[few], None,
-                      job.params, job.draft_sampling, job.generator)
-        conf = draft_confidence(*part[1:])  # [m, K]
-        tcache = caches["t"]
-        k, apart = (policy.explore_len(conf, rows=b) if verifies_apart(tcache)
-                    else (policy.verify_len(conf, rows=b), False))
-        widths = torch.zeros(b, dtype=torch.long, device=state.rows.device)  # [b]
-        widths[few] = k
-        hidden, draft_logits, draft_tokens, draft_probs = (
-            None if x is None else scatter_rows(x[:, :k] if i else x, few, b) for i, x in enumerate(part))
-        job.clock.lap("draft")
-        if apart:  # a pass apart verifies the explorers' own drafts, not their padded rows
-            out = verify_apart(job.target, tcache, state.anchor, few, part[2][:, :k], job.feature_layers)
-        else:
-            out = job.target(torch.cat([state.anchor[:, None], draft_tokens], dim=1), cache=tcache,
-                             feature_layers=job.feature_layers)
-        n_acc, nxt = verify_round(draft_tokens, draft_probs, out.logits, job.params, job.generator, widths)
-        job.clock.lap("verify")
-        return Round(draft_tokens, draft_logits, hidden, n_acc, nxt, out.features, out.logits, widths=widths,
-                     drafting=m)
-
     def commit(self, state, caches: dict, rnd: Round) -> None:
         if rnd.draft_tokens.shape[1] == 0:
             self.backlog.add(rnd.features)  # a plain round: the drafter catches up when drafting resumes
             if state.draft_state is not None:  # ReTrace's rejected suffix is the block before this round's token
                 state.draft_state = state.draft_state.blank(len(state.anchor))
-        elif rnd.widths is not None:  # the explorers ingest now, the others' features wait like a plain round's
-            drafted = rnd.widths > 0  # [b]
-            self.job.drafter.ingest(caches["d"], rnd.features, torch.where(drafted, rnd.num_accepted + 1, 0))
-            self.backlog.add(rnd.features[:, :1], (~drafted).long())
         else:
             super().commit(state, caches, rnd)
             if self.tree is not None:
@@ -292,21 +251,18 @@ class AdaptiveRounds(ChainRounds):
         self.fresh.difference_update(finished)
         width = rnd.draft_tokens.shape[1]
         if width > 0:  # drafts past a row's end count as rejected
-            widths = rnd.widths.tolist() if rnd.widths is not None else [width] * len(ids)
-            drafting = [i for i, w in enumerate(widths) if w > 0]
-            self.policy.observe(torch.tensor([useful[i] for i in drafting]), [ids[i] for i in drafting],
-                                self.opening)
+            self.policy.observe(torch.tensor(useful), ids, self.opening)
         self.opening.clear()
         # the round's rows, drafting rows and verified width, as the cost model prices them
         seconds = time.perf_counter() - self.started - self.flushed - self.pricing
         self.policy.observe_seconds(len(ids), rnd.drafting, width, seconds, self.flushed, self.fed)
 
-    def _flush(self, caches: dict, rows: torch.Tensor | None = None) -> None:
-        """Feed the drafter the deferred features (of ``rows`` only, or every row's), timed apart from the round."""
+    def _flush(self, caches: dict) -> None:
+        """Feed the drafter every row's deferred features, timed apart from the round."""
         if self.backlog.tokens:
             clock, waiting = self.job.clock, self.backlog.tokens
             clock.lap("draft")
-            self.flushed += wall_seconds(lambda: self.backlog.flush(self.job.drafter, caches["d"], rows,
+            self.flushed += wall_seconds(lambda: self.backlog.flush(self.job.drafter, caches["d"],
                                                                     self._second_feed(caches)), self.job.device)
             self.fed += waiting - self.backlog.tokens
             clock.lap("flush")
@@ -363,14 +319,11 @@ def propose(draft_logits: torch.Tensor, params: SamplingParams, draft_sampling: 
 
 
 def verify_round(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
-                 params: SamplingParams, generator: torch.Generator | None = None,
-                 widths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 params: SamplingParams, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(num_accepted [b], next_token [b])`` for drafts ``[b, K]`` against the verify logits ``[b, K + 1, V]``:
-    greedy verification at T=0, speculative sampling otherwise (deterministic drafts verify as ``q = one_hot``).
-    ``widths`` ``[b]``: drafts each row verifies, when rows differ (padding past them)."""
+    greedy verification at T=0, speculative sampling otherwise (deterministic drafts verify as ``q = one_hot``)."""
     if params.greedy:
-        return accept_greedy(draft_tokens, target_logits, widths)
+        return accept_greedy(draft_tokens, target_logits)
     if draft_probs is None:
         draft_probs = torch.nn.functional.one_hot(draft_tokens, target_logits.shape[-1]).float()
-    return accept_speculative_sampling(draft_tokens, draft_probs, logits_to_probs(target_logits, params), generator,
-                                       widths)
+    return accept_speculative_sampling(draft_tokens, draft_probs, logits_to_probs(target_logits, params), generator)

@@ -547,7 +547,7 @@ class StaticDecoder:
             drafted, started = True, time.perf_counter()  # (after the last round's host sync)
             if policy is not None:
                 policy.before_round(*requests.progress(ids))  # priced at the rows' context and what they have left
-                drafted = policy.draft_rows(len(ids), len(fresh), ids, opening) > 0
+                drafted = policy.draft_this_round(len(ids), len(fresh), ids, opening)
             rnd = self._round(bk, config, generator) if drafted else self._plain_round(bk, config, generator)
             bk.counts.copy_(commit_counts(rnd.num_accepted, active))
             committed = bk.commit() if drafted else bk.plain_commit()

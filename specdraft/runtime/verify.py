@@ -10,36 +10,30 @@ import torch
 from specdraft.runtime.sampling import sample_from_probs
 
 
-def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
-                  widths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy verification: accept the longest prefix that equals the target's argmax, then the target's token.
 
     Args:
         draft_tokens: ``[B, K]``.
         target_logits: ``[B, K + 1, V]``; position ``k`` scores the token after draft prefix ``d_<k``.
-        widths: ``[B]`` drafts each row verifies (``None``: all ``K``); a row's slots past its width are padding.
     Returns:
         ``(num_accepted [B] in 0..K, next_token [B])``; output equals target-only greedy decoding.
     """
-    return accept_greedy_tokens(draft_tokens, target_logits.argmax(-1), widths)
+    return accept_greedy_tokens(draft_tokens, target_logits.argmax(-1))
 
 
-def accept_greedy_tokens(draft_tokens: torch.Tensor, target_tokens: torch.Tensor,
-                         widths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def accept_greedy_tokens(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`accept_greedy` given the target's greedy tokens ``[B, K + 1]`` instead of its logits (from the fused
     LM-head argmax, which never materialises logits)."""
     K = draft_tokens.shape[1]
     matches = (draft_tokens == target_tokens[:, :K]).long()  # [B, K]
-    if widths is not None:
-        matches = matches * (torch.arange(K, device=matches.device) < widths[:, None])  # padding never matches
     num_accepted = matches.cumprod(dim=1).sum(dim=1)  # [B]
     next_token = target_tokens.gather(1, num_accepted[:, None])[:, 0]  # [B]
     return num_accepted, next_token
 
 
 def accept_speculative_sampling(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
-                                generator: torch.Generator | None = None,
-                                widths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Lossless speculative sampling (Leviathan et al. 2023, arXiv:2211.17192; Chen et al. 2023, arXiv:2302.01318).
 
     Draft token ``d_k ~ q_k`` is accepted with probability ``min(1, p_k(d_k) / q_k(d_k))``; at the first rejection
@@ -51,22 +45,14 @@ def accept_speculative_sampling(draft_tokens: torch.Tensor, draft_probs: torch.T
         draft_tokens: ``[B, K]`` tokens drawn from ``draft_probs``.
         draft_probs: ``[B, K, V]`` the drafter's (temperature/top-k/top-p processed) distributions.
         target_probs: ``[B, K + 1, V]`` the target's distributions, processed identically.
-        widths: ``[B]`` drafts each row verifies (``None``: all ``K``): a row of width ``w`` is a round of ``w``
-            drafts (its slots past ``w`` are never accepted and its ``q`` there counts as zero, so accepting all
-            ``w`` draws the bonus token from ``p_w``).
     Returns:
         ``(num_accepted [B], next_token [B])``.
     """
     B, K = draft_tokens.shape
-    if widths is not None:
-        live = torch.arange(K, device=draft_tokens.device) < widths[:, None]  # [B, K]
-        draft_probs = draft_probs * live[..., None]  # q = 0 on padding: u * 0 <= p accepts, so mask below too
     p = target_probs[:, :K].gather(-1, draft_tokens[..., None])[..., 0]  # [B, K]
     q = draft_probs.gather(-1, draft_tokens[..., None])[..., 0]  # [B, K]
     u = torch.rand(B, K, generator=generator, device=p.device)
     accepted = (u * q <= p).long()  # u < p/q without dividing
-    if widths is not None:
-        accepted = accepted * live
     num_accepted = accepted.cumprod(dim=1).sum(dim=1)  # [B]
     q_pad = torch.cat([draft_probs, draft_probs.new_zeros(B, 1, draft_probs.shape[-1])], dim=1)  # [B, K + 1, V]
     rows = torch.arange(B, device=p.device)

@@ -78,7 +78,7 @@ def test_a_policy_verifying_every_draft_drafts_what_the_fixed_retrace_engine_dra
     alone drafts otherwise)."""
     target = make_target(seed=3, vocab=48)
     dflash, retrace = _drafters(target)
-    free = AdaptivePolicy(costs(per_token=0.0, drafter=0.0), explore_rows=0, measured=False)
+    free = AdaptivePolicy(costs(per_token=0.0, drafter=0.0), measured=False)
     fixed, want = _hidden_by_position(target, retrace, None, batching)
     got, tokens = _hidden_by_position(target, retrace, free, batching)
     backbone, _ = _hidden_by_position(target, dflash, None, batching)

@@ -64,7 +64,7 @@ def test_plain_passes_are_priced_at_the_rows_context_not_from_the_drafted_rounds
         fresh = AdaptivePolicy(measured_at(*contexts), accept=[0.5, 0.5, 0.5], width=2)
         fresh.at_context(256)  # the memoised rates and round seconds are the new context's, not the old one's
         assert policy._drafted_rate(8) == pytest.approx(fresh._drafted_rate(8))
-        assert policy._round_seconds(8, 8, 3) == pytest.approx(fresh._round_seconds(8, 8, 3))
+        assert policy._round_seconds(8, 3) == pytest.approx(fresh._round_seconds(8, 3))
     for context, bucket in ((10, 16), (33, 32), (100, 99), (1000, 1024)):  # an eighth of an octave, 16 at least
         policy.at_context(context)
         assert policy._context == bucket
@@ -81,12 +81,12 @@ def test_a_plain_stretch_is_priced_at_each_rounds_context():
     policy._still_plain = lambda b, fresh, rows, opening=(): (in_stretch.append(still_plain(b, fresh, rows, opening))
                                                                        or in_stretch[-1])
     policy.at_context(32)
-    assert [policy.draft_rows(8, 0, rows) for _ in range(5)] == [0] * 5 and in_stretch[2:] == [True] * 3
+    assert not any(policy.draft_this_round(8, 0, rows) for _ in range(5)) and in_stretch[2:] == [True] * 3
     for context in (33, 40):  # the same bucket, then the next: drafting still cannot pay, the stretch goes on
         policy.at_context(context)
-        assert policy.draft_rows(8, 0, rows) == 0 and in_stretch[-1]
+        assert not policy.draft_this_round(8, 0, rows) and in_stretch[-1]
     policy.at_context(256)
-    assert policy.draft_rows(8, 0, rows) == 8 and not in_stretch[-1]
+    assert policy.draft_this_round(8, 0, rows) and not in_stretch[-1]
 
 
 def test_prices_are_kept_for_each_context_a_job_comes_back_to():
@@ -94,11 +94,11 @@ def test_prices_are_kept_for_each_context_a_job_comes_back_to():
     context bucket and kept, each context's its own."""
     policy = AdaptivePolicy(measured_at(256, 64), accept=[0.5, 0.5, 0.5], width=2)
     policy.at_context(32)
-    short = policy._round_seconds(8, 8, 3)
+    short = policy._round_seconds(8, 3)
     policy.at_context(256)
-    long = policy._round_seconds(8, 8, 3)
+    long = policy._round_seconds(8, 3)
     policy.at_context(32)
-    assert policy._round_seconds(8, 8, 3) is short and (long > short).all()
+    assert policy._round_seconds(8, 3) is short and (long > short).all()
 
 
 def test_the_engine_tells_the_policy_each_rounds_context_tokens_left_and_features_waiting():
@@ -144,12 +144,12 @@ def test_drafting_resumes_only_where_the_rows_tokens_left_win_back_the_drafters_
     token), and feeding the drafter the features that waited took 1 ms an entry in this job's catch-ups: 6400 waiting
     entries (6.4 s) are won back by rows with 2860 tokens left by their caps between them, not 2730 (while drafting
     goes on, with the margin's benefit, 2250 and 2120). A size not fed yet is priced at the nearest fed size's (four
-    exploring rows: 10 ms an entry); nothing waiting, or nothing fed and no catch-up timed by the cost model: free."""
+    rows: 10 ms an entry); nothing waiting, or nothing fed and no catch-up timed by the cost model: free."""
     model = CostModel([1, 64], TOKENS, [[1.0, 1.1, 1.2, 1.3]] * 2, [0.3] * 2)
     policy = AdaptivePolicy(model, accept=[0.5, 0.5, 0.5], width=3, measured=False)
     policy.before_round(100.0, remaining=64 * 4, deferred=6400)
     assert policy.draft_this_round(64)  # no catch-up measured yet
-    policy.observe_seconds(64, 4, 3, 1.6, flushed=5.0, fed=500)  # four exploring rows fed: 10 ms an entry
+    policy.observe_seconds(4, 4, 3, 1.6, flushed=5.0, fed=500)  # four rows fed: 10 ms an entry
     assert not policy.draft_this_round(64)  # 64 s to feed 6400, priced as four rows' entries until 64 are fed
     policy.observe_seconds(64, 64, 3, 1.6, flushed=0.5, fed=500)  # 1 ms an entry
     assert policy._catch_up[64] == pytest.approx(1e-3) and policy._catch_up[1] == pytest.approx(1e-2)
@@ -176,16 +176,6 @@ def test_drafting_keeps_the_margins_benefit_only_while_it_goes_on():
     assert going.draft_this_round(8) and going.draft_this_round(8)
     after = AdaptivePolicy(costs_of(per_token=0.24), accept=[0.5, 0.5, 0.5], width=2, measured=False)
     assert not after.draft_this_round(8)
-
-
-def test_an_exploring_rounds_seconds_rescale_nothing():
-    """A round where four of 32 rows drafted gathers and scatters their drafter state, which no round of every row
-    does: its seconds do not rescale the drafted rounds' costs (nor the plain ones')."""
-    policy = AdaptivePolicy(costs_of(per_token=0.1))
-    policy.observe_seconds(32, 4, 2, 99.0, flushed=0.01, fed=100)
-    assert policy._scale == {} and policy._catch_up[1] == pytest.approx(1e-4)
-    policy.observe_seconds(32, 32, 2, 1.5)  # as modelled
-    assert policy.measured_ratio("drafted", 32) == pytest.approx(1.0)
 
 
 def costs_of(per_token: float) -> CostModel:

@@ -20,9 +20,10 @@ from tests.runtime.test_adaptive_trees import CAPS, PROMPTS, costs
 ALPHA = 1e-3
 
 
-def whole(per_token: float, K: int = 3, **kwargs) -> AdaptivePolicy:
-    """A policy on a synthetic machine (a target pass costs ``1 + per_token`` per extra token), pricing whole rounds."""
-    return AdaptivePolicy(costs(per_token, K=K), whole_rounds=True, measured=False, **kwargs)
+def whole(per_token: float, K: int = 3, drafter: float = 0.1, **kwargs) -> AdaptivePolicy:
+    """A policy on a synthetic machine (a target pass costs ``1 + per_token`` per extra token, a drafter round
+    ``drafter``), pricing whole rounds."""
+    return AdaptivePolicy(costs(per_token, drafter, K=K), whole_rounds=True, measured=False, **kwargs)
 
 
 class Pattern(AdaptivePolicy):
@@ -30,11 +31,11 @@ class Pattern(AdaptivePolicy):
     round verifies the whole block. The kinds of round are fixed, not priced, so two engines given the same calls can
     be compared round for round."""
 
-    def draft_rows(self, b, fresh=0, rows=None, opening=()):
+    def draft_this_round(self, b, fresh=0, rows=None, opening=()):
         self.calls = getattr(self, "calls", 0) + 1
-        return b if self.calls % 3 == 1 else 0
+        return self.calls % 3 == 1
 
-    def verify_len(self, confidence, rows=None):
+    def verify_len(self, confidence):
         self.whole(confidence)
         return confidence.shape[1]
 
@@ -141,10 +142,10 @@ class Recording(AdaptivePolicy):
         self.calls.append(("before_round", round(context, 6), remaining))  # deferred: the eager engine's backlog
         super().before_round(context, remaining, deferred)
 
-    def draft_rows(self, b, fresh=0, rows=None, opening=()):
-        m = super().draft_rows(b, fresh, rows, opening)
-        self.calls.append(("draft_rows", b, fresh, frozenset(rows), frozenset(opening), m))
-        return m
+    def draft_this_round(self, b, fresh=0, rows=None, opening=()):
+        drafted = super().draft_this_round(b, fresh, rows, opening)
+        self.calls.append(("draft_this_round", b, fresh, frozenset(rows), frozenset(opening), drafted))
+        return drafted
 
     def observe(self, num_accepted, rows=None, opening=()):
         self.calls.append(("observe", frozenset(zip(rows, num_accepted.tolist())), frozenset(opening)))
@@ -170,7 +171,7 @@ def test_the_policy_hears_from_the_static_path_what_it_hears_from_the_eager_engi
         assert [r.tokens for r in got] == [r.tokens for r in generate(target, PROMPTS, gen)]
         heard.append(policy.calls)
     assert heard[0] == heard[1]
-    kinds = [c[-1] > 0 for c in heard[0] if c[0] == "draft_rows"]
+    kinds = [c[-1] for c in heard[0] if c[0] == "draft_this_round"]
     assert any(kinds) and (per_token == 0.0) == all(kinds), kinds
 
 
@@ -181,7 +182,7 @@ def test_a_policy_that_always_drafts_decodes_the_fixed_static_rounds():
     def fixed(target, prompts, gen, drafter=None, generator=None, tree=None, observer=None):
         return StaticEngine(target, drafter, 16, graphs=False)(target, prompts, gen, drafter=drafter,
                                                                generator=generator, observer=observer)
-    counts = check_conformance((target, lambda p: drafter, static_engine(lambda: whole(0.0, K=4))),
+    counts = check_conformance((target, lambda p: drafter, static_engine(lambda: whole(0.0, K=4, drafter=0.0))),
                                (target, lambda p: drafter, fixed), PROMPTS, CAPS)
     assert counts["differing_rows"] == 0 and counts["accepted"] > 0, counts
 

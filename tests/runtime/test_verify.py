@@ -63,33 +63,6 @@ def test_residual_distribution_is_exact():
     assert 0 < n.float().mean() < 1  # both branches exercised
 
 
-def test_rows_of_different_widths_verify_their_own_drafts_only():
-    """A round whose rows verify different numbers of drafts (an adaptive policy drafting for a few rows): a row of
-    width ``w`` is exactly a round of ``w`` drafts. Greedy: padding past the width never counts, even where it matches.
-    Sampled, two slots, width 0 vs 1 vs 2, against the two-token distribution the target alone gives."""
-    target = torch.cat([onehot_logits([3, 4, 5]), onehot_logits([3, 4, 5]), onehot_logits([3, 4, 5])])
-    drafts = torch.tensor([[3, 4], [3, 4], [3, 4]])  # all match: only the widths limit acceptance
-    n, nxt = accept_greedy(drafts, target, widths=torch.tensor([2, 1, 0]))
-    assert n.tolist() == [2, 1, 0] and nxt.tolist() == [5, 4, 3]
-    V, N = 4, 120_000
-    g = torch.Generator().manual_seed(0)
-    p = torch.tensor([[0.5, 0.3, 0.1, 0.1], [0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]])  # p_0, p_1, p_2
-    q = torch.tensor([[0.1, 0.1, 0.7, 0.1], [0.7, 0.1, 0.1, 0.1]])
-    d = torch.stack([torch.multinomial(q[i].expand(N, V), 1, generator=g)[:, 0] for i in range(2)], 1)  # [N, 2]
-    for w in (0, 1, 2):
-        widths = torch.full((N,), w)
-        n, nxt = accept_speculative_sampling(d, q.expand(N, 2, V), p.expand(N, 3, V), g, widths=widths)
-        assert (n <= w).all() and (n == w).any()
-        first = torch.where(n >= 1, d[:, 0], nxt)  # the round's first emitted token: distributed as p_0
-        freq = torch.bincount(first, minlength=V).float() / N
-        assert torch.allclose(freq, p[0], atol=0.006), (w, freq)
-        if w == 0:  # nothing verified: the token is drawn from p_0 itself, never a residual
-            assert (n == 0).all()
-        if w == 1:  # the first draft accepted: the bonus comes from p_1 (the second draft is padding)
-            bonus = torch.bincount(nxt[n == 1], minlength=V).float() / int((n == 1).sum())
-            assert torch.allclose(bonus, p[1], atol=0.01), bonus
-
-
 def test_top_k_top_p_truncation():
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
     pk = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=2))

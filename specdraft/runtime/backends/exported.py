@@ -64,9 +64,6 @@ class StackedKVCache(KVCache):
         if need > self.max_len:
             raise ValueError(f"KV cache overflow: need {need} slots, have {self.max_len}")
 
-    gather_rows = None
-    """No row copies for a few rows' drafts: the exported drafter's graphs take the stacked layout (all rows draft)."""
-
     def reserve(self, rows: int) -> None:
         """Nothing to do: the stacked buffers are reallocated on admission (:meth:`cat_rows`)."""
 

@@ -153,9 +153,6 @@ class DFlashDrafter(nn.Module):
     """The dataclass of this architecture's own options (``drafter.<arch>`` in the pipeline), or None."""
     wants_verify_context = False
     """Whether :meth:`next_round_state` reads the fused context of the verify pass's rejected slots too."""
-    carries_state = False
-    """Whether :meth:`next_round_state` carries anything between rounds (a drafter that carries nothing can draft
-    for a few of the batch's rows while the others decode plainly)."""
 
     def __init__(self, config: DFlashConfig):
         super().__init__()

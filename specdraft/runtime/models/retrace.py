@@ -189,7 +189,6 @@ class ReTraceDrafter(DFlashDrafter):
     config_class = ReTraceConfig
     options_class = ReTraceOptions
     wants_verify_context = True  # the refiner reads the target's features at the rejected slots
-    carries_state = True  # the rejected suffix
 
     @classmethod
     def config_from_backbone(cls, backbone: DFlashConfig, options: ReTraceOptions | None = None) -> ReTraceConfig:
