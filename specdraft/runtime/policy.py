@@ -83,9 +83,6 @@ class AdaptivePolicy:
     plain round (and the features it fed the drafter last time) are earned (where a drafted round costs several
     plain ones, as with many rows on a CPU, exploring is rarer; a drafter that never pays then costs about this
     share over plain decoding)."""
-    margin: float = 0.05
-    """Leave the full block (or drafting) only for a predicted gain above this fraction: the costs and the calibration
-    are estimates, and where they are nearly tied the fixed block is the safer choice."""
     smoothing: float = 0.3
     """Weight of the latest round in the running per-slot acceptance."""
     cost_smoothing: float = 0.1
@@ -194,11 +191,8 @@ class AdaptivePolicy:
         the rounds' measured costs (plain rounds then run). Drafting is retried after ``retry_every`` plain rounds,
         then after twice as many while retries keep failing, and new requests are probed once ``fresh`` rows (still
         running, admitted since the last drafted round) are half the batch, after ``retry_every`` plain rounds;
-        either only once :attr:`explore_share` of the plain rounds' seconds pays for its extra seconds. Drafting
-        keeps the benefit of ``margin`` only while the last round drafted because drafting paid and verified drafts:
-        after a plain round, an exploring one or one that verified none, drafting must pay outright. ``opening``: the
+        either only once :attr:`explore_share` of the plain rounds' seconds pays for its extra seconds. ``opening``: the
         requests in their opening round (the first after their prompt), which start from :attr:`start`."""
-        paying = not self._exploring  # the last round drafted because drafting paid
         self._exploring = True
         self._round += 1
         if rows is not None and len(self._row_accept) > 2 * len(rows) + 64:  # ended requests: forget them
@@ -214,20 +208,19 @@ class AdaptivePolicy:
             # from the last rounds of the ones before them (with ``rows``, each request without its own does)
             self.accept = list(self.population)
         plain = self._priced.target(b, 1) * self.measured_ratio("plain", b)
-        margin = self.margin if self.width > 0 and paying else 0.0
         scale = self.measured_ratio("drafted", b)
         # the requests' acceptance drifts with every round: bounded by the drift's end points, a round after a plain
         # one that cannot pay at the bound is decided without the exact rate (a plain round's decision stays a few
         # dict lookups; after a drafted round, which changed the acceptance, the exact rate is computed at once); the
         # bound over these rows is asked only where one over any rows (kept while requests end) could pay
         ceiling = (None if rows is None or self.skipped == 0
-                   else self._ceiling_rate(b, bool(opening)) / scale * (1 + margin))
-        if (ceiling is None or (ceiling >= b / plain and self._drafted_rate(b, rows, True, opening) / scale
-                                * (1 + margin) >= b / plain)):
+                   else self._ceiling_rate(b, bool(opening)) / scale)
+        if (ceiling is None or (ceiling >= b / plain
+                                and self._drafted_rate(b, rows, True, opening) / scale >= b / plain)):
             spec = self._drafted_rate(b, rows, opening=opening) / scale
         else:
             spec = 0.0
-        if spec * (1 + margin) >= b / plain and self._catch_up_pays(b, spec * (1 + margin), b / plain):
+        if spec >= b / plain and self._catch_up_pays(b, spec, b / plain):
             self.skipped, self.wait, self._exploring = 0, 0, False
             return True
         extra = self._exploring_extra(b)
@@ -428,7 +421,7 @@ class AdaptivePolicy:
         tokens = expected_committed(accept).sum(0)  # [K + 1]
         rate = tokens / self._round_seconds(b, len(tokens) - 1)  # [K + 1] expected committed tokens per second
         best = int(rate.argmax())
-        return best if rate[best] > (1 + self.margin) * rate[-1] else len(rate) - 1
+        return best if rate[best] > rate[-1] else len(rate) - 1
 
     def _choose(self, accept: np.ndarray, width: int) -> int:
         """Take ``width`` as the round's width for the drafting rows' predicted acceptance ``accept`` ``[m, K]``."""
