@@ -164,7 +164,7 @@ def timed_passes(target, drafter) -> dict:
     """Time every pass of ``target`` (``forward``) and of ``drafter`` (``draft_hidden``, ``logits``, ``ingest``,
     ``ingest_rows``; a call inside another counts once), and count the decode loop's rounds (its ``verify_round``
     calls). Returns the tally it adds to: ``seconds`` in passes, ``steps`` (each one-token target pass's seconds: a
-    plain round's or AR's, or the every-row pass before explorers verify apart) and ``rounds`` (a caller resets them
+    plain round's or AR's) and ``rounds`` (a caller resets them
     per job). On CUDA each outermost pass synchronises before and after (its kernels counted, not their launch)."""
     tally = {"seconds": 0.0, "steps": [], "rounds": 0}
     depth = [0]
