@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--spread", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    costs = CostModel(**json.loads(open(args.costs).read())["costs"])
+    costs = CostModel.from_dict(json.loads(open(args.costs).read())["costs"])
     rows = []
     for n in map(int, args.requests.split(",")):
         lengths = length_caps(n, args.max_new_tokens, args.spread, args.seed)

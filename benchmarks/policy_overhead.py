@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     verify_round = rounds.verify_round
     passes = timed_passes(target, drafter)
     calls: dict[str, list] = {}  # policy method -> [seconds, calls] in the current job
-    timed = (("before_round", "draft_this_round", "observe_seconds", "observe", "verify_len")
+    timed = (("at_context", "draft_this_round", "observe_seconds", "observe", "verify_len")
              if args.time_calls else ())
     originals = {name: getattr(AdaptivePolicy, name) for name in timed}
     for name, method in originals.items():
@@ -111,11 +111,11 @@ def _run(args, target, drafter, prompts, gen, base, calls: dict[str, list], pass
                 seen = getattr(policy, "_unwrapped_observe_seconds", policy.observe_seconds)
                 policy._unwrapped_observe_seconds = seen  # a kept policy is wrapped once, not once per repeat
 
-                def observe_seconds(b, drafting, width, sec, flushed=0.0, fed=0, seen=seen, tally=drafter_rounds):
+                def observe_seconds(b, drafting, width, sec, flushed=0.0, seen=seen, tally=drafter_rounds):
                     if drafting:
                         tally["rounds"] += 1
                         tally["seconds"] += sec + flushed
-                    seen(b, drafting, width, sec, flushed, fed)
+                    seen(b, drafting, width, sec, flushed)
                 policy.observe_seconds = observe_seconds
             timings: dict[str, float] = {}
             for tally in calls.values():
@@ -133,7 +133,7 @@ def _run(args, target, drafter, prompts, gen, base, calls: dict[str, list], pass
                          "rounds": sum(len(r.accept_lengths) for r in res), "drafted_rounds": drafted,
                          "drafter_rounds": drafter_rounds["rounds"], "drafter_rounds_s": drafter_rounds["seconds"],
                          **{f"{k}_s": v for k, v in sorted(timings.items())},
-                         **({f"measured_{k}": policy._ratio(k) for k in policy._scale if isinstance(k, str)}
+                         **({f"measured_{k}": policy.measured_ratio(k) for k in ("drafted", "plain")}
                             if policy else {})})
             print(" ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in rows[-1].items()))
             for name, (sec, n) in calls.items():

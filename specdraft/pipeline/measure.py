@@ -97,7 +97,7 @@ def load_job(world: str | Path, drafter: str | Path, suite: str, num_prompts: in
         name = sampling_key(gen.sampling)
         if name not in calibrations:
             raise SpecdraftError(f"{policy} holds no calibration for {name} (a bench or decode run at it adds one)")
-        adaptive = AdaptivePolicy(CostModel(**saved["costs"]), Calibration(**calibrations[name]))
+        adaptive = AdaptivePolicy(CostModel.from_dict(saved["costs"]), Calibration(**calibrations[name]))
     return SuiteJob(target, load_drafter(drafter, target), prompts, gen, adaptive)
 
 

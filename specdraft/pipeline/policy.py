@@ -88,7 +88,7 @@ def adaptive_policy(work_dir: Path, target, drafter, drafter_dir, calibration_pr
     saved = json.loads(path.read_text()) if path.is_file() else {"key": key}
     changed = "context" not in saved.get("costs", {})  # costs or a calibration to add to the cache
     if not changed:
-        costs = CostModel(**saved["costs"])
+        costs = CostModel.from_dict(saved["costs"])
     else:  # none yet, or measured at one context before costs were priced by the context
         rows = sorted({1, *batch_sizes})
         log(f"policy: measuring target and drafter costs for {rows} rows on this machine (cached in {path})")

@@ -13,8 +13,8 @@ import torch
 
 from specdraft.runtime.phase_clock import wall_seconds
 
-CATCH_UP_ENTRIES = 64
-"""Deferred entries a row that :func:`measure_costs` times a catch-up of."""
+RETIRED = ("ingest_s",)
+"""Fields that caches written by earlier versions hold and the model no longer reads."""
 
 
 def _interp(xs: list[int], ys: list[float], x: float) -> float:
@@ -46,12 +46,9 @@ class CostModel:
     """Tokens of cache a row the costs were measured against (0: not recorded; the costs then hold at any context)."""
     short: dict = field(default_factory=dict)
     """``{"context", "target_s", "drafter_s"}``: the same measured against a shorter cache (empty: not measured)."""
-    ingest_s: list[float] = field(default_factory=list)
-    """``[len(rows)]`` seconds of feeding the drafter :data:`CATCH_UP_ENTRIES` target features a row in one pass (a
-    catch-up on features that waited; empty: not measured)."""
 
     def __post_init__(self):
-        # (rows, tokens) -> seconds; (rows, 0): the drafter's round; (rows, -1): a catch-up's entry
+        # (rows, tokens) -> seconds; (rows, 0): the drafter's round
         self._memo: dict[tuple[int, int], float] = {}
         self._at: dict[int, CostModel] = {}  # context -> the costs priced at it
 
@@ -64,14 +61,6 @@ class CostModel:
         if (b, 0) not in self._memo:
             self._memo[b, 0] = _interp(self.rows, self.drafter_s, b)
         return self._memo[b, 0]
-
-    def catch_up(self, b: int) -> float:
-        """Seconds an entry of a catch-up of ``b`` rows takes (0: not measured)."""
-        if not self.ingest_s:
-            return 0.0
-        if (b, -1) not in self._memo:
-            self._memo[b, -1] = _interp(self.rows, self.ingest_s, b) / (CATCH_UP_ENTRIES * b)
-        return self._memo[b, -1]
 
     def at(self, context: int) -> "CostModel":
         """The costs against ``context`` tokens of cache a row: linear in the context through the two measured
@@ -91,8 +80,7 @@ class CostModel:
             target_s = [[line(n, f) for n, f in zip(near, far)] for near, far in zip(self.short["target_s"],
                                                                                     self.target_s)]
             drafter_s = [line(n, f) for n, f in zip(self.short["drafter_s"], self.drafter_s)]
-            self._at[context] = CostModel(self.rows, self.tokens, target_s, drafter_s, self.key, context,
-                                          ingest_s=self.ingest_s)
+            self._at[context] = CostModel(self.rows, self.tokens, target_s, drafter_s, self.key, context)
         return self._at[context]
 
     def save(self, path: Path) -> None:
@@ -101,7 +89,12 @@ class CostModel:
 
     @classmethod
     def load(cls, path: Path) -> "CostModel":
-        return cls(**json.loads(path.read_text()))
+        return cls.from_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_dict(cls, saved: dict) -> "CostModel":
+        """A model from the fields :meth:`save` writes (those of :data:`RETIRED` dropped)."""
+        return cls(**{k: v for k, v in saved.items() if k not in RETIRED})
 
 
 @torch.inference_mode()
@@ -112,19 +105,18 @@ def measure_costs(target, drafter, rows=(1, 8, 32, 64), tokens=(1, 2, 4, 8, 16),
     dev = target.lm_head.weight.device
     K = drafter.block_size - 1
     tokens = sorted({t for t in tokens if t <= K + 1} | {1, K + 1})
-    target_s, drafter_s, ingest_s = _measure_at(target, drafter, rows, tokens, context, repeats)
+    target_s, drafter_s = _measure_at(target, drafter, rows, tokens, context, repeats)
     short = {}
     if 0 < short_context < context:
-        near = _measure_at(target, drafter, rows, tokens, short_context, repeats, catch_ups=False)[:2]
+        near = _measure_at(target, drafter, rows, tokens, short_context, repeats)
         short = {"context": short_context, "target_s": near[0], "drafter_s": near[1]}
     key = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "threads": torch.get_num_threads(), "dtype": str(target.lm_head.weight.dtype), "torch": torch.__version__,
            "context": context}
-    return CostModel(list(rows), tokens, target_s, drafter_s, key, context, short, ingest_s)
+    return CostModel(list(rows), tokens, target_s, drafter_s, key, context, short)
 
 
-def _measure_at(target, drafter, rows, tokens, context: int, repeats: int,
-                catch_ups: bool = True) -> tuple[list, list, list]:
+def _measure_at(target, drafter, rows, tokens, context: int, repeats: int) -> tuple[list, list]:
     dev = target.lm_head.weight.device
     V = target.args.vocab_size
     K = drafter.block_size - 1
@@ -134,7 +126,7 @@ def _measure_at(target, drafter, rows, tokens, context: int, repeats: int,
         return sorted(out)[len(out) // 2]
 
     g = torch.Generator(device="cpu").manual_seed(0)
-    target_s, drafter_s, ingest_s = [], [], []
+    target_s, drafter_s = [], []
     for b in rows:
         ctx = torch.randint(0, V, (b, context), generator=g).to(dev)
         cache = target.new_cache(b, context + K + 2)
@@ -167,18 +159,4 @@ def _measure_at(target, drafter, rows, tokens, context: int, repeats: int,
 
         draft_round()  # the state a drafted round carries into the next, timed from there
         drafter_s.append(timed(draft_round))
-        if not catch_ups:
-            continue
-        behind = torch.cat([out.features[:, :CATCH_UP_ENTRIES]] * -(-CATCH_UP_ENTRIES // context), 1)
-        behind = behind[:, :CATCH_UP_ENTRIES]  # [b, CATCH_UP_ENTRIES, F]
-        fed = torch.full((b,), CATCH_UP_ENTRIES, device=dev)
-
-        def catch_up():
-            drafter.ingest(catch_up_cache, behind, fed)
-
-        runs = []
-        for _ in range(repeats + 1):  # a fresh cache each time (room for one catch-up), the first call warming up
-            catch_up_cache = drafter.new_cache(b, CATCH_UP_ENTRIES + 1)
-            runs.append(wall_seconds(catch_up, dev))
-        ingest_s.append(sorted(runs[1:])[len(runs[1:]) // 2])
-    return target_s, drafter_s, ingest_s
+    return target_s, drafter_s

@@ -232,7 +232,7 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
     admit(state, caches)
     while state.rows.numel() > 0:
         job.clock.lap("commit")
-        rnd = rounds.run(state, caches, lambda: requests.progress(state.rows.tolist()))
+        rnd = rounds.run(state, caches, lambda: requests.mean_context(state.rows.tolist()))
         if observer is not None:
             observer(RoundRecord(state.rows, rnd.draft_tokens, rnd.draft_logits, rnd.hidden, rnd.num_accepted,
                                  rnd.next_token, rnd.target_logits, rnd.nodes, rnd.winner))

@@ -13,9 +13,8 @@ probability, fitted on held-in rounds; :class:`AdaptivePolicy` picks, each round
 number of drafts to verify (the same for every row that drafted: the verify pass pads rows to one width, so a narrower
 row would save nothing) and skips drafting altogether while the recent acceptance says a round cannot beat plain
 decoding, retrying after ``retry_every`` rounds and backing off while retries fail. The model is kept honest by what the
-job measures: each round's wall seconds rescale the modelled costs of its kind (plain or drafted) and size (a drafted
-round's following the plain rounds' drift while none runs), and the
-acceptance counts only drafts a row committed (not those past its stop token or cap). Whether drafting pays is judged on
+job measures: each round's wall seconds rescale the modelled costs of its kind (plain or drafted), and the acceptance
+counts only drafts a row committed (not those past its stop token or cap). Whether drafting pays is judged on
 the running requests' own acceptance (easy requests end first: the ones left are not the average of those drafted for
 before); a request not yet drafted for starts from the acceptance averaged over every drafted round, except in its
 opening round (the first after its prompt), which starts from how earlier requests' opening rounds went: an answer's
@@ -24,8 +23,8 @@ turn's first tokens hardly at all), and the round-averaged acceptance is the lon
 job's tail). Rounds that only
 explore (the job's first, a retry, a probe of new requests) together cost at most a set share of the plain rounds'
 seconds. A plain row feeds
-the drafter nothing: its target features wait, and the drafter ingests them in one pass when it next drafts for the row;
-drafting resumes only where the rows' remaining tokens win that catch-up back. Only how much is drafted and verified
+the drafter nothing: its target features wait, and the drafter ingests them in one pass when it next drafts for the row
+(the engine's deferred ingest). Only how much is drafted and verified
 changes: verifying the first ``k`` drafts of a block is speculative decoding with a block of ``k`` drafts (``k = 0``:
 plain decoding), so the output stays lossless.
 """
@@ -44,12 +43,6 @@ from specdraft.runtime.cost_model import CostModel
 
 MEMO_LIMIT = 4096
 """Entries a memo of prices keeps across context buckets before it starts again."""
-
-
-def _counterpart(key: str | tuple[str, int], kind: str) -> str | tuple[str, int]:
-    """The :attr:`AdaptivePolicy._scale` key of ``kind`` rounds at the same granularity as ``key``: over all sizes, or
-    at its size."""
-    return kind if isinstance(key, str) else (kind, key[1])
 
 
 def conditional_acceptance(accept: np.ndarray) -> np.ndarray:
@@ -122,8 +115,6 @@ class AdaptivePolicy:
         # after request: a new context bucket every few rounds at one row must not price every width again)
         self._rate_memo: dict = {}
         self._seconds_memo: dict[tuple[int, int, int], np.ndarray] = {}  # (context, rows, K) -> by width
-        self._round_memo: dict[tuple[int, int, int, int], tuple] = {}  # (context, rows, drafting, width) -> model, keys
-        self._extra_memo: dict[tuple, tuple[float, float]] = {}  # (context, rows, width) -> seconds
         self._exploring = True  # the last drafted round was a first round, a retry or a probe (not known to pay)
         self._predicted: list[float] = []  # the last drafted round's predicted acceptance per slot (conditional)
         self._drafting = 0  # the rows that drafted in it
@@ -142,25 +133,10 @@ class AdaptivePolicy:
         # requests' drafted opening rounds, [accepted, reached] decayed per request counted
         self._start_counts: list[list[float]] = []
         self.start: list[float] = []  # (not a field: a copy starts without it, as without the requests' records)
-        # running measured / modelled seconds of "plain" / "drafted" rounds, over all sizes and by (kind, size)
-        self._scale: dict[str | tuple[str, int], float] = {}
-        # a drafted ratio's plain counterpart (over all sizes, or at its size) when it was last measured: drafted
-        # ratios follow the plain rounds' drift since (see _ratio)
-        self._anchor: dict[str | tuple[str, int], float] = {}
-        self._size_memo: dict[int, int] = {}  # rows -> the measured row count nearest
+        self._scale: dict[str, float] = {}  # running measured / modelled seconds of "plain" / "drafted" rounds
         self._context = 0  # the context the rounds are priced at (0: the cost model's own)
         self._context_range = (0.0, 0.0)  # the contexts priced at it
-        self._remaining = self._deferred = 0  # the rows' tokens left by their caps; deferred entries (before_round)
-        self._catch_up: dict[int, float] = {}  # running seconds per deferred entry fed, by the rows' size
-        self._catch_up_ratio: dict[int, float] = {}  # the same against the cost model's (0: it timed none)
         self._priced = self.costs  # the cost model at that context
-
-    def before_round(self, context: float, remaining: int = 0, deferred: int = 0) -> None:
-        """What the engine knows of the next round's rows: their mean cache length (:meth:`at_context`), the tokens
-        their caps leave them, and the target features waiting for the drafter (entries, all rows), which a drafted
-        round first feeds it (:meth:`_catch_up_pays`)."""
-        self._remaining, self._deferred = remaining, deferred
-        self.at_context(context)
 
     def at_context(self, context: float) -> None:
         """Price the next rounds against ``context`` tokens of cache a row (the running requests' mean), rounded to
@@ -174,7 +150,7 @@ class AdaptivePolicy:
         if bucket != self._context:
             self._context, self._priced = bucket, self.costs.at(bucket)
             ceilings = [self._rate_memo[c][2] for c in ("ceiling", "ceiling+start") if self._rate_memo.get(c)]
-            for memo in (self._seconds_memo, self._round_memo, self._extra_memo, *ceilings):
+            for memo in (self._seconds_memo, *ceilings):
                 if len(memo) > MEMO_LIMIT:
                     memo.clear()
 
@@ -207,8 +183,8 @@ class AdaptivePolicy:
             # new requests are half the batch: they start from the acceptance drafted requests had on average, not
             # from the last rounds of the ones before them (with ``rows``, each request without its own does)
             self.accept = list(self.population)
-        plain = self._priced.target(b, 1) * self.measured_ratio("plain", b)
-        scale = self.measured_ratio("drafted", b)
+        plain = self._priced.target(b, 1) * self.measured_ratio("plain")
+        scale = self.measured_ratio("drafted")
         # the requests' acceptance drifts with every round: bounded by the drift's end points, a round after a plain
         # one that cannot pay at the bound is decided without the exact rate (a plain round's decision stays a few
         # dict lookups; after a drafted round, which changed the acceptance, the exact rate is computed at once); the
@@ -220,7 +196,7 @@ class AdaptivePolicy:
             spec = self._drafted_rate(b, rows, opening=opening) / scale
         else:
             spec = 0.0
-        if spec >= b / plain and self._catch_up_pays(b, spec, b / plain):
+        if spec >= b / plain:
             self.skipped, self.wait, self._exploring = 0, 0, False
             return True
         extra = self._exploring_extra(b)
@@ -238,24 +214,6 @@ class AdaptivePolicy:
                              bool(opening)]
         return False
 
-    def _catch_up_pays(self, b: int, spec: float, plain_rate: float) -> bool:
-        """Whether drafting for the ``b`` rows at ``spec`` committed tokens a second against plain decoding's
-        ``plain_rate`` wins back, over their remaining tokens (at most what their caps leave), the seconds of first
-        feeding the drafter the features that waited, at the seconds an entry took in this job's catch-ups of about
-        as many rows (none at this size yet: as the cost model times a catch-up of these rows, rescaled as the
-        nearest size fed ran against it; where the model timed none, the nearest size's; none fed: as timed, or free
-        where untimed). A batch's tail, its rows near their caps, would not win back feeding the drafter every token
-        since their prompts."""
-        if not self._deferred:
-            return True
-        per_entry = self._catch_up.get(self._size(b))
-        if per_entry is None:  # not fed at this size yet
-            per_entry = self._priced.catch_up(b)
-            near = min(self._catch_up, key=lambda r: abs(math.log(r / b)), default=None)
-            if near is not None:  # as the nearest size fed ran against the cost model (or as it ran, untimed)
-                per_entry = per_entry * self._catch_up_ratio[near] if per_entry else self._catch_up[near]
-        return not per_entry or self._remaining * (1 / plain_rate - 1 / spec) >= per_entry * self._deferred
-
     def _still_plain(self, b: int, fresh: int, rows: list[int] | None, opening: Collection[int] = ()) -> bool:
         """A round of a plain stretch: begun by a plain round decided on the bound over any rows (the ceiling), and
         going on while the rows' count, the new requests and the acceptance stand (and, begun with no request in its
@@ -271,7 +229,7 @@ class AdaptivePolicy:
         ceiling = st[6].get(self._context)  # by context: the acceptance, hence the ceiling's key, stands
         if ceiling is None:
             ceiling = st[6][self._context] = self._ceiling_rate(b, st[7])
-        plain_scale, drafted_scale = self.measured_ratio("plain", b), self.measured_ratio("drafted", b)
+        plain_scale, drafted_scale = self.measured_ratio("plain"), self.measured_ratio("drafted")
         plain = self._priced.target(b, 1) * plain_scale
         if ceiling / drafted_scale >= b / plain:
             return False
@@ -300,103 +258,37 @@ class AdaptivePolicy:
     def _exploring_extra(self, b: int, plain_scale: float | None = None, drafted_scale: float | None = None) -> float:
         """Seconds an exploring round costs over a plain round (it is assumed to verify the last drafted width: an
         estimate of when the next is due, the measured seconds being what it is charged), at the measured ratios of
-        plain and drafted rounds of ``b`` rows (given: as the caller just read them)."""
-        key = (self._context, b, self.width)
-        if key not in self._extra_memo:
-            width = max(self.width, 1)
-            drafted = self._priced.drafter(b) + self._priced.target(b, width + 1)
-            self._extra_memo[key] = (drafted, self._priced.target(b, 1))
-        drafted, plain = self._extra_memo[key]
-        plain_scale = self.measured_ratio("plain", b) if plain_scale is None else plain_scale
-        drafted_scale = self.measured_ratio("drafted", b) if drafted_scale is None else drafted_scale
-        return max(drafted * drafted_scale - plain * plain_scale, 0.0)
+        plain and drafted rounds (given: as the caller just read them)."""
+        drafted = self._priced.drafter(b) + self._priced.target(b, max(self.width, 1) + 1)
+        plain_scale = self.measured_ratio("plain") if plain_scale is None else plain_scale
+        drafted_scale = self.measured_ratio("drafted") if drafted_scale is None else drafted_scale
+        return max(drafted * drafted_scale - self._priced.target(b, 1) * plain_scale, 0.0)
 
-    def _size(self, b: int) -> int:
-        """The measured row count nearest ``b`` (by ratio), memoised: rounds of about that size share a ratio."""
-        if b not in self._size_memo:
-            self._size_memo[b] = min(self.costs.rows, key=lambda r: abs(math.log(r / b)))
-        return self._size_memo[b]
+    def measured_ratio(self, kind: str) -> float:
+        """Measured / modelled seconds of ``kind`` rounds (``plain`` or ``drafted``); a kind not measured yet: as the
+        other, or as modelled."""
+        return self._scale.get(kind) or self._scale.get("plain" if kind == "drafted" else "drafted") or 1.0
 
-    def measured_ratio(self, kind: str, b: int | None = None) -> float:
-        """Measured / modelled seconds of ``kind`` rounds (``plain`` or ``drafted``) of about ``b`` rows: as measured
-        at that size; a kind not measured at that size yet: its ratio over all sizes, times how the other kind runs at
-        that size against its own ratio over all sizes; a kind not measured at all: as the other, or as modelled. A
-        model priced on a few row counts is off by different factors at different sizes (at one row a round's fixed
-        costs weigh most), and the tail of a job, where few rows are left, decides on its own size's ratios. A drafted
-        ratio follows the plain rounds' drift since it was measured (:meth:`_ratio`)."""
-        if b is not None:
-            size = self._size(b)
-            at_size = self._scale.get((kind, size)) if kind == "plain" else self._ratio((kind, size))
-            if at_size is not None:  # (every round asks: the common case first)
-                return at_size
-        other = "plain" if kind == "drafted" else "drafted"
-        overall = self._ratio(kind) or self._ratio(other) or 1.0
-        if b is None:
-            return overall
-        if (other, size) in self._scale and other in self._scale:  # as measured, each against the other
-            return overall * self._scale[other, size] / self._scale[other]
-        return overall
-
-    def _ratio(self, key: str | tuple[str, int]) -> float | None:
-        """The running measured / modelled ratio of ``key`` (None: not measured); a drafted one times how far its plain
-        counterpart (over all sizes, or at its size) moved since the drafted one was last measured. The machine's
-        speed drifts (other processes, clocks) while drafted rounds may not run for long stretches; what a drafted
-        round costs against a plain one is the models' and the machine's shape, which holds: a ratio frozen at a slow
-        moment would keep a machine that sped up from ever drafting again, one frozen at a fast moment draft where it
-        no longer pays."""
-        value = self._scale.get(key)
-        anchor = self._anchor.get(key)
-        if value is None or not anchor:
-            return value
-        return value * self._scale[_counterpart(key, "plain")] / anchor
-
-    def observe_seconds(self, b: int, drafting: int, width: int, seconds: float, flushed: float = 0.0,
-                        fed: int = 0) -> None:
+    def observe_seconds(self, b: int, drafting: int, width: int, seconds: float, flushed: float = 0.0) -> None:
         """A round's measured wall seconds: ``b`` rows, of which ``drafting`` drafted (0: a plain round), verifying
-        ``width`` drafts; ``flushed``: further seconds it fed the drafter ``fed`` deferred entries (a catch-up, not a
-        cost of the round's kind, priced per entry by :meth:`_catch_up_pays`; an exploring round's is charged to the
-        exploring budget, and with ``measured`` a retry or probe is charged what it measured over a plain round, not
-        the extra it was priced at). The running ratio to what the
+        ``width`` drafts; ``flushed``: further seconds it fed the drafter the features that waited (not a cost of the
+        round's kind; an exploring round's is charged to the exploring budget, and with ``measured`` a retry or probe
+        is charged what it measured over a plain round, not the extra it was priced at). The running ratio to what the
         cost model prices such a round at rescales the model: what it does not time (sampling, verification, commit,
         the drafter's ingest of the accepted tokens) and how far the machine runs from when it was measured. One
         slow round moves the ratio by at most a factor ``1 + cost_smoothing``."""
         if drafting and self._exploring:
             self._credit -= flushed
             if self._charged is not None and self.measured:  # what it took over a plain round, not its price
-                plain = self._priced.target(b, 1) * self.measured_ratio("plain", b)
+                plain = self._priced.target(b, 1) * self.measured_ratio("plain")
                 self._credit -= max(seconds - plain, 0.0) - self._charged
             self._charged = None
-        if fed:  # fed to the drafting rows (a batch fed whole writes its entries in one pass: cheaper per entry)
-            size, per_entry = self._size(max(drafting, 1)), flushed / fed
-            timed = self._priced.catch_up(max(drafting, 1))
-            for seen, value in ((self._catch_up, per_entry), (self._catch_up_ratio, per_entry / timed if timed else 0)):
-                old = seen.get(size)
-                seen[size] = value if old is None else old + self.cost_smoothing * (value - old)
         if not self.measured:
             return
-        priced = self._round_memo.get((self._context, b, drafting, width))  # plain rounds of a size: every round
-        if priced is None:
-            model = (self._priced.drafter(drafting) if drafting else 0.0) + self._priced.target(b, width + 1)
-            kind = "drafted" if drafting else "plain"
-            priced = (max(model, 1e-12), (kind, (kind, self._size(b))))
-            self._round_memo[self._context, b, drafting, width] = priced
-        model, keys = priced
-        ratio = seconds / model
-        for key in keys:  # over all sizes, and at this round's size
-            current = self._ratio(key)
-            old = 1.0 if current is None else current
-            weight = self.cost_smoothing if current is not None else 1.0  # the first round of its kind: as measured
-            self._scale[key] = old + weight * (min(ratio, 2 * old) - old)
-            if keys[0] == "drafted":  # the plain counterpart it is measured against from now on
-                plain = self._scale.get(_counterpart(key, "plain"))
-                if plain is None:
-                    self._anchor.pop(key, None)
-                else:
-                    self._anchor[key] = plain
-            elif current is None:  # a plain ratio first measured: a drafted one measured before it follows from here
-                drafted = _counterpart(key, "drafted")
-                if drafted in self._scale and drafted not in self._anchor:
-                    self._anchor[drafted] = self._scale[key]
+        kind = "drafted" if drafting else "plain"
+        model = (self._priced.drafter(drafting) if drafting else 0.0) + self._priced.target(b, width + 1)
+        ratio, old = seconds / max(model, 1e-12), self._scale.get(kind)
+        self._scale[kind] = min(ratio, 2.0) if old is None else old + self.cost_smoothing * (min(ratio, 2 * old) - old)
 
     def verify_len(self, confidence: torch.Tensor) -> int:
         """Drafts to verify (0..K) given the drafted block's per-slot confidences ``[b, K]``: the width that maximises

@@ -113,8 +113,6 @@ class Requests:
         if self._on_result is not None:
             self._on_result(row, out)
 
-    def progress(self, rows: list[int]) -> tuple[float, int]:
-        """Requests ``rows``' mean context (prompt and generated tokens) and the tokens they have left."""
-        made = sum(len(self.results[r].tokens) for r in rows)
-        context = made + sum(self.prompt_len[r] - 1 for r in rows)
-        return context / len(rows), sum(self.max_new[r] for r in rows) - made
+    def mean_context(self, rows: list[int]) -> float:
+        """Requests ``rows``' mean context (prompt and generated tokens)."""
+        return sum(len(self.results[r].tokens) + self.prompt_len[r] - 1 for r in rows) / len(rows)

@@ -83,9 +83,9 @@ class PlainRounds:
     def __init__(self, job: Job):
         self.job = job
 
-    def run(self, state, caches: dict, progress: Callable[[], tuple[float, int]]) -> Round:
-        """Draft and verify one round of the running rows ``state`` (``progress``: their mean context and the tokens
-        they have left, for a kind that prices rounds)."""
+    def run(self, state, caches: dict, context: Callable[[], float]) -> Round:
+        """Draft and verify one round of the running rows ``state`` (``context``: their mean context, for a kind that
+        prices rounds)."""
         return self._plain(state, caches["t"], {})
 
     def commit(self, state, caches: dict, rnd: Round) -> None:
@@ -124,7 +124,7 @@ class ChainRounds(PlainRounds):
         super().__init__(job)
         self.verify_len = job.drafter.block_size
 
-    def run(self, state, caches: dict, progress) -> Round:
+    def run(self, state, caches: dict, context) -> Round:
         job = self.job
         drafted = _draft(job.drafter, caches["d"], state.anchor, state.draft_state, job.params, job.draft_sampling,
                          job.generator)
@@ -147,7 +147,7 @@ class TreeRounds(ChainRounds):
         self.second = tree.second if tree.second is not job.drafter else None
         self.verify_len = max(tree.max_nodes(self.verify_len), self.verify_len)  # the drafter's block fits too
 
-    def run(self, state, caches: dict, progress) -> Round:
+    def run(self, state, caches: dict, context) -> Round:
         return _tree_round(self.job, self.tree, self.second, state, caches)
 
     def commit(self, state, caches: dict, rnd: Round) -> None:
@@ -198,7 +198,6 @@ class AdaptiveRounds(ChainRounds):
         # a plain round's features wait in the backlog as the layers' outputs (concatenated once, when a row is fed)
         self.split = {"concat_features": False} if isinstance(job.target, TargetLM) else {}
         self.started = self.flushed = self.pricing = 0.0
-        self.fed = 0
         policy.new_job()
 
     def admitted(self, rows: list[int], backlog: Backlog | None, before: int, caches: dict) -> None:
@@ -208,13 +207,13 @@ class AdaptiveRounds(ChainRounds):
         if self.backlog.tokens > MAX_DEFERRED_TOKENS:
             self.backlog.flush(self.job.drafter, caches["d"], second=self._second_feed(caches))
 
-    def run(self, state, caches: dict, progress) -> Round:
+    def run(self, state, caches: dict, context) -> Round:
         job, policy = self.job, self.policy
         if job.device.type == "cuda":
             torch.cuda.synchronize()
-        self.started, self.flushed, self.fed, self.pricing = time.perf_counter(), 0.0, 0, 0.0
+        self.started, self.flushed, self.pricing = time.perf_counter(), 0.0, 0.0
         b, ids = state.rows.numel(), state.rows.tolist()
-        policy.before_round(*progress(), self.backlog.tokens)  # priced at the rows' context and what they have left
+        policy.at_context(context())  # priced at the rows' mean context
         if not policy.draft_this_round(b, len(self.fresh), ids, self.opening):
             rnd = self._plain(state, caches["t"], self.split)
             if self.tree is not None:  # a plain round of a tree job verifies the root alone
@@ -255,16 +254,15 @@ class AdaptiveRounds(ChainRounds):
         self.opening.clear()
         # the round's rows, drafting rows and verified width, as the cost model prices them
         seconds = time.perf_counter() - self.started - self.flushed - self.pricing
-        self.policy.observe_seconds(len(ids), rnd.drafting, width, seconds, self.flushed, self.fed)
+        self.policy.observe_seconds(len(ids), rnd.drafting, width, seconds, self.flushed)
 
     def _flush(self, caches: dict) -> None:
         """Feed the drafter every row's deferred features, timed apart from the round."""
         if self.backlog.tokens:
-            clock, waiting = self.job.clock, self.backlog.tokens
+            clock = self.job.clock
             clock.lap("draft")
             self.flushed += wall_seconds(lambda: self.backlog.flush(self.job.drafter, caches["d"],
                                                                     self._second_feed(caches)), self.job.device)
-            self.fed += waiting - self.backlog.tokens
             clock.lap("flush")
 
 

@@ -546,7 +546,7 @@ class StaticDecoder:
                 torch.cuda.synchronize()  # the compaction's copies are not the round's seconds
             drafted, started = True, time.perf_counter()  # (after the last round's host sync)
             if policy is not None:
-                policy.before_round(*requests.progress(ids))  # priced at the rows' context and what they have left
+                policy.at_context(requests.mean_context(ids))  # priced at the rows' mean context
                 drafted = policy.draft_this_round(len(ids), len(fresh), ids, opening)
             rnd = self._round(bk, config, generator) if drafted else self._plain_round(bk, config, generator)
             bk.counts.copy_(commit_counts(rnd.num_accepted, active))

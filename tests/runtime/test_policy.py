@@ -442,7 +442,7 @@ def test_plain_stretches_decide_as_deciding_every_round(seed, by_context):
                 opening = set(arrived)
                 context = 40 + (context - 40) / 2
             if by_context:
-                policy.before_round(context)
+                policy.at_context(context)
             context += 1
             m = len(rows) if policy.draft_this_round(len(rows), fresh, rows, opening) else 0
             plan.append((m, policy.skipped, policy.wait))
@@ -521,69 +521,6 @@ def test_measured_round_seconds_rescale_the_cost_model():
     model_only = AdaptivePolicy(costs(per_token=0.1, drafter=0.1), accept=[0.5, 0.5, 0.5], width=3, measured=False)
     model_only.observe_seconds(8, 8, 3, 3 * 1.4)
     assert model_only.draft_this_round(8)
-
-
-def test_round_seconds_rescale_the_cost_model_by_size():
-    """A job's tail, where one row is left, decides on what rounds of one row cost: where drafted rounds of one row
-    run twice what the model says (plain ones of one row, and all rounds of 64, as modelled), drafting stops for one
-    row and goes on for 64; a size not measured for a kind takes its ratio over all sizes, adjusted by how the other
-    kind runs at that size."""
-    policy = AdaptivePolicy(costs(per_token=0.1, drafter=0.1), accept=[0.5, 0.5, 0.5], width=3)
-    assert policy.draft_this_round(1) and policy.draft_this_round(64)  # 1.875 tokens for 1.4 s against 1 for 1 s
-    for _ in range(30):
-        policy.observe_seconds(64, 64, 3, 1.4)
-        policy.observe_seconds(64, 0, 0, 1.0)
-        policy.observe_seconds(1, 0, 0, 1.0)
-    for _ in range(30):
-        policy.observe_seconds(1, 1, 3, 2 * 1.4)
-    assert policy.measured_ratio("drafted", 1) == pytest.approx(2.0, rel=0.05)
-    assert policy.measured_ratio("drafted", 64) == pytest.approx(1.0)
-    assert policy.measured_ratio("plain", 1) == pytest.approx(1.0)
-    assert not policy.draft_this_round(1) and policy.draft_this_round(64)
-    # sizes between the measured row counts take the nearest one's (by ratio)
-    assert policy.measured_ratio("drafted", 4) == policy.measured_ratio("drafted", 1)
-    assert policy.measured_ratio("drafted", 40) == policy.measured_ratio("drafted", 64)
-    # plain rounds of 64 rows measured at three times the model, drafted ones at 64 not yet: priced alike
-    fresh = AdaptivePolicy(costs(per_token=0.1, drafter=0.1), accept=[0.5, 0.5, 0.5], width=3)
-    fresh.observe_seconds(1, 0, 0, 1.0)
-    fresh.observe_seconds(1, 1, 3, 1.4)
-    fresh.observe_seconds(64, 0, 0, 3.0)
-    assert fresh.measured_ratio("drafted", 64) == pytest.approx(
-        fresh.measured_ratio("drafted") * fresh.measured_ratio("plain", 64) / fresh.measured_ratio("plain"))
-    assert fresh.measured_ratio("drafted", 64) > fresh.measured_ratio("drafted", 1)
-
-
-def test_drafted_rounds_priced_as_following_the_machines_drift_while_none_runs():
-    """Rounds measured at a slow moment (every round 1.5x its model), then the machine speeds up (plain rounds at
-    0.75x) while no drafted round runs: drafted rounds are priced as having sped up with it, not frozen at 1.5x,
-    which would keep a drafter that pays at the machine's speed (0.8 a slot: 2.95 tokens a row for 2.2 s against 1
-    for 1 s) from drafting again."""
-    policy = AdaptivePolicy(costs(per_token=0.3, drafter=0.3))
-    c = policy.costs
-    for _ in range(3):
-        policy.observe_seconds(8, 0, 0, 1.5 * c.target(8, 1))
-        policy.observe_seconds(8, 8, 3, 1.5 * (c.drafter(8) + c.target(8, 4)))
-    assert policy.measured_ratio("drafted", 8) == pytest.approx(1.5)
-    for _ in range(100):
-        policy.observe_seconds(8, 0, 0, 0.75 * c.target(8, 1))
-    assert policy.measured_ratio("plain", 8) == pytest.approx(0.75, rel=1e-3)
-    assert policy.measured_ratio("drafted", 8) == pytest.approx(0.75, rel=1e-3)
-    assert policy.measured_ratio("drafted", 1) == pytest.approx(0.75, rel=1e-3)  # over all sizes too
-    policy.accept = [0.8] * 3
-    frozen = deepcopy(policy)
-    frozen._anchor.clear()
-    assert frozen.measured_ratio("drafted", 8) == pytest.approx(1.5) and not frozen.draft_this_round(8)
-    assert policy.draft_this_round(8)
-    policy.observe_seconds(8, 8, 3, 0.9 * (c.drafter(8) + c.target(8, 4)))  # measured again: from where it was
-    assert policy.measured_ratio("drafted", 8) == pytest.approx(0.75 + 0.1 * (0.9 - 0.75), rel=1e-3)
-    early = AdaptivePolicy(costs(per_token=0.3, drafter=0.3))  # drafted rounds measured before any plain one
-    early.observe_seconds(8, 8, 3, 1.5 * (c.drafter(8) + c.target(8, 4)))
-    for _ in range(100):
-        early.observe_seconds(8, 0, 0, 0.75 * c.target(8, 1))  # the first plain ratio is 0.75: nothing drifted yet
-    assert early.measured_ratio("drafted", 8) == pytest.approx(1.5 * early.measured_ratio("plain", 8) / 0.75, rel=1e-3)
-    early.observe_seconds(8, 0, 0, 1.5 * c.target(8, 1))  # the machine slows
-    assert early.measured_ratio("drafted", 8) == pytest.approx(1.5 * early.measured_ratio("plain", 8) / 0.75, rel=1e-3)
-    assert early.measured_ratio("drafted", 8) > 1.6
 
 
 def test_the_policy_learns_from_the_drafts_rows_committed():

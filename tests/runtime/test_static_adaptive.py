@@ -138,9 +138,9 @@ class Recording(AdaptivePolicy):
         super().__post_init__()
         self.calls = []
 
-    def before_round(self, context, remaining=0, deferred=0):
-        self.calls.append(("before_round", round(context, 6), remaining))  # deferred: the eager engine's backlog
-        super().before_round(context, remaining, deferred)
+    def at_context(self, context):
+        self.calls.append(("at_context", round(context, 6)))
+        super().at_context(context)
 
     def draft_this_round(self, b, fresh=0, rows=None, opening=()):
         drafted = super().draft_this_round(b, fresh, rows, opening)
@@ -151,9 +151,9 @@ class Recording(AdaptivePolicy):
         self.calls.append(("observe", frozenset(zip(rows, num_accepted.tolist())), frozenset(opening)))
         super().observe(num_accepted, rows, opening)
 
-    def observe_seconds(self, b, drafting, width, seconds, flushed=0.0, fed=0):
+    def observe_seconds(self, b, drafting, width, seconds, flushed=0.0):
         self.calls.append(("observe_seconds", b, drafting, width))
-        super().observe_seconds(b, drafting, width, seconds, flushed, fed)
+        super().observe_seconds(b, drafting, width, seconds, flushed)
 
 
 @pytest.mark.parametrize("per_token", [0.0, 1.0], ids=["drafts", "mostly-plain"])
