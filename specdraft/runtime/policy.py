@@ -5,28 +5,22 @@ verifies ``k`` drafts costs a drafter round ``D(b)`` plus a target pass over ``k
 ``T(b, k + 1)`` and commits ``sum_rows E_r(k)`` tokens, ``E_r(k) = 1 + sum_{j<=k} prod_{i<=j} a_{r,i}`` with ``a_{r,i}``
 the chance that slot ``i`` is accepted given the slots before it. Plain decoding commits ``b`` tokens per ``T(b, 1)``.
 
-:class:`~specdraft.runtime.cost_model.CostModel` holds ``T`` and ``D`` measured on the machine at two cache lengths
-(:func:`~specdraft.runtime.cost_model.measure_costs`, cached per machine and models), and a round is priced at its
-rows' mean cache length (:meth:`AdaptivePolicy.at_context`); :class:`~specdraft.runtime.calibration.Calibration` maps
-the drafter's per-slot confidence (its probability of its own draft, the quantity D²SD branches on) to an acceptance
-probability, fitted on held-in rounds; :class:`AdaptivePolicy` picks, each round, the
-number of drafts to verify (the same for every row that drafted: the verify pass pads rows to one width, so a narrower
-row would save nothing) and skips drafting altogether while the recent acceptance says a round cannot beat plain
-decoding, retrying after ``retry_every`` rounds and backing off while retries fail. The model is kept honest by what the
-job measures: each round's wall seconds rescale the modelled costs of its kind (plain or drafted), and the acceptance
-counts only drafts a row committed (not those past its stop token or cap). Whether drafting pays is judged on
-the running requests' own acceptance (easy requests end first: the ones left are not the average of those drafted for
-before); a request not yet drafted for starts from the acceptance averaged over every drafted round, except in its
-opening round (the first after its prompt), which starts from how earlier requests' opening rounds went: an answer's
-opening differs from its middle (a greedy math answer's formulaic first line is drafted almost whole, a dialogue
-turn's first tokens hardly at all), and the round-averaged acceptance is the long requests' (those still running at a
-job's tail). Rounds that only
-explore (the job's first, a retry, a probe of new requests) together cost at most a set share of the plain rounds'
-seconds. A plain row feeds
-the drafter nothing: its target features wait, and the drafter ingests them in one pass when it next drafts for the row
-(the engine's deferred ingest). Only how much is drafted and verified
-changes: verifying the first ``k`` drafts of a block is speculative decoding with a block of ``k`` drafts (``k = 0``:
-plain decoding), so the output stays lossless.
+- Costs: :class:`~specdraft.runtime.cost_model.CostModel` (``T`` and ``D`` measured on the machine at two cache
+  lengths), priced at the rows' mean cache length (:meth:`AdaptivePolicy.at_context`) and rescaled by the running
+  ratio of each kind's (plain, drafted) measured round seconds to the model's.
+- Acceptance: :class:`~specdraft.runtime.calibration.Calibration` maps the drafter's per-slot confidence to an
+  acceptance probability (the width of a drafted round); whether to draft is judged on the running requests' own
+  records of committed drafts (easy requests end first), a request without one starting from the population's, or
+  in its opening round (the first after its prompt) from earlier requests' openings (an answer's opening differs
+  from its middle).
+- Exploring: while drafting does not pay, plain rounds run; a retry after ``retry_every`` of them (the wait doubling
+  while retries fail) or a probe of new requests drafts for every row, and together they cost at most
+  ``explore_share`` of the plain rounds' seconds.
+
+A plain row feeds the drafter nothing: its target features wait, and the drafter ingests them in one pass when it next
+drafts for the row (the engine's deferred ingest). Only how much is drafted and verified changes: verifying the first
+``k`` drafts of a block is speculative decoding with a block of ``k`` drafts (``k = 0``: plain decoding), so the output
+stays lossless.
 """
 
 from __future__ import annotations
@@ -229,11 +223,10 @@ class AdaptivePolicy:
         ceiling = st[6].get(self._context)  # by context: the acceptance, hence the ceiling's key, stands
         if ceiling is None:
             ceiling = st[6][self._context] = self._ceiling_rate(b, st[7])
-        plain_scale, drafted_scale = self.measured_ratio("plain"), self.measured_ratio("drafted")
-        plain = self._priced.target(b, 1) * plain_scale
-        if ceiling / drafted_scale >= b / plain:
+        plain = self._priced.target(b, 1) * self.measured_ratio("plain")
+        if ceiling / self.measured_ratio("drafted") >= b / plain:
             return False
-        extra = self._exploring_extra(b, plain_scale, drafted_scale)
+        extra = self._exploring_extra(b)
         if self._exploring_due(b, fresh, extra) is not None:
             return False
         self._count_plain(plain, extra)
@@ -255,14 +248,12 @@ class AdaptivePolicy:
         self.skipped += 1
         self._credit = min(self._credit + self.explore_share * plain, 2 * extra)
 
-    def _exploring_extra(self, b: int, plain_scale: float | None = None, drafted_scale: float | None = None) -> float:
+    def _exploring_extra(self, b: int) -> float:
         """Seconds an exploring round costs over a plain round (it is assumed to verify the last drafted width: an
-        estimate of when the next is due, the measured seconds being what it is charged), at the measured ratios of
-        plain and drafted rounds (given: as the caller just read them)."""
+        estimate of when the next is due, the measured seconds being what it is charged)."""
         drafted = self._priced.drafter(b) + self._priced.target(b, max(self.width, 1) + 1)
-        plain_scale = self.measured_ratio("plain") if plain_scale is None else plain_scale
-        drafted_scale = self.measured_ratio("drafted") if drafted_scale is None else drafted_scale
-        return max(drafted * drafted_scale - self._priced.target(b, 1) * plain_scale, 0.0)
+        plain = self._priced.target(b, 1)
+        return max(drafted * self.measured_ratio("drafted") - plain * self.measured_ratio("plain"), 0.0)
 
     def measured_ratio(self, kind: str) -> float:
         """Measured / modelled seconds of ``kind`` rounds (``plain`` or ``drafted``); a kind not measured yet: as the
