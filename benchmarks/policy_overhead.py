@@ -162,7 +162,7 @@ def _run(args, target, drafter, prompts, gen, base, calls: dict[str, list], pass
 
 def timed_passes(target, drafter) -> dict:
     """Time every pass of ``target`` (``forward``) and of ``drafter`` (``draft_hidden``, ``logits``, ``ingest``,
-    ``ingest_rows``; a call inside another counts once), and count the decode loop's rounds (its ``verify_round``
+    ``ingest_packed``; a call inside another counts once), and count the decode loop's rounds (its ``verify_round``
     calls). Returns the tally it adds to: ``seconds`` in passes, ``steps`` (each one-token target pass's seconds: a
     plain round's or AR's) and ``rounds`` (a caller resets them
     per job). On CUDA each outermost pass synchronises before and after (its kernels counted, not their launch)."""
@@ -192,7 +192,7 @@ def timed_passes(target, drafter) -> dict:
         return call
 
     target.forward = timed(target.forward, step=True)
-    for name in ("draft_hidden", "logits", "ingest", "ingest_rows"):
+    for name in ("draft_hidden", "logits", "ingest", "ingest_packed"):
         setattr(drafter, name, timed(getattr(drafter, name)))
     verify_round = rounds.verify_round
 

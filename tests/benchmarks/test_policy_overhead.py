@@ -44,9 +44,9 @@ class _Drafter:
         self.clock.now += cost
 
     def ingest(self, cost: float):
-        return self.ingest_rows(cost)  # a pass that calls another: counted once
+        return self.ingest_packed(cost)  # a pass that calls another: counted once
 
-    def ingest_rows(self, cost: float):
+    def ingest_packed(self, cost: float):
         self.clock.now += cost
 
 

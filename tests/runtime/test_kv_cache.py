@@ -70,8 +70,8 @@ def test_uneven_ingest_projects_only_real_tokens_and_equals_ingesting_each_row_a
         batch = drafter.new_cache(4, 24)
         drafter.ingest(batch, start, lens)  # uneven history first: rows start at different slots
         calls = []
-        packed = drafter.ingest_rows
-        drafter.ingest_rows = lambda *a: calls.append(1) or packed(*a)
+        packed = drafter.ingest_packed
+        drafter.ingest_packed = lambda *a: calls.append(1) or packed(*a)
         fused = drafter.ingest(batch, feats, counts)
         assert calls and fused.shape == (4, 9, drafter.config.hidden_size)
         blk = torch.full((4, drafter.block_size), drafter.config.mask_token_id)

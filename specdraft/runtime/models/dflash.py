@@ -284,7 +284,7 @@ class DFlashDrafter(nn.Module):
             cache.check_room(T)
             T_kv = min(T, int(counts.max()))
             if not self.wants_verify_context and B > 1 and 2 * int(counts.sum()) < B * T_kv:  # mostly padding
-                return self.ingest_rows(cache, ctx_features[:, :T_kv], counts, torch.arange(B, device=counts.device))
+                return self.ingest_packed(cache, ctx_features[:, :T_kv], counts)
         fused = self.fuse_context(ctx_features if self.wants_verify_context else ctx_features[:, :T_kv])  # [B, T', D]
         slots = cache.lengths[:, None] + torch.arange(T_kv, device=ctx_features.device)  # [B, T_kv]
         for i, (k, v) in enumerate(self.context_kv(ctx_features[:, :T_kv], slots, fused[:, :T_kv])):
@@ -292,24 +292,19 @@ class DFlashDrafter(nn.Module):
         cache.commit(counts)
         return fused
 
-    def ingest_rows(self, cache: KVCache, ctx_features: torch.Tensor, counts: torch.Tensor,
-                    rows: torch.Tensor) -> torch.Tensor:
-        """:meth:`ingest` for some of the cache's rows: row ``rows[i]`` appends the first ``counts[i]`` of
-        ``ctx_features[i]`` (``[m, T, F]``), the other rows nothing. Only real tokens are projected (packed into one
-        sequence). Returns the fused context ``[m, T, D]`` (zeros past a row's count)."""
-        m, T, _ = ctx_features.shape
+    def ingest_packed(self, cache: KVCache, ctx_features: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """:meth:`ingest` projecting only real tokens, packed into one sequence (a backlog flush, where padding would
+        be most of the work). Returns the fused context ``[B, T, D]`` (zeros past a row's count)."""
+        B, T, _ = ctx_features.shape
         cache.check_room(T)  # a clear error, not an index out of range, when a backlog outgrows the cache
-        real = torch.arange(T, device=counts.device) < counts[:, None]  # [m, T]
+        real = torch.arange(T, device=counts.device) < counts[:, None]  # [B, T]
         i, cols = real.nonzero(as_tuple=True)  # [N], [N] row-major: each row's tokens in order
-        at = rows[i]  # [N] cache rows
-        slots = cache.lengths[at] + cols  # [N]
+        slots = cache.lengths[i] + cols  # [N]
         packed = self.fuse_context(ctx_features[i, cols][None])  # [1, N, D]
         for layer, (k, v) in enumerate(self.context_kv(None, slots[None], packed)):  # [1, H_kv, N, Dh] each
-            cache.write_packed(layer, k[0], v[0], at, slots)
-        grown = torch.zeros_like(cache.lengths)  # [B]
-        grown[rows] = counts
-        cache.commit(grown)
-        fused = packed.new_zeros(m, T, packed.shape[-1])  # [m, T, D]
+            cache.write_packed(layer, k[0], v[0], i, slots)
+        cache.commit(counts)
+        fused = packed.new_zeros(B, T, packed.shape[-1])  # [B, T, D]
         fused[i, cols] = packed[0]
         return fused
 
