@@ -10,9 +10,7 @@ the chance that slot ``i`` is accepted given the slots before it. Plain decoding
   ratio of each kind's (plain, drafted) measured round seconds to the model's.
 - Acceptance: :class:`~specdraft.runtime.calibration.Calibration` maps the drafter's per-slot confidence to an
   acceptance probability (the width of a drafted round); whether to draft is judged on the running requests' own
-  records of committed drafts (easy requests end first), a request without one starting from the population's, or
-  in its opening round (the first after its prompt) from earlier requests' openings (an answer's opening differs
-  from its middle).
+  records of committed drafts (easy requests end first), a request without one starting from the population's.
 - Exploring: while drafting does not pay, plain rounds run; a retry after ``retry_every`` of them (the wait doubling
   while retries fail) or a probe of new requests drafts for every row, and together they cost at most
   ``explore_share`` of the plain rounds' seconds.
@@ -26,7 +24,6 @@ stays lossless.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -88,8 +85,6 @@ class AdaptivePolicy:
     per round; a slot starts from 8 rows' worth of the calibrated prediction, so the few rows of a job's first round
     do not decide alone): what a request's own record starts from and drifts back to."""
     population_decay: float = 0.95
-    start_decay: float = 0.98
-    """Per request whose opening round is counted in :attr:`start`, the weight the earlier requests' keep."""
     drift: float = 0.9
     """Each round since a request last drafted keeps this share of its own evidence's weight against one round's worth
     of the population's acceptance: a request's acceptance drifts, and where drafting pays on average a stretch of
@@ -123,10 +118,6 @@ class AdaptivePolicy:
         self._lean_sums = [self.own_weight_prior, self.own_weight_prior]
         # per slot [accepted, reached], decayed per drafted round (a given population counts as 8 rows' worth)
         self._population_counts: list[list[float]] = [[8.0 * p, 8.0] for p in self.population]
-        # what a request's opening round (its first after the prompt) starts from: the acceptance per slot of
-        # requests' drafted opening rounds, [accepted, reached] decayed per request counted
-        self._start_counts: list[list[float]] = []
-        self.start: list[float] = []  # (not a field: a copy starts without it, as without the requests' records)
         self._scale: dict[str, float] = {}  # running measured / modelled seconds of "plain" / "drafted" rounds
         self._context = 0  # the context the rounds are priced at (0: the cost model's own)
         self._context_range = (0.0, 0.0)  # the contexts priced at it
@@ -143,7 +134,7 @@ class AdaptivePolicy:
         bucket = round(2 ** (i / 8))
         if bucket != self._context:
             self._context, self._priced = bucket, self.costs.at(bucket)
-            ceilings = [self._rate_memo[c][2] for c in ("ceiling", "ceiling+start") if self._rate_memo.get(c)]
+            ceilings = [self._rate_memo["ceiling"][2]] if self._rate_memo.get("ceiling") else []
             for memo in (self._seconds_memo, *ceilings):
                 if len(memo) > MEMO_LIMIT:
                     memo.clear()
@@ -154,21 +145,19 @@ class AdaptivePolicy:
         self._row_accept, self._row_version = {}, self._row_version + 1
         self._charged = None  # a round of a job that ended before it was measured is charged nothing more
 
-    def draft_this_round(self, b: int, fresh: int = 0, rows: list[int] | None = None,
-                         opening: Collection[int] = ()) -> bool:
+    def draft_this_round(self, b: int, fresh: int = 0, rows: list[int] | None = None) -> bool:
         """False while the running acceptance (each request's own where ``rows``, the ``b`` running requests, are
         given and it has one) says no width of drafted round commits more tokens per second than plain decoding, at
         the rounds' measured costs (plain rounds then run). Drafting is retried after ``retry_every`` plain rounds,
         then after twice as many while retries keep failing, and new requests are probed once ``fresh`` rows (still
         running, admitted since the last drafted round) are half the batch, after ``retry_every`` plain rounds;
-        either only once :attr:`explore_share` of the plain rounds' seconds pays for its extra seconds. ``opening``: the
-        requests in their opening round (the first after their prompt), which start from :attr:`start`."""
+        either only once :attr:`explore_share` of the plain rounds' seconds pays for its extra seconds."""
         self._exploring = True
         self._round += 1
         if rows is not None and len(self._row_accept) > 2 * len(rows) + 64:  # ended requests: forget them
             kept = set(rows)
             self._row_accept = {r: e for r, e in self._row_accept.items() if r in kept}
-        if self._still_plain(b, fresh, rows, opening):
+        if self._still_plain(b, fresh, rows):
             return False
         self._stretch = None
         if not self.accept:
@@ -184,10 +173,10 @@ class AdaptivePolicy:
         # dict lookups; after a drafted round, which changed the acceptance, the exact rate is computed at once); the
         # bound over these rows is asked only where one over any rows (kept while requests end) could pay
         ceiling = (None if rows is None or self.skipped == 0
-                   else self._ceiling_rate(b, bool(opening)) / scale)
+                   else self._ceiling_rate(b) / scale)
         if (ceiling is None or (ceiling >= b / plain
-                                and self._drafted_rate(b, rows, True, opening) / scale >= b / plain)):
-            spec = self._drafted_rate(b, rows, opening=opening) / scale
+                                and self._drafted_rate(b, rows, True) / scale >= b / plain)):
+            spec = self._drafted_rate(b, rows) / scale
         else:
             spec = 0.0
         if spec >= b / plain:
@@ -204,25 +193,22 @@ class AdaptivePolicy:
             return True
         self._count_plain(plain, extra)
         if ceiling is not None and ceiling < b / plain:
-            self._stretch = [b, fresh, self.accept, self.population, self._row_version, self._lean_sums, {},
-                             bool(opening)]
+            self._stretch = [b, fresh, self.accept, self.population, self._row_version, self._lean_sums, {}]
         return False
 
-    def _still_plain(self, b: int, fresh: int, rows: list[int] | None, opening: Collection[int] = ()) -> bool:
+    def _still_plain(self, b: int, fresh: int, rows: list[int] | None) -> bool:
         """A round of a plain stretch: begun by a plain round decided on the bound over any rows (the ceiling), and
-        going on while the rows' count, the new requests and the acceptance stand (and, begun with no request in its
-        opening round, still none is: one starts from :attr:`start`), that bound still below plain
+        going on while the rows' count, the new requests and the acceptance stand, that bound still below plain
         decoding's rate at the round's context and measured costs, and neither a retry nor a probe is due. Plain, as
         :meth:`draft_this_round` would decide, without its pass over the acceptance (the ceiling is memoised by the
         rows' count and context): a plain round's decision stays a few lookups."""
         st = self._stretch
         if (st is None or rows is None or st[0] != b or st[1] != fresh or st[2] is not self.accept
-                or st[3] is not self.population or st[4] != self._row_version or st[5] is not self._lean_sums
-                or (opening and not st[7])):
+                or st[3] is not self.population or st[4] != self._row_version or st[5] is not self._lean_sums):
             return False
         ceiling = st[6].get(self._context)  # by context: the acceptance, hence the ceiling's key, stands
         if ceiling is None:
-            ceiling = st[6][self._context] = self._ceiling_rate(b, st[7])
+            ceiling = st[6][self._context] = self._ceiling_rate(b)
         plain = self._priced.target(b, 1) * self.measured_ratio("plain")
         if ceiling / self.measured_ratio("drafted") >= b / plain:
             return False
@@ -335,18 +321,15 @@ class AdaptivePolicy:
             self._population_counts = counts
             self.population = [hit / reached for hit, reached in counts]
 
-    def _drafted_rate(self, b: int, rows: list[int] | None = None, bound: bool = False,
-                      opening: Collection[int] = ()) -> float:
+    def _drafted_rate(self, b: int, rows: list[int] | None = None, bound: bool = False) -> float:
         """Expected committed tokens per second of a drafted round of ``b`` rows (requests ``rows``: each at its own
-        running acceptance, or the population's before it has one, :attr:`start` in its ``opening`` round; else all at
-        the running acceptance) at its best
+        running acceptance, or the population's before it has one; else all at the running acceptance) at its best
         width (kept until an acceptance or the rows change: plain rounds ask it every round). ``bound``: an upper
         bound that holds however many rounds pass, each request's slot at the higher of its own acceptance and the
         population's (the drift moves a request's acceptance between the two; committed tokens grow with every
         slot's acceptance), kept until an acceptance or the rows change."""
         which = "bound" if bound else "rate"
-        drift = None if rows is None else (tuple(rows), self._row_version, None if bound else self._round // 4,
-                                           frozenset(opening) if opening else None)
+        drift = None if rows is None else (tuple(rows), self._row_version, None if bound else self._round // 4)
         key = (b, tuple(self.accept), self._lean(), drift, self._context)
         if self._rate_memo.get(which) is None or self._rate_memo[which][0] != key:
             K = max(self.costs.tokens) - 1
@@ -355,32 +338,26 @@ class AdaptivePolicy:
             else:
                 prior = self._prior(K)  # [K]
                 counts = self._row_counts(rows, prior, drifted=not bound)  # [b, 2, K]
-                accept = self._own(counts, prior, bound)  # [b, K]
-                if opening:  # a request in its opening round: as earlier requests' opening rounds went
-                    accept[[r in opening for r in rows]] = self._start(K)
-                committed = expected_committed(accept).sum(0)  # [K + 1]
+                committed = expected_committed(self._own(counts, prior, bound)).sum(0)  # [K + 1]
             rate = self._best_rate(committed, b)
             self._rate_memo[which] = (key, rate)
         return self._rate_memo[which][1]
 
-    def _ceiling_rate(self, b: int, opening: bool = True) -> float:
+    def _ceiling_rate(self, b: int) -> float:
         """An upper bound of :meth:`_drafted_rate` ``(b, rows, bound=True)`` for any ``b`` running requests: every
-        slot of every row at the highest acceptance any known request or the population has, or (``opening``: some
-        requests are in their opening round) :attr:`start` has (kept until an acceptance changes, not when requests
-        end: a plain round of many rows, some ending in most rounds, decides on it without a pass over its rows)."""
-        which = "ceiling+start" if opening else "ceiling"
-        key = (tuple(self.accept), tuple(self.population), tuple(self.start), self._row_version, self._lean())
-        if self._rate_memo.get(which) is None or self._rate_memo[which][0] != key:
+        slot of every row at the highest acceptance any known request or the population has (kept until an acceptance
+        changes, not when requests end: a plain round of many rows, some ending in most rounds, decides on it without
+        a pass over its rows)."""
+        key = (tuple(self.accept), tuple(self.population), self._row_version, self._lean())
+        if self._rate_memo.get("ceiling") is None or self._rate_memo["ceiling"][0] != key:
             K = max(self.costs.tokens) - 1
             top = self._prior(K)  # [K]
-            if opening:
-                top = np.maximum(top, self._start(K))
             if self._row_accept:
                 own = np.stack([c for c, _ in self._row_accept.values()])  # [r, 2, K] accepted, reached
                 top = self._own(own, top, bound=True).max(0)
             # [K + 1] a row; rates by rows and context
-            self._rate_memo[which] = (key, expected_committed(top[None])[0], {})
-        _, committed, rates = self._rate_memo[which]
+            self._rate_memo["ceiling"] = (key, expected_committed(top[None])[0], {})
+        _, committed, rates = self._rate_memo["ceiling"]
         if (b, self._context) not in rates:
             rates[b, self._context] = self._best_rate(committed * b, b)
         return rates[b, self._context]
@@ -446,52 +423,14 @@ class AdaptivePolicy:
         verified, the running acceptance (calibrated predictions past the verified slots) of the others."""
         return np.concatenate([np.array(self.population[:K], dtype=np.float64), self._accept(K)[len(self.population):]])
 
-    def _start(self, K: int) -> np.ndarray:
-        """``[K]``: what a request's opening round starts from: :attr:`start` (earlier requests' opening rounds) for
-        the slots it has, :meth:`_prior` past them."""
-        out = self._prior(K)
-        n = min(len(self.start), K)
-        out[:n] = self.start[:n]
-        return out
-
-    def _count_start(self, accepted: np.ndarray, K: int) -> None:
-        """Count the drafted opening rounds of requests that accepted ``accepted`` ``[m]`` drafts in :attr:`start`: the
-        verified slots from their outcomes, the slots past them that it has from the round's calibrated prediction
-        (a row's worth each, as :meth:`_blend_predicted` counts the population's); a slot first reached starts from 2
-        requests' worth of the population's acceptance (:meth:`_prior`: few openings are drafted while drafting does
-        not pay, and a job's first decision rests on them). Earlier requests keep
-        ``start_decay`` each."""
-        m = len(accepted)
-        if m == 0:
-            return
-        keep = self.start_decay ** m
-        counts = [[c * keep for c in slot] for slot in self._start_counts]
-        prior = self._prior(K)  # [K]
-        for j in range(1, K + 1):
-            if j <= self.width:
-                reached, hits = float((accepted >= j - 1).sum()), float((accepted >= j).sum())
-                if reached == 0:
-                    break
-            elif j <= min(len(counts), len(self._predicted)):
-                reached, hits = float(m), m * self._predicted[j - 1]
-            else:
-                break
-            if j > len(counts):
-                counts.append([2.0 * prior[j - 1], 2.0])
-            counts[j - 1] = [counts[j - 1][0] + hits, counts[j - 1][1] + reached]
-        self._start_counts = counts
-        self.start = [float(hit / reached) for hit, reached in counts]
-        self._row_version += 1
-
-    def observe(self, num_accepted: torch.Tensor, rows: list[int] | None = None, opening: Collection[int] = ()) -> None:
+    def observe(self, num_accepted: torch.Tensor, rows: list[int] | None = None) -> None:
         """Update the running per-slot acceptance with a drafted round's accepted drafts ``[b]``: the ``self.width``
         verified slots from realised outcomes (an over-confident drafter must not talk the policy into drafting), the
         slots past them from the round's calibrated prediction (nothing else is known of them, and the width was
         chosen because they did not pay). With ``rows`` (the requests that drafted), each request's own running
         acceptance of the verified slots too (accepted over reached, older rounds weighted down by ``1 - smoothing``
         per round), starting from one round's worth of the population's: the requests that remain are not the
-        average of those that drafted before (easy ones end first). The rows of requests in ``opening`` (their opening
-        round) count in :attr:`start` too."""
+        average of those that drafted before (easy ones end first)."""
         n = num_accepted.cpu().numpy()
         K = max(self.costs.tokens) - 1
         if rows is not None and self.width > 0 and (self.population or self.accept):
@@ -508,8 +447,6 @@ class AdaptivePolicy:
             own = own * decay + np.stack([hit, reached], axis=1)
             self._row_accept.update((r, (c, self._round)) for r, c in zip(rows, own))
             self._row_version += 1
-        if opening and rows is not None and self.width > 0:
-            self._count_start(n[[r in opening for r in rows]], K)
         accept = list(self.accept)  # new lists: copies of a policy (dataclasses.replace) must not share them
         counts = [[c * self.population_decay for c in slot] for slot in self._population_counts]
         at_least = np.bincount(np.clip(n, 0, None), minlength=self.width + 1)[::-1].cumsum()[::-1].tolist()  # n >= j

@@ -194,7 +194,6 @@ class AdaptiveRounds(ChainRounds):
         self.policy, self.drafter_room = policy, extra_room
         self.backlog = Backlog()
         self.fresh: set[int] = set()  # requests admitted since the last drafted round (the policy probes them)
-        self.opening: set[int] = set()  # requests whose next round is their first (the policy prices it apart)
         # a plain round's features wait in the backlog as the layers' outputs (concatenated once, when a row is fed)
         self.split = {"concat_features": False} if isinstance(job.target, TargetLM) else {}
         self.started = self.flushed = self.pricing = 0.0
@@ -203,7 +202,6 @@ class AdaptiveRounds(ChainRounds):
     def admitted(self, rows: list[int], backlog: Backlog | None, before: int, caches: dict) -> None:
         self.backlog.cat_rows(backlog, before, len(rows))
         self.fresh.update(rows)
-        self.opening.update(rows)
         if self.backlog.tokens > MAX_DEFERRED_TOKENS:
             self.backlog.flush(self.job.drafter, caches["d"], second=self._second_feed(caches))
 
@@ -214,7 +212,7 @@ class AdaptiveRounds(ChainRounds):
         self.started, self.flushed, self.pricing = time.perf_counter(), 0.0, 0.0
         b, ids = state.rows.numel(), state.rows.tolist()
         policy.at_context(context())  # priced at the rows' mean context
-        if not policy.draft_this_round(b, len(self.fresh), ids, self.opening):
+        if not policy.draft_this_round(b, len(self.fresh), ids):
             rnd = self._plain(state, caches["t"], self.split)
             if self.tree is not None:  # a plain round of a tree job verifies the root alone
                 rnd.nodes, rnd.winner = torch.ones_like(rnd.num_accepted), torch.zeros_like(rnd.num_accepted)
@@ -250,8 +248,7 @@ class AdaptiveRounds(ChainRounds):
         self.fresh.difference_update(finished)
         width = rnd.draft_tokens.shape[1]
         if width > 0:  # drafts past a row's end count as rejected
-            self.policy.observe(torch.tensor(useful), ids, self.opening)
-        self.opening.clear()
+            self.policy.observe(torch.tensor(useful), ids)
         # the round's rows, drafting rows and verified width, as the cost model prices them
         seconds = time.perf_counter() - self.started - self.flushed - self.pricing
         self.policy.observe_seconds(len(ids), rnd.drafting, width, seconds, self.flushed)

@@ -522,7 +522,6 @@ class StaticDecoder:
         if policy is not None:
             policy.new_job()
         fresh = {r for r in range(B) if not done[r]}  # requests no drafted round has run for yet (the policy probes)
-        opening = set(fresh)  # requests whose next round is their first (the policy prices it apart)
         while not all(done[r] for r in slots):
             live = [i for i, r in enumerate(slots) if not done[r]]
             moved = self.bucket_for(len(live)) < n
@@ -547,7 +546,7 @@ class StaticDecoder:
             drafted, started = True, time.perf_counter()  # (after the last round's host sync)
             if policy is not None:
                 policy.at_context(requests.mean_context(ids))  # priced at the rows' mean context
-                drafted = policy.draft_this_round(len(ids), len(fresh), ids, opening)
+                drafted = policy.draft_this_round(len(ids), len(fresh), ids)
             rnd = self._round(bk, config, generator) if drafted else self._plain_round(bk, config, generator)
             bk.counts.copy_(commit_counts(rnd.num_accepted, active))
             committed = bk.commit() if drafted else bk.plain_commit()
@@ -580,9 +579,8 @@ class StaticDecoder:
                     confidence = rnd.confidence if rnd.confidence is not None else draft_confidence(
                         rnd.draft_logits, rnd.draft_logits.argmax(-1), None)  # [n, K] a tree's: its first draft's
                     policy.whole(confidence[at])
-                    policy.observe(torch.tensor(useful), ids, opening)
+                    policy.observe(torch.tensor(useful), ids)
                     fresh.clear()
-                opening.clear()
                 fresh.difference_update(slots[i] for i in finished)
                 width = rnd.draft_tokens.shape[1]
                 policy.observe_seconds(len(ids), len(ids) if drafted else 0, width, time.perf_counter() - started)

@@ -228,53 +228,6 @@ def test_new_requests_start_from_the_acceptance_drafted_requests_had():
     assert policy.accept == policy.population
 
 
-def test_an_opening_round_starts_from_how_earlier_requests_openings_went_not_from_a_jobs_tail():
-    """Eight requests accept every draft in their opening round (the first after the prompt); two long ones then
-    fail for 30 rounds (a job's tail: the requests that end last are the hard ones). The round-weighted population
-    takes in the tail; the next job's requests start their opening round from the openings' acceptance, so they are
-    drafted for at once, where the population alone would decode them plainly; past its opening, a request that has
-    not drafted starts from the population."""
-    policy = AdaptivePolicy(costs(per_token=0.2, drafter=0.2), measured=False)
-    rows = list(range(8))
-    policy.verify_len(torch.full((8, 3), 0.9))
-    policy.observe(torch.full((8,), 3), rows, opening=set(rows))  # every opening: all three drafts accepted
-    for _ in range(30):
-        assert policy.verify_len(torch.full((2, 3), 0.9)) > 0
-        policy.observe(torch.zeros(2, dtype=torch.long), [6, 7])
-    assert policy.population[0] < 0.15 and policy.start[0] > 0.9
-    policy.new_job()
-    tail_only = deepcopy(policy)
-    tail_only.start, tail_only._start_counts = [], []
-    assert not tail_only.draft_this_round(8, 8, rows, set(rows))
-    assert not deepcopy(policy).draft_this_round(8, 8, rows)  # not in their opening round
-    assert policy.draft_this_round(8, 8, rows, set(rows))  # drafting pays
-    policy.verify_len(torch.full((8, 3), 0.9))
-    policy.observe(torch.tensor([0, 0, 0, 0, 3, 3, 3, 3]), rows, opening=set(rows))  # half the openings fail
-    assert 0.6 < policy.start[0] < 0.9
-    start = list(policy.start)
-    policy.verify_len(torch.full((8, 3), 0.9))
-    policy.observe(torch.zeros(8, dtype=torch.long), rows)  # later rounds leave the openings' acceptance alone
-    assert policy.start == start and policy.population[0] < 0.5
-
-
-def test_a_request_in_its_opening_round_ends_a_plain_stretch_where_the_rows_count_does_not_change():
-    """Two requests whose drafts fail decode in a plain stretch; one ends as a new one arrives (the rows' and new
-    requests' counts unchanged). Openings have accepted every draft: the new request's opening round, at that
-    acceptance, makes drafting for the two pay (4.7 tokens for 2.2 s against 2 for 1 s), so the stretch must end and
-    the round draft; the same arrival past its opening (no record: the population's acceptance) stays plain."""
-    policy = AdaptivePolicy(costs(per_token=0.3, drafter=0.3), measured=False)
-    policy.verify_len(torch.full((2, 3), 0.9))
-    policy.observe(torch.full((2,), 3), [0, 1], opening={0, 1})  # their openings: every draft accepted
-    for _ in range(10):
-        policy.verify_len(torch.full((2, 3), 0.9))
-        policy.observe(torch.zeros(2, dtype=torch.long), [0, 1])
-    assert policy.start[0] > 0.9 and policy.population[0] < 0.5
-    assert not any(policy.draft_this_round(2, 1, [0, 1]) for _ in range(3))
-    assert policy._stretch is not None  # the last rounds were decided in a stretch
-    assert not deepcopy(policy).draft_this_round(2, 1, [1, 2])
-    assert policy.draft_this_round(2, 1, [1, 2], {2})
-
-
 def test_drafting_is_judged_on_the_requests_still_running():
     """Two of eight requests accept every draft, six none: drafting for all eight pays (14 tokens for 1.4 s against 8
     for 1 s). Once the two end, the six left must decode plainly; the batch's running acceptance (one in four at the
@@ -347,10 +300,10 @@ def test_a_requests_lucky_round_does_not_talk_the_policy_into_drafting_where_rou
 class _ExactPolicy(AdaptivePolicy):
     """The policy deciding every round on the exact drifted rate (no bound first)."""
 
-    def _drafted_rate(self, b, rows=None, bound=False, opening=()):
-        return super()._drafted_rate(b, rows, opening=opening)
+    def _drafted_rate(self, b, rows=None, bound=False):
+        return super()._drafted_rate(b, rows)
 
-    def _ceiling_rate(self, b, opening=True):
+    def _ceiling_rate(self, b):
         return float("inf")
 
 
@@ -393,7 +346,7 @@ def test_plain_rounds_decided_on_the_drift_bound_decide_as_the_exact_rate(seed):
 class _EveryRound(AdaptivePolicy):
     """The policy deciding every round in full (no plain stretch)."""
 
-    def _still_plain(self, b, fresh, rows, opening=()):
+    def _still_plain(self, b, fresh, rows):
         return False
 
 
@@ -425,26 +378,25 @@ def test_plain_stretches_decide_as_deciding_every_round(seed, by_context):
         calls = [0]
         plain_round = policy._still_plain
 
-        def counted(b, fresh, rows, opening=(), plain_round=plain_round, calls=calls):
-            taken = plain_round(b, fresh, rows, opening)
+        def counted(b, fresh, rows, plain_round=plain_round, calls=calls):
+            taken = plain_round(b, fresh, rows)
             calls[0] += taken
             return taken
 
         policy._still_plain = counted
         skill = (torch.rand(60, generator=g) < 0.1).float() * 0.9 + 0.02  # each request's chance per draft
-        rows, fresh, plan, credit, context, opening = [0, 1, 2, 3], 0, [], [], 40.0, set()
+        rows, fresh, plan, credit, context = [0, 1, 2, 3], 0, [], [], 40.0
         for _ in range(600):
-            if torch.rand(1, generator=g) < 0.05:  # a request ends, and the next may arrive (its opening round next)
+            if torch.rand(1, generator=g) < 0.05:  # a request ends, and the next may arrive
                 arrived = [max(rows) + 1] if torch.rand(1, generator=g) < 0.7 and max(rows) < 59 else []
                 rows = rows[1:] + arrived
                 fresh = min(fresh + 1, len(rows))
                 rows = rows or [max(rows, default=0) + 1]
-                opening = set(arrived)
                 context = 40 + (context - 40) / 2
             if by_context:
                 policy.at_context(context)
             context += 1
-            m = len(rows) if policy.draft_this_round(len(rows), fresh, rows, opening) else 0
+            m = len(rows) if policy.draft_this_round(len(rows), fresh, rows) else 0
             plan.append((m, policy.skipped, policy.wait))
             credit.append(policy._credit)
             k = 0
@@ -454,8 +406,7 @@ def test_plain_stretches_decide_as_deciding_every_round(seed, by_context):
                 k = policy.verify_len(torch.full((m, 3), 0.7))
                 n = (torch.rand(m, 3, generator=g) < skill[drafting][:, None]).long().cumprod(1).sum(1).clamp(max=k)
                 if k:
-                    policy.observe(n, drafting, opening)
-            opening = set()
+                    policy.observe(n, drafting)
             model = (policy.costs.drafter(m) if m else 0.0) + policy.costs.target(len(rows), k + 1)
             slow = 1.6 if len(rows) < 3 else 1.0  # a machine slower than modelled at few rows
             policy.observe_seconds(len(rows), m, k, model * slow * float(0.7 + 0.7 * torch.rand(1, generator=g)))
@@ -476,9 +427,9 @@ def test_plain_rounds_of_poor_requests_ending_one_by_one_are_decided_without_a_p
     asked = []
 
     class Counting(AdaptivePolicy):
-        def _drafted_rate(self, b, rows=None, bound=False, opening=()):
+        def _drafted_rate(self, b, rows=None, bound=False):
             asked.append(bound)
-            return super()._drafted_rate(b, rows, bound, opening)
+            return super()._drafted_rate(b, rows, bound)
 
     plans = []
     for kind in (Counting, _ExactPolicy):
@@ -530,9 +481,9 @@ def test_the_policy_learns_from_the_drafts_rows_committed():
     seen = []
 
     class Recording(AdaptivePolicy):
-        def observe(self, num_accepted, rows=None, opening=()):
+        def observe(self, num_accepted, rows=None):
             seen.append(num_accepted.tolist())
-            super().observe(num_accepted, rows, opening)
+            super().observe(num_accepted, rows)
 
     caps = [2, 3, 5, 9]
     got = generate(target, PROMPTS[:4], GenerationConfig(max_new_tokens=caps), drafter=oracle,

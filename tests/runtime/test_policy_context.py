@@ -79,7 +79,7 @@ def test_a_plain_stretch_is_priced_at_each_rounds_context():
     rows = list(range(8))
     in_stretch = []
     still_plain = policy._still_plain
-    policy._still_plain = lambda b, fresh, rows, opening=(): (in_stretch.append(still_plain(b, fresh, rows, opening))
+    policy._still_plain = lambda b, fresh, rows: (in_stretch.append(still_plain(b, fresh, rows))
                                                                        or in_stretch[-1])
     policy.at_context(32)
     assert not any(policy.draft_this_round(8, 0, rows) for _ in range(5)) and in_stretch[2:] == [True] * 3

@@ -31,7 +31,7 @@ class Pattern(AdaptivePolicy):
     round verifies the whole block. The kinds of round are fixed, not priced, so two engines given the same calls can
     be compared round for round."""
 
-    def draft_this_round(self, b, fresh=0, rows=None, opening=()):
+    def draft_this_round(self, b, fresh=0, rows=None):
         self.calls = getattr(self, "calls", 0) + 1
         return self.calls % 3 == 1
 
@@ -142,14 +142,14 @@ class Recording(AdaptivePolicy):
         self.calls.append(("at_context", round(context, 6)))
         super().at_context(context)
 
-    def draft_this_round(self, b, fresh=0, rows=None, opening=()):
-        drafted = super().draft_this_round(b, fresh, rows, opening)
-        self.calls.append(("draft_this_round", b, fresh, frozenset(rows), frozenset(opening), drafted))
+    def draft_this_round(self, b, fresh=0, rows=None):
+        drafted = super().draft_this_round(b, fresh, rows)
+        self.calls.append(("draft_this_round", b, fresh, frozenset(rows), drafted))
         return drafted
 
-    def observe(self, num_accepted, rows=None, opening=()):
-        self.calls.append(("observe", frozenset(zip(rows, num_accepted.tolist())), frozenset(opening)))
-        super().observe(num_accepted, rows, opening)
+    def observe(self, num_accepted, rows=None):
+        self.calls.append(("observe", frozenset(zip(rows, num_accepted.tolist()))))
+        super().observe(num_accepted, rows)
 
     def observe_seconds(self, b, drafting, width, seconds, flushed=0.0):
         self.calls.append(("observe_seconds", b, drafting, width))
@@ -159,7 +159,7 @@ class Recording(AdaptivePolicy):
 @pytest.mark.parametrize("per_token", [0.0, 1.0], ids=["drafts", "mostly-plain"])
 def test_the_policy_hears_from_the_static_path_what_it_hears_from_the_eager_engine(per_token):
     """The same static batch through both engines with a policy deciding from the model alone: the same calls, in the
-    same order, with the same rows, requests in their opening round, new requests, accepted drafts and round sizes
+    same order, with the same rows, new requests, accepted drafts and round sizes
     (the eager engine's own width choice aside: a chain round there may verify fewer drafts, so a policy that drafts
     for free, where the whole block is the best width, is compared)."""
     target, oracle = bigram_oracle(2)
