@@ -3,7 +3,6 @@ whole block when acceptance is near certain), its calibration, and the engine un
 target's and sampled output fits the target's distribution, through a real DFlash drafter with pinned acceptance."""
 
 from copy import deepcopy
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -260,41 +259,6 @@ def test_a_request_that_stopped_drafting_drifts_back_to_the_population():
             policy.observe(torch.tensor([0]), [5])  # then its drafts fail
         plan = [policy.draft_this_round(1, 0, [5]) for _ in range(100)]
         assert plan.index(True) in back and (policy._exploring is False) == (drift < 1)  # drift: a paying round
-
-
-def _drafting_rounds(policy: AdaptivePolicy, skill: torch.Tensor, rounds: int, g: torch.Generator) -> None:
-    """``rounds`` rounds in which every request drafts three slots, each accepted with its request's ``skill``."""
-    rows = list(range(len(skill)))
-    for _ in range(rounds):
-        assert policy.verify_len(torch.full((len(rows), 3), 0.9)) == 3
-        n = (torch.rand(len(rows), 3, generator=g) < skill[:, None]).long().cumprod(1).sum(1)
-        policy.observe(n, rows)
-
-
-def test_a_requests_lucky_round_does_not_talk_the_policy_into_drafting_where_rounds_are_independent():
-    """Eight requests drafting every round. Where each round is an independent draw at 0.3 a slot (sampling: every
-    request alike), a request's record foretells nothing of its next round: the weight on it falls, and a request
-    whose last three rounds accepted every draft is still judged at the population's 0.3, where drafting cannot pay
-    (one draft: 1.3 tokens for 1.6 s against 1 token a second); believing its record (about 0.75 a slot after those
-    rounds) would draft. Where requests differ for good (0.9 or 0.05 a slot), the record foretells the next round:
-    the weight stays near 1, and a good request drafts alone while a poor one does not."""
-    g = torch.Generator().manual_seed(0)
-    half = Calibration(bins=1, table=[[0.9]] * 3)
-    iid = AdaptivePolicy(costs(per_token=0.3, drafter=0.3), half, measured=False)
-    _drafting_rounds(iid, torch.full((8,), 0.3), 150, g)
-    for _ in range(3):  # request 0: three rounds in a row accepting every draft
-        assert iid.verify_len(torch.full((8, 3), 0.9)) == 3
-        iid.observe(torch.tensor([3, 0, 1, 0, 0, 2, 0, 0]), list(range(8)))
-    assert iid._lean() < 0.25 and abs(iid.population[0] - 0.3) < 0.08
-    assert not iid.draft_this_round(1, 0, [0])
-    believing = replace(iid)  # the same records, taken as they say (the weight's prior: full agreement)
-    believing._row_accept, believing._round = dict(iid._row_accept), iid._round
-    assert believing._lean() == 1.0 and believing.draft_this_round(1, 0, [0])
-
-    lasting = AdaptivePolicy(costs(per_token=0.3, drafter=0.3), half, measured=False)
-    _drafting_rounds(lasting, torch.tensor([0.9, 0.05] * 4), 150, g)
-    assert lasting._lean() > 0.7
-    assert lasting.draft_this_round(1, 0, [0]) and not lasting.draft_this_round(1, 0, [1])
 
 
 class _ExactPolicy(AdaptivePolicy):
