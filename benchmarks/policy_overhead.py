@@ -101,10 +101,10 @@ def _run(args, target, drafter, prompts, gen, base, calls: dict[str, list], pass
             if args.keep_policy:
                 kept[kind] = policy
             if kind == "plain":
-                policy.draft_this_round = lambda b, fresh=0, rows=None: False
+                policy.draft_this_round = lambda rows, fresh=0: False
             if policy is not None and args.no_probes and "draft_this_round" not in vars(policy):  # wrapped once
                 plain = policy.draft_this_round
-                policy.draft_this_round = lambda b, fresh=0, rows=None, plain=plain: plain(b, 0, rows)
+                policy.draft_this_round = lambda rows, fresh=0, plain=plain: plain(rows, 0)
             drafter_rounds = {"rounds": 0, "seconds": 0.0}  # rounds in which the drafter ran, their measured seconds
             if policy is not None:
                 seen = getattr(policy, "_unwrapped_observe_seconds", policy.observe_seconds)

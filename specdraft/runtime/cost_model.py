@@ -9,6 +9,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from specdraft.runtime.phase_clock import wall_seconds
@@ -51,6 +52,7 @@ class CostModel:
         # (rows, tokens) -> seconds; (rows, 0): the drafter's round
         self._memo: dict[tuple[int, int], float] = {}
         self._at: dict[int, CostModel] = {}  # context -> the costs priced at it
+        self._rounds: dict[tuple[int, int], np.ndarray] = {}  # (rows, K) -> seconds of a drafted round by width
 
     def target(self, b: int, t: int) -> float:
         if (b, t) not in self._memo:
@@ -61,6 +63,13 @@ class CostModel:
         if (b, 0) not in self._memo:
             self._memo[b, 0] = _interp(self.rows, self.drafter_s, b)
         return self._memo[b, 0]
+
+    def drafted(self, b: int, K: int) -> np.ndarray:
+        """``[K + 1]``: seconds of a drafted round of ``b`` rows, a drafter round and the target's pass, verifying
+        ``k = 0..K`` drafts (kept: a policy asks it every round)."""
+        if (b, K) not in self._rounds:
+            self._rounds[b, K] = np.array([self.drafter(b) + self.target(b, k + 1) for k in range(K + 1)])
+        return self._rounds[b, K]
 
     def at(self, context: int) -> "CostModel":
         """The costs against ``context`` tokens of cache a row: linear in the context through the two measured

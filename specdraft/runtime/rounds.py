@@ -212,7 +212,7 @@ class AdaptiveRounds(ChainRounds):
         self.started, self.flushed, self.pricing = time.perf_counter(), 0.0, 0.0
         b, ids = state.rows.numel(), state.rows.tolist()
         policy.at_context(context())  # priced at the rows' mean context
-        if not policy.draft_this_round(b, len(self.fresh), ids):
+        if not policy.draft_this_round(ids, len(self.fresh)):
             rnd = self._plain(state, caches["t"], self.split)
             if self.tree is not None:  # a plain round of a tree job verifies the root alone
                 rnd.nodes, rnd.winner = torch.ones_like(rnd.num_accepted), torch.zeros_like(rnd.num_accepted)

@@ -546,7 +546,7 @@ class StaticDecoder:
             drafted, started = True, time.perf_counter()  # (after the last round's host sync)
             if policy is not None:
                 policy.at_context(requests.mean_context(ids))  # priced at the rows' mean context
-                drafted = policy.draft_this_round(len(ids), len(fresh), ids)
+                drafted = policy.draft_this_round(ids, len(fresh))
             rnd = self._round(bk, config, generator) if drafted else self._plain_round(bk, config, generator)
             bk.counts.copy_(commit_counts(rnd.num_accepted, active))
             committed = bk.commit() if drafted else bk.plain_commit()

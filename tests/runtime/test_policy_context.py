@@ -14,6 +14,8 @@ from tests.helpers import make_drafter, make_target
 TOKENS = [1, 2, 3, 4]
 DRAFTER_S = 0.8
 
+ROWS = list(range(8))  # the running requests of a synthetic round
+
 
 def machine(context: int) -> list[list[float]]:
     """A synthetic target pass on rows [1, 64]: 1 s, 0.3 s a new token past the first, and 1 s per 64 tokens of
@@ -57,49 +59,31 @@ def test_plain_passes_are_priced_at_the_rows_context_not_from_the_drafted_rounds
     true = measured_at(32)
     for _ in range(10):
         policy.observe_seconds(8, 8, 2, DRAFTER_S + true.target(8, 3))
-    assert policy.draft_this_round(8) is (len(contexts) == 1)
+    assert policy.draft_this_round(ROWS) is (len(contexts) == 1)
     if len(contexts) == 2:
         assert policy.measured_ratio("drafted") == pytest.approx(1.0)
         policy.at_context(256)
-        assert policy.draft_this_round(8)
+        assert policy.draft_this_round(ROWS)
         fresh = AdaptivePolicy(measured_at(*contexts), accept=[0.5, 0.5, 0.5], width=2)
-        fresh.at_context(256)  # the memoised rates and round seconds are the new context's, not the old one's
-        assert policy._drafted_rate(8) == pytest.approx(fresh._drafted_rate(8))
-        assert policy._round_seconds(8, 3) == pytest.approx(fresh._round_seconds(8, 3))
+        fresh.at_context(256)  # the prices are the new context's, not the old one's
+        assert policy._drafted_rate(ROWS) == pytest.approx(fresh._drafted_rate(ROWS))
     for context, bucket in ((10, 16), (33, 32), (100, 99), (1000, 1024)):  # an eighth of an octave, 16 at least
         policy.at_context(context)
         assert policy._context == bucket
 
 
-def test_a_plain_stretch_is_priced_at_each_rounds_context():
-    """A stretch of plain rounds goes on through context buckets where drafting still cannot pay, each round priced at
-    its own context: where the context grows into the range where drafting pays, that round drafts (decided from the
-    model alone here)."""
+def test_plain_rounds_are_priced_at_each_rounds_context():
+    """Plain rounds decided on the bound over any requests go on through context buckets where drafting still cannot
+    pay, each round priced at its own context: where the context grows into the range where drafting pays, that round
+    drafts (decided from the model alone here)."""
     policy = AdaptivePolicy(measured_at(256, 64), accept=[0.5, 0.5, 0.5], width=2, measured=False, retry_every=1000)
-    rows = list(range(8))
-    in_stretch = []
-    still_plain = policy._still_plain
-    policy._still_plain = lambda b, fresh, rows: (in_stretch.append(still_plain(b, fresh, rows))
-                                                                       or in_stretch[-1])
     policy.at_context(32)
-    assert not any(policy.draft_this_round(8, 0, rows) for _ in range(5)) and in_stretch[2:] == [True] * 3
-    for context in (33, 40):  # the same bucket, then the next: drafting still cannot pay, the stretch goes on
+    assert not any(policy.draft_this_round(ROWS) for _ in range(5))
+    for context in (33, 40):  # the same bucket, then the next: drafting still cannot pay
         policy.at_context(context)
-        assert not policy.draft_this_round(8, 0, rows) and in_stretch[-1]
+        assert not policy.draft_this_round(ROWS)
     policy.at_context(256)
-    assert policy.draft_this_round(8, 0, rows) and not in_stretch[-1]
-
-
-def test_prices_are_kept_for_each_context_a_job_comes_back_to():
-    """A job's rows sweep the same contexts request after request: a round's modelled seconds are priced once per
-    context bucket and kept, each context's its own."""
-    policy = AdaptivePolicy(measured_at(256, 64), accept=[0.5, 0.5, 0.5], width=2)
-    policy.at_context(32)
-    short = policy._round_seconds(8, 3)
-    policy.at_context(256)
-    long = policy._round_seconds(8, 3)
-    policy.at_context(32)
-    assert policy._round_seconds(8, 3) is short and (long > short).all()
+    assert policy.draft_this_round(ROWS)
 
 
 def test_the_engine_tells_the_policy_each_rounds_context():

@@ -31,7 +31,7 @@ class Pattern(AdaptivePolicy):
     round verifies the whole block. The kinds of round are fixed, not priced, so two engines given the same calls can
     be compared round for round."""
 
-    def draft_this_round(self, b, fresh=0, rows=None):
+    def draft_this_round(self, rows, fresh=0):
         self.calls = getattr(self, "calls", 0) + 1
         return self.calls % 3 == 1
 
@@ -142,12 +142,12 @@ class Recording(AdaptivePolicy):
         self.calls.append(("at_context", round(context, 6)))
         super().at_context(context)
 
-    def draft_this_round(self, b, fresh=0, rows=None):
-        drafted = super().draft_this_round(b, fresh, rows)
-        self.calls.append(("draft_this_round", b, fresh, frozenset(rows), drafted))
+    def draft_this_round(self, rows, fresh=0):
+        drafted = super().draft_this_round(rows, fresh)
+        self.calls.append(("draft_this_round", len(rows), fresh, frozenset(rows), drafted))
         return drafted
 
-    def observe(self, num_accepted, rows=None):
+    def observe(self, num_accepted, rows):
         self.calls.append(("observe", frozenset(zip(rows, num_accepted.tolist()))))
         super().observe(num_accepted, rows)
 
