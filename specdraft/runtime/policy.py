@@ -72,7 +72,7 @@ class AdaptivePolicy:
     bounded: bool = True
     """After a plain round, decide first on an upper bound of the drafted rate over any requests, kept while the
     acceptance stands (:meth:`_ceiling_rate`): the same decisions as the exact rate's, a plain round's in a few
-    lookups (measured: docs/experiments/2026-12-06-plain-stretches-measured.md). False: the exact rate every round."""
+    lookups. False: the exact rate every round."""
     accept: list[float] = field(default_factory=list)
     """Running acceptance of slot ``j + 1`` given the slots before it, from drafted rounds (empty: none yet)."""
     population: list[float] = field(default_factory=list)
