@@ -90,6 +90,7 @@ class AdaptivePolicy:
     def __post_init__(self):
         self._exploring = True  # the last drafted round was a first round, a retry or a probe (not known to pay)
         self._predicted: list[float] = []  # the last drafted round's predicted acceptance per slot (conditional)
+        self._predicted_rows = np.zeros((0, 0))  # [m, K] the same for each of its rows
         self._drafting = 0  # the rows that drafted in it
         self._credit = 0.0  # seconds of exploring the plain rounds have earned (explore_share), not yet spent
         self._charged: float | None = None  # the modelled extra seconds the due exploring round was charged, or None
@@ -137,7 +138,7 @@ class AdaptivePolicy:
             return True
         plain = self._priced.target(b, 1) * self.measured_ratio("plain")  # seconds of a plain round
         scale = self.measured_ratio("drafted")
-        if self.bounded and self.skipped and self._ceiling_rate(b) / scale < b / plain:
+        if self.bounded and self.skipped and self._ceiling_rate(b) * (1 + 1e-9) / scale < b / plain:
             spec = 0.0  # no request could pay: decided without a pass over the rows' records
         else:
             spec = self._drafted_rate(rows) / scale
@@ -207,6 +208,7 @@ class AdaptivePolicy:
     def _choose(self, accept: np.ndarray, width: int) -> int:
         """Take ``width`` as the round's width for the drafting rows' predicted acceptance ``accept`` ``[m, K]``."""
         self.width = width
+        self._predicted_rows = accept
         self._predicted = conditional_acceptance(accept).tolist()  # [K]
         self._drafting = accept.shape[0]
         if self.width == 0:  # nothing verified: observe() will not be called
@@ -290,17 +292,19 @@ class AdaptivePolicy:
         request's own acceptance of the ``width`` verified slots (accepted over reached, older rounds weighted down by
         ``1 - smoothing``; a request's record starting from one round's worth of the population's), from realised
         outcomes (an over-confident drafter must not talk the policy into drafting); the slots past them from the
-        round's prediction (:meth:`_blend_predicted`)."""
+        round's prediction (a request's record from its own; :meth:`_blend_predicted`)."""
         n = num_accepted.cpu().numpy()
         K = max(self.costs.tokens) - 1
         if self.width > 0 and (self.population or self.accept):
             prior = self._prior(K)
             own = self._row_counts(rows, prior)  # [m, 2, K]
             slot = np.arange(1, K + 1)
-            past = slot > self.width  # [K] slots not verified: the round's prediction is what is known of them
-            predicted = np.array(self._predicted[:K] + [0.0] * (K - len(self._predicted)))  # [K]
-            reached = ((n[:, None] >= slot - 1) & ~past) | past  # [m, K]
-            hit = np.where(past, predicted, reached & (n[:, None] >= slot))  # [m, K]
+            guess = self._predicted_rows if len(self._predicted_rows) == len(rows) else np.zeros((len(rows), 0))
+            drafted = min(guess.shape[1], K)  # slots the round predicted
+            past = (slot > self.width) & (slot <= drafted)  # [K] predicted, not verified
+            predicted = np.pad(guess[:, :drafted], ((0, 0), (0, K - drafted)))  # [m, K] each row's prediction
+            reached = ((n[:, None] >= slot - 1) & (slot <= self.width)) | past  # [m, K]
+            hit = np.where(past, predicted, reached & (n[:, None] >= slot))  # [m, K]: a prediction where not verified
             decay = np.where(reached, 1 - self.smoothing, 1.0)[:, None]  # [m, 1, K]: older rounds count less
             own = own * decay + np.stack([hit, reached], axis=1)
             self._records.update((r, (c, self._round)) for r, c in zip(rows, own))

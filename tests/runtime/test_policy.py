@@ -311,6 +311,8 @@ def test_rounds_decided_on_the_bound_decide_as_the_exact_rate(seed, world):
                 policy.at_context(context)
             context += 1
             m = len(rows) if policy.draft_this_round(rows, fresh) else 0
+            if bounded and policy.accept:  # the bound over any requests holds for these
+                assert policy._ceiling_rate(len(rows)) * (1 + 1e-9) >= AdaptivePolicy._drafted_rate(policy, rows)
             plan.append((m, policy.skipped, policy.wait))
             credit.append(policy._credit)
             k = 0
@@ -338,7 +340,7 @@ def test_rounds_decided_on_the_bound_decide_as_the_exact_rate(seed, world):
 def test_plain_rounds_of_poor_requests_ending_one_by_one_skip_the_rows_records():
     """Many rows whose requests all drafted poorly, one ending every round (a static batch's tail): the bound over
     any requests says no round can pay, so plain rounds are decided without a pass over the rows' records, and
-    exactly as on the exact rate."""
+    exactly as on the exact rate; once a request that drafts well is known, the rows' records are asked again."""
     plans = []
     for bounded in (True, False):
         policy = AdaptivePolicy(costs(per_token=0.3, drafter=0.3), measured=False, bounded=bounded)
@@ -354,6 +356,9 @@ def test_plain_rounds_of_poor_requests_ending_one_by_one_skip_the_rows_records()
             plan.append(policy.draft_this_round(rows))
         plans.append(plan)
         assert calls[0] == (0 if bounded else 20)
+        policy.verify_len(torch.full((1, 3), 0.9))
+        policy.observe(torch.tensor([3]), [1000])  # a request known to accept every draft
+        assert not policy.draft_this_round(rows) and calls[0] == (1 if bounded else 21)  # the bound asks the rows
     assert plans[0] == plans[1] == [False] * 20
 
 
