@@ -299,10 +299,10 @@ class AdaptivePolicy:
             prior = self._prior(K)
             own = self._row_counts(rows, prior)  # [m, 2, K]
             slot = np.arange(1, K + 1)
-            guess = self._predicted_rows if len(self._predicted_rows) == len(rows) else np.zeros((len(rows), 0))
-            drafted = min(guess.shape[1], K)  # slots the round predicted
+            by_row = self._predicted_rows if len(self._predicted_rows) == len(rows) else np.zeros((len(rows), 0))
+            drafted = min(by_row.shape[1], K)  # slots the round predicted
             past = (slot > self.width) & (slot <= drafted)  # [K] predicted, not verified
-            predicted = np.pad(guess[:, :drafted], ((0, 0), (0, K - drafted)))  # [m, K] each row's prediction
+            predicted = np.pad(by_row[:, :drafted], ((0, 0), (0, K - drafted)))  # [m, K] each row's prediction
             reached = ((n[:, None] >= slot - 1) & (slot <= self.width)) | past  # [m, K]
             hit = np.where(past, predicted, reached & (n[:, None] >= slot))  # [m, K]: a prediction where not verified
             decay = np.where(reached, 1 - self.smoothing, 1.0)[:, None]  # [m, 1, K]: older rounds count less
