@@ -1,7 +1,8 @@
 """Trees on the static path against the eager engine: the same held-out prompts decoded by both, batch by batch (the
-order alternating), for the DFlash chain, D²SD, D²SD with one-pass siblings and a one-pass tree. Reports per method
-and engine τ, tokens/s, and at T=0 how many requests' tokens and accept lengths differ between the engines (none
-should: the static rounds are the eager ones). On a GPU the static path replays CUDA graphs; on a CPU the same
+order alternating), for the DFlash chain, D²SD, D²SD with one-pass siblings, a one-pass tree and a merged tree
+(D²SD's branches and the one-pass tree, the best ``--nodes``). Reports per method and engine τ, tokens/s, and at T=0
+how many requests' tokens and accept lengths differ between the engines (none should: the static rounds are the eager
+ones). On a GPU the static path replays CUDA graphs; on a CPU the same
 static rounds run eagerly, so there the tokens/s ratio is the static bookkeeping's cost, not the graphs' gain.
 
     python benchmarks/static_trees.py configs/tiny.yaml [--prompts 16] [--nodes 24] [--siblings 16] [--out f.json]
@@ -18,7 +19,7 @@ import torch
 from specdraft.pipeline.config import load_config
 from specdraft.pipeline.measure import Tally, config_models, held_out_suites, suite_parser, write_report
 from specdraft.pipeline.tokenizer import stop_token_ids
-from specdraft.pipeline.trees import one_pass_drafting, tree_drafting
+from specdraft.pipeline.trees import merged_drafting, one_pass_drafting, tree_drafting
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.sampling import SamplingParams
 from specdraft.runtime.static_decode import StaticEngine
@@ -28,7 +29,7 @@ def main(argv=None) -> dict:
     ap = suite_parser(__doc__.splitlines()[0])
     ap.add_argument("--k", type=int, default=2, help="D²SD branches")
     ap.add_argument("--siblings", type=int, default=16, help="one-pass siblings in the merged tree")
-    ap.add_argument("--nodes", type=int, default=24, help="the one-pass tree's node budget")
+    ap.add_argument("--nodes", type=int, default=24, help="the one-pass and merged trees' node budget")
     args, overrides = ap.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
     job = config_models(cfg)
@@ -36,7 +37,8 @@ def main(argv=None) -> dict:
     d2sd = tree_drafting(cfg, target, first, args.k)
     trees = {"dflash": None, f"d2sd{args.k}": d2sd,
              f"d2sd{args.k}+{args.siblings}": dataclasses.replace(d2sd, siblings=args.siblings),
-             f"ddtree{args.nodes}": one_pass_drafting(cfg, first, args.nodes, "fixed")}
+             f"ddtree{args.nodes}": one_pass_drafting(cfg, first, args.nodes, "fixed"),
+             f"merged{args.nodes}": merged_drafting(cfg, first, d2sd, args.nodes, "fixed")}
     suites = held_out_suites(cfg, job, args.suites, args.prompts)
     report = {"config": args.config, "device": str(target.lm_head.weight.device), "prompts": args.prompts,
               "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "seed": args.seed,

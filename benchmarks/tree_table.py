@@ -1,7 +1,7 @@
-"""The tree rows of a ``specdraft bench`` report (D²SD, D²SD with one-pass siblings, one-pass ddtree at a fixed or a
-measured node budget) against the DFlash row with the same first drafter: the τ ratio per suite with a paired 95 %
-bootstrap interval over prompts, its mean over suites, the tokens/s ratio, and the tree statistics (nodes per round,
-share of rounds a second-drafter branch or a sibling won).
+"""The tree rows of a ``specdraft bench`` report (D²SD, D²SD with one-pass siblings, one-pass ddtree and merged trees
+at a fixed or a measured node budget) against the DFlash row with the same first drafter: the τ ratio per suite with
+a paired 95 % bootstrap interval over prompts, its mean over suites, the tokens/s ratio, and the tree statistics
+(nodes per round, share of rounds a second-drafter branch or a sibling won).
 
     python benchmarks/tree_table.py artifacts/tiny/bench/bench.json
 """
@@ -17,15 +17,16 @@ from specdraft.pipeline.trees import FIRST_DRAFTERS
 
 
 def variant(r: dict) -> str:
-    if r["method"] == "ddtree":
-        return f"ddtree N={r['tree_nodes']}" + (" measured" if r.get("tree_budget") == "measured" else "")
+    if r["method"] in ("ddtree", "merged"):
+        return f"{r['method']} N={r['tree_nodes']}" + (" measured" if r.get("tree_budget") == "measured" else "")
     return (f"d2sd K={r['tree_k']} {r['placement']}" + (" distinct" if r.get("distinct") else "")
             + (f" +{r['siblings']} siblings" if r.get("siblings") else ""))
 
 
 def won(r: dict) -> str:
-    """Share of rounds whose accepted path was not the first draft's: ``branch / sibling``."""
-    if r["method"] == "ddtree":
+    """Share of rounds whose accepted path was not the first draft's: ``branch / sibling`` (a merged tree's: both
+    together, in the sibling column)."""
+    if r["method"] in ("ddtree", "merged"):
         return f"– / {r['sibling_share']:.2f}"
     branch = 1 - r["winner_share"][0] - r.get("sibling_share", 0.0)
     return f"{branch:.2f} / {r.get('sibling_share', 0.0):.2f}"
@@ -40,7 +41,7 @@ def table(rows: list[dict]) -> str:
              "| won: branch / sibling |", "|---|---|---|---|---|---|---|---|---|---|"]
     groups = defaultdict(list)
     for r in rows:
-        if r["method"] not in ("d2sd", "ddtree"):
+        if r["method"] not in ("d2sd", "ddtree", "merged"):
             continue
         b = base[key(r)]
         groups[(variant(r), r["temperature"], r["batch_size"])].append((r, b))

@@ -30,11 +30,12 @@ from specdraft.pipeline.exports import backend_models
 from specdraft.pipeline.policy import adaptive_policy, heldin_prompts, policy_summary
 from specdraft.pipeline.tokenizer import stop_token_ids
 from specdraft.pipeline.tracking import Tracker
-from specdraft.pipeline.trees import FIRST_DRAFTERS, one_pass_drafting, tree_drafting
+from specdraft.pipeline.trees import FIRST_DRAFTERS, merged_drafting, one_pass_drafting, tree_drafting
 from specdraft.runtime.batch_job import encode_requests, next_turn, read_requests, warn_stderr
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.drafter_io import check_made_for, load_drafter
 from specdraft.runtime.load import load_target
+from specdraft.runtime.merged import MergedDrafting
 from specdraft.runtime.one_pass import OnePassDrafting
 from specdraft.runtime.sampling import SamplingParams
 from specdraft.runtime.suites import PACKAGED, packaged_path, parse_suite
@@ -62,13 +63,15 @@ def summarize(results, block_size: int) -> dict:
 
 
 def tree_summary(results, tree) -> dict:
-    """Tree rows: :func:`d2sd_summary` or :func:`one_pass_summary`."""
+    """Tree rows: :func:`d2sd_summary` or :func:`one_pass_summary` (merged rows: with D²SD's branch count)."""
+    if isinstance(tree, MergedDrafting):
+        return {**one_pass_summary(results, tree), "tree_k": tree.num_branches}
     return one_pass_summary(results, tree) if isinstance(tree, OnePassDrafting) else d2sd_summary(results, tree)
 
 
-def one_pass_summary(results, tree: OnePassDrafting) -> dict:
-    """ddtree rows: the node budget, real nodes verified per round, the share of rounds whose accepted path left the
-    drafter's most likely tokens (a sibling won) and drafts accepted per round."""
+def one_pass_summary(results, tree: OnePassDrafting | MergedDrafting) -> dict:
+    """ddtree and merged rows: the node budget, real nodes verified per round, the share of rounds whose accepted path
+    left the drafter's most likely tokens (a sibling or a branch won) and drafts accepted per round."""
     nodes = [n for r in results for n in r.nodes]
     rounds = max(len(nodes), 1)
     return {"tree_nodes": tree.nodes, "tree_budget": "fixed" if tree.budget is None else "measured",
@@ -263,6 +266,12 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
             for how in b.tree_budgets or [cfg.decode.tree_budget]:
                 tree_rows[f"ddtree{n}:{st}" + ("+measured" if how == "measured" else "")] = (
                     "ddtree", partial(one_pass_drafting, cfg, drafter, n, how))
+        if b.merged_nodes and drafter.arch_name in FIRST_DRAFTERS:
+            branches = trees.get(cfg.decode.tree_k) or tree_drafting(cfg, tgt, drafter)
+            for n in b.merged_nodes:
+                for how in b.tree_budgets or [cfg.decode.tree_budget]:
+                    tree_rows[f"merged{n}:{st}" + ("+measured" if how == "measured" else "")] = (
+                        "merged", partial(merged_drafting, cfg, drafter, branches, n, how))
         for name, (method, tree) in tree_rows.items():
             if "fixed" in b.policies:
                 loaded[name] = _Entry(drafter, method, st, str(d), tree(), tgt, "torch")
@@ -407,8 +416,8 @@ def write_reports(rows: list[dict], out_dir: Path) -> dict:
                   + (" distinct" if r.get("distinct") else "")
                   + (f" +{r['siblings']} siblings" if r.get("siblings") else "")) \
             if r["method"] == "d2sd" else r["method"]
-        if r["method"] == "ddtree":
-            method = f"ddtree N={r['tree_nodes']}" + (" measured" if r.get("tree_budget") == "measured" else "")
+        if r["method"] in ("ddtree", "merged"):
+            method = f"{r['method']} N={r['tree_nodes']}" + (" measured" if r.get("tree_budget") == "measured" else "")
         if r.get("backend", "torch") != "torch":
             method += f" @{r['backend']}"
         if r.get("policy") == "adaptive":
@@ -426,7 +435,7 @@ def write_reports(rows: list[dict], out_dir: Path) -> dict:
     _plot(rows, out_dir / "bench.png")
     if len({r["batch_size"] for r in rows}) > 1:
         _plot_batch_sizes(rows, out_dir / "bench_batch_sizes.png")
-    if any(r["method"] == "ddtree" for r in rows):
+    if any(r["method"] in ("ddtree", "merged") for r in rows):
         _plot_tree_nodes(rows, out_dir / "bench_tree_nodes.png")
     return {"results": rows, "markdown": md, "dir": str(out_dir)}
 
@@ -474,33 +483,36 @@ def _label(r: dict) -> str:
     backend = f"@{r['backend']}" if r.get("backend", "torch") != "torch" else ""
     policy = "+adaptive" if r.get("policy") == "adaptive" else ""
     batching = " (continuous)" if r.get("batching") == "continuous" else ""
-    name = "ar" if r["method"] == "ar" else f"{r['method']}{r.get('tree_k', r.get('tree_nodes', ''))}:{r['stage']}"
+    size = r.get("tree_nodes") if r["method"] == "merged" else r.get("tree_k", r.get("tree_nodes", ""))
+    name = "ar" if r["method"] == "ar" else f"{r['method']}{size}:{r['stage']}"
     name += f"+{r['siblings']}" if r.get("siblings") else ""
     name += "+measured" if r.get("tree_budget") == "measured" else ""
     return f"{name}{backend}{policy}{batching}"
 
 
 def _plot_tree_nodes(rows: list[dict], path: Path) -> None:
-    """tau and speedup over AR against the ddtree node budget, a line per suite, temperature and batch size, the
-    fixed DFlash chain of the same stage drawn at its block's nodes (the picture to choose a budget by)."""
+    """tau and speedup over AR against the node budget, a line per tree method (ddtree, merged), suite, temperature
+    and batch size, the fixed DFlash chain of the same stage drawn at its block's nodes (the picture to choose a
+    method and a budget by)."""
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    trees = [r for r in rows if r["method"] == "ddtree" and r["batching"] == "static"
-             and r.get("tree_budget") != "measured"]
+    trees = [r for r in rows if r["method"] in ("ddtree", "merged") and r["batching"] == "static"
+             and r.get("tree_budget") != "measured" and r.get("policy", "fixed") == "fixed"]
     chains = {(r["stage"], r["suite"], r["temperature"], r["batch_size"]): r for r in rows
               if r["method"] in FIRST_DRAFTERS and r.get("policy") == "fixed" and r["batching"] == "static"
               and r.get("backend", "torch") == "torch"}
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    for key in sorted({(r["stage"], r["suite"], r["temperature"], r["batch_size"]) for r in trees}):
+    for method, *key in sorted({(r["method"], r["stage"], r["suite"], r["temperature"], r["batch_size"])
+                                for r in trees}):
         pts = sorted((r["tree_nodes"], r["tau"], r["speedup"]) for r in trees
-                     if (r["stage"], r["suite"], r["temperature"], r["batch_size"]) == key)
-        chain = chains.get(key)
+                     if [r["method"], r["stage"], r["suite"], r["temperature"], r["batch_size"]] == [method, *key])
+        chain = chains.get(tuple(key))
         if chain is not None:  # the chain verifies its block: K drafts and the anchor
             pts = sorted([*pts, (len(chain["per_position_acceptance"]) + 1, chain["tau"], chain["speedup"])])
-        label = f"{key[1]} T={key[2]:g} bs={key[3]}"
+        label = f"{method} {key[1]} T={key[2]:g} bs={key[3]}"
         for ax, i in zip(axes, (1, 2)):
             ax.plot([p[0] for p in pts], [p[i] for p in pts], marker="o", label=label)
     axes[0].set_title("tau against the node budget")

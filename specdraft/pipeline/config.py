@@ -219,7 +219,8 @@ class DecodeConfig:
     method: str = "dflash"
     """ar (target alone), a registered drafter architecture (dflash, retrace; must match the drafter), d2sd (a
     DFlash first drafter and a second drafter re-drafting from its likely rejection points; a prefix tree per
-    round), or ddtree (a tree from the DFlash drafter's one pass, best-first under ``tree_nodes``)."""
+    round), ddtree (a tree from the DFlash drafter's one pass, best-first under ``tree_nodes``), or merged (d2sd's
+    branches and ddtree's paths in one tree, the best ``tree_nodes`` of both by estimated path probability)."""
     drafter: str = ""
     """The drafter: an HF-format directory, or an export name under ``<work_dir>/drafter/`` (default: the run's
     training export; for d2sd, the first drafter)."""
@@ -228,26 +229,26 @@ class DecodeConfig:
     it, deliberately): logged instead of refused. The check reads the fingerprint the drafter's ``specdraft.json``
     records (training and ``init-drafter`` write it)."""
     tree_nodes: int = 32
-    """ddtree: nodes each row verifies per round, the root included (the most likely paths under the drafter's
-    per-slot distributions)."""
+    """ddtree and merged: nodes each row verifies per round, the root included (the most likely paths under the
+    drafters' distributions)."""
     tree_budget: Literal["fixed", "measured"] = "fixed"
-    """ddtree: fixed verifies ``tree_nodes`` every round; measured verifies, each round, the budget up to
+    """ddtree and merged: fixed verifies ``tree_nodes`` every round; measured verifies, each round, the budget up to
     ``tree_nodes`` (from the drafter's block up) that maximises expected committed tokens per second, the verify pass
     timed at the batch's rows on this machine and the tree's path probabilities calibrated by the rounds so far."""
     tree_chain: bool = True
-    """ddtree: the drafter's own block is always in the tree (a round accepts at least what a chain round would under
-    greedy verification), best-first nodes filling the rest; false: the most likely paths alone."""
+    """ddtree and merged: the drafter's own block is always in the tree (a round accepts at least what a chain round
+    would under greedy verification), best-first nodes filling the rest; false: the most likely paths alone."""
     tree_k: int = 4
-    """d2sd: branches the second drafter re-drafts per round (at most block_size - 2)."""
+    """d2sd and merged: branches the second drafter re-drafts per round (at most block_size - 2)."""
     second_drafter: str = ""
-    """d2sd: the second drafter, an HF-format directory or an export name under ``<work_dir>/drafter/`` (default:
-    the vp export); ``same`` reuses the first drafter (the ablation)."""
+    """d2sd and merged: the second drafter, an HF-format directory or an export name under ``<work_dir>/drafter/``
+    (default: the vp export); ``same`` reuses the first drafter (the ablation)."""
     tree_placement: Placement = "confidence"
-    """d2sd: branch where the first draft is most likely rejected (confidence) or at evenly spread prefixes
+    """d2sd and merged: branch where the first draft is most likely rejected (confidence) or at evenly spread prefixes
     (uniform, the ablation)."""
     tree_distinct: bool = False
-    """d2sd: a branch never repeats the first draft's token at its first free slot (it takes the second drafter's
-    best other token there)."""
+    """d2sd and merged: a branch never repeats the first draft's token at its first free slot (it takes the second
+    drafter's best other token there)."""
     tree_siblings: int = 0
     """d2sd: the first drafter's most likely paths (one-pass, best-first) added to the tree, this many nodes at most;
     with siblings the tree drafts ranked tokens at every temperature (0: D²SD's tree alone)."""
@@ -284,12 +285,12 @@ class DecodeConfig:
     expected committed tokens per second on this machine (costs measured once and cached under
     ``<work_dir>/policy/``, drafter confidences calibrated on held-in prompts), and decode plainly while drafting
     does not pay (a chain drafter: ReTrace's prior then covers the drafts a round verified, and starts over after a
-    plain round); with d2sd or ddtree, and on the CUDA-graph path, a drafted round is a whole tree or block round
-    of every row, the policy choosing between it and a plain round."""
+    plain round); with d2sd, ddtree or merged, and on the CUDA-graph path, a drafted round is a whole tree or block
+    round of every row, the policy choosing between it and a plain round."""
     cuda_graphs: bool = False
     """Decode through the static-shape path: CUDA graphs per batch-size bucket on a GPU (the same static rounds run
     without graphs on a CPU); greedy jobs take tokens from the fused LM-head argmax. Chains (ar, dflash, vp,
-    retrace), d2sd trees (siblings included) and ddtree trees at a fixed budget, under either policy."""
+    retrace), d2sd trees (siblings included) and ddtree and merged trees at a fixed budget, under either policy."""
 
     def __post_init__(self):
         if self.backend not in ("torch", "onnx", "trt"):
@@ -299,7 +300,7 @@ class DecodeConfig:
                               "backend runs its own graphs (set decode.cuda_graphs=false)")
         if self.policy == "adaptive" and self.method == "ar":
             raise OptionError("policy", "adaptive chooses how many drafts to verify: method 'ar' has no drafter")
-        if self.cuda_graphs and self.method == "ddtree" and self.tree_budget == "measured":
+        if self.cuda_graphs and self.method in ("ddtree", "merged") and self.tree_budget == "measured":
             raise OptionError("cuda_graphs", "a measured tree budget varies the nodes a round verifies; the static "
                               "path verifies a fixed budget per bucket: set decode.tree_budget=fixed")
         if self.tree_budget not in ("fixed", "measured"):
@@ -311,8 +312,8 @@ class DecodeConfig:
                               "with decode.cuda_graphs=true")
         check_range("prefill_chunk", self.prefill_chunk, 0)
         check_range("ray_actors", self.ray_actors, 1)
-        if self.method not in ("ar", "d2sd", "ddtree", *available_drafters()):
-            raise OptionError("method", f"{self.method!r} is not one of ar, d2sd, ddtree, "
+        if self.method not in ("ar", "d2sd", "ddtree", "merged", *available_drafters()):
+            raise OptionError("method", f"{self.method!r} is not one of ar, d2sd, ddtree, merged, "
                               f"{', '.join(available_drafters())}")
         check_range("tree_k", self.tree_k, 1)
         check_range("tree_nodes", self.tree_nodes, 2, MAX_NODES)
@@ -364,16 +365,22 @@ class BenchConfig:
     """D²SD rows with one-pass siblings: for each K in ``tree_ks`` and each count here, a d2sd row with that many
     sibling nodes (empty: ``decode.tree_siblings`` only)."""
     tree_budgets: list[Literal["fixed", "measured"]] = field(default_factory=list)
-    """ddtree rows: for each node budget, a row per way of spending it (empty: ``decode.tree_budget`` only)."""
+    """ddtree and merged rows: for each node budget, a row per way of spending it (empty: ``decode.tree_budget``
+    only)."""
     tree_nodes: list[int] = field(default_factory=list)
     """ddtree rows: for each DFlash drafter in ``stages`` and each node budget here, a one-pass tree row (and a plot of
     tau and tokens/s against the budget, ``bench_tree_nodes.png``)."""
+    merged_nodes: list[int] = field(default_factory=list)
+    """merged rows: for each DFlash drafter in ``stages`` and each node budget here, a merged tree row with
+    ``decode.tree_k`` branches (drawn in ``bench_tree_nodes.png`` too)."""
 
     def __post_init__(self):
         for k in self.tree_ks:
             check_range("tree_ks", k, 1)
         for n in self.tree_nodes:
             check_range("tree_nodes", n, 2, MAX_NODES)
+        for n in self.merged_nodes:
+            check_range("merged_nodes", n, 2, MAX_NODES)
         for n in self.tree_siblings:
             check_range("tree_siblings", n, 0)
         for st in self.stages:

@@ -11,10 +11,10 @@ import torch
 from transformers import AutoTokenizer
 
 from specdraft.pipeline.config import RunConfig
-from specdraft.pipeline.exports import backend_models, check_branch_tokens
+from specdraft.pipeline.exports import backend_models, check_engine_tokens
 from specdraft.pipeline.policy import adaptive_policy, heldin_prompts
 from specdraft.pipeline.tokenizer import stop_token_ids
-from specdraft.pipeline.trees import one_pass_drafting, tree_drafting
+from specdraft.pipeline.trees import merged_drafting, one_pass_drafting, tree_drafting
 from specdraft.runtime.batch_job import Decoding
 from specdraft.runtime.decode import GenerationConfig
 from specdraft.runtime.drafter_io import load_drafter
@@ -40,15 +40,21 @@ def build_decoding(cfg: RunConfig, world, drafter_dir: Path | None, tokenizer, d
         target, drafter = backend_models(d.backend, drafter_dir or default_drafter_dir(cfg), world,
                                          with_drafter=drafter_dir is not None)
     tree = None
-    if d.method == "d2sd":  # on an engine backend the second drafter is read from its own export too
+    if d.method in ("d2sd", "merged"):  # on an engine backend the second drafter is read from its own export too
         load = None if d.backend == "torch" else lambda where: backend_models(d.backend, where, world,
                                                                                with_target=False)[1]
         tree = tree_drafting(cfg, target, drafter, load=load)
+        if d.method == "merged":
+            tree = merged_drafting(cfg, drafter, tree)
         if d.backend == "trt":  # the branches are one draft pass of tree_k blocks: the engine's profile must hold it
-            check_branch_tokens(cfg.second_drafter_dir() or drafter_dir or default_drafter_dir(cfg),
-                                tree.num_branches * tree.second.block_size)
+            check_engine_tokens(cfg.second_drafter_dir() or drafter_dir or default_drafter_dir(cfg),
+                                tree.num_branches * tree.second.block_size, "tree_k", "the branches draft")
     if d.method == "ddtree":
         tree = one_pass_drafting(cfg, drafter)
+    if tree is not None and d.backend == "trt":  # so is the target's verify pass over the tree's nodes
+        check_engine_tokens(drafter_dir or default_drafter_dir(cfg), tree.max_nodes(drafter.block_size),
+                            "tree_nodes" if d.method != "d2sd" else "tree_siblings" if tree.siblings else "tree_k",
+                            "the tree verifies")
     gen = GenerationConfig(max_new_tokens=d.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer),
                            sampling=SamplingParams(d.temperature, d.top_k, d.top_p), draft_sampling=d.draft_sampling)
     generator = torch.Generator(device=target.lm_head.weight.device).manual_seed(d.seed)

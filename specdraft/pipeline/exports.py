@@ -103,14 +103,15 @@ def drafter_weights_hash(drafter_dir: Path) -> str:
     return weights_hash(model.float())
 
 
-def check_branch_tokens(drafter_dir: Path, tokens: int) -> None:
-    """Refuse, before decoding, D²SD branches of ``tokens`` tokens that the drafter's TensorRT draft engine was not
-    built for (``export.trt.max_new`` new tokens per pass)."""
+def check_engine_tokens(drafter_dir: Path, tokens: int, key: str, what: str) -> None:
+    """Refuse, before decoding, a pass of ``tokens`` new tokens (``what``, set by config key ``key``) that the
+    TensorRT engines exported with the drafter in ``drafter_dir`` were not built for (``export.trt.max_new`` new
+    tokens per pass)."""
     built = load_engine_manifest(export_dirs(drafter_dir)["trt"], check_runtime=False)["shapes"]["max_new"]
     if tokens > built:
-        raise SpecdraftError(f"config key 'decode.tree_k': the branches draft {tokens} tokens in one pass, the "
-                             f"TensorRT engines in {export_dirs(drafter_dir)['trt']} take at most {built} "
-                             "(rebuild with a larger export.trt.max_new, or lower decode.tree_k)")
+        raise SpecdraftError(f"config key 'decode.{key}': {what} {tokens} tokens in one pass, the TensorRT engines "
+                             f"in {export_dirs(drafter_dir)['trt']} take at most {built} (rebuild with a larger "
+                             f"export.trt.max_new, or lower decode.{key})")
 
 
 def backend_models(backend: str, drafter_dir: Path, world, with_drafter: bool = True, with_target: bool = True):

@@ -124,12 +124,12 @@ def decode(cfg: RunConfig, input_path: Path, output_path: Path):
     if d.method != "ar":
         drafter_dir = default_drafter_dir(cfg)
         arch, dcfg = read_drafter_config(drafter_dir)  # checked against the target before loading any weights
-        if arch != d.method and not (d.method in ("d2sd", "ddtree") and arch in FIRST_DRAFTERS):
+        if arch != d.method and not (d.method in ("d2sd", "ddtree", "merged") and arch in FIRST_DRAFTERS):
             raise SpecdraftError(f"config key 'decode.method': {d.method!r} but the drafter in {drafter_dir} is "
                                  f"a {arch!r} drafter")
         check_compatible(dcfg, read_target_args(world.target_dir))
         check_made_for(drafter_dir, world.target_dir, d.allow_other_target, log)
-        if d.method == "d2sd" and (second := cfg.second_drafter_dir()) is not None:
+        if d.method in ("d2sd", "merged") and (second := cfg.second_drafter_dir()) is not None:
             check_made_for(second, world.target_dir, d.allow_other_target, log)
     settings = {"target": target_fingerprint(world.target_dir), "method": d.method,
                 "drafter": str(drafter_dir.resolve()) if drafter_dir else None, "temperature": d.temperature,
@@ -192,11 +192,11 @@ def _decode_on_ray(cfg: RunConfig, world, requests, output_path: Path, drafter_d
 
 def export(cfg: RunConfig, to: str = "onnx"):
     """Write the drafter's deployment artifacts (``hf``: the training export itself; ``onnx``: both ONNX
-    flavours; ``trt``: those and the TensorRT engines) and log them to MLflow. With ``decode.method=d2sd`` the
-    second drafter is exported too (a tree on an engine backend drafts with both)."""
+    flavours; ``trt``: those and the TensorRT engines) and log them to MLflow. With ``decode.method=d2sd`` (or
+    merged) the second drafter is exported too (a tree on an engine backend drafts with both)."""
     world = existing_world(cfg)
     drafters = [default_drafter_dir(cfg)]
-    if cfg.decode.method == "d2sd" and (second := cfg.second_drafter_dir()) is not None:
+    if cfg.decode.method in ("d2sd", "merged") and (second := cfg.second_drafter_dir()) is not None:
         drafters.append(second)
     for drafter_dir in drafters:  # every drafter checked before any export
         if not (drafter_dir / "config.json").is_file():

@@ -1,8 +1,9 @@
-"""Tree rounds from a run config: D²SD's second drafter next to a first (DFlash) drafter, checked against it, and
-the one-pass tree of a DFlash drafter."""
+"""Tree rounds from a run config: D²SD's second drafter next to a first (DFlash) drafter, checked against it, the
+one-pass tree of a DFlash drafter, and the two merged."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -10,6 +11,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.pipeline.config import RunConfig
 from specdraft.runtime.d2sd import TreeDrafting
 from specdraft.runtime.drafter_io import load_drafter
+from specdraft.runtime.merged import MergedDrafting
 from specdraft.runtime.node_budget import NodeBudget, budget_choices
 from specdraft.runtime.one_pass import OnePassDrafting
 
@@ -52,6 +54,26 @@ def one_pass_drafting(cfg: RunConfig, first, nodes: int | None = None, budget: s
         raise SpecdraftError(f"config key 'decode.method': ddtree drafts with a {' or '.join(FIRST_DRAFTERS)} drafter, "
                              f"not {first.arch_name!r} (its cross-round state has no meaning in a tree)")
     nodes = nodes or cfg.decode.tree_nodes
-    measured = (budget or cfg.decode.tree_budget) == "measured"
-    return OnePassDrafting(nodes, cfg.decode.tree_chain,
-                           NodeBudget(budget_choices(first.block_size, nodes)) if measured else None)
+    return OnePassDrafting(nodes, cfg.decode.tree_chain, node_budget(cfg, first, nodes, budget))
+
+
+def merged_drafting(cfg: RunConfig, first, branches: TreeDrafting, nodes: int | None = None,
+                    budget: str | None = None) -> MergedDrafting:
+    """The :class:`MergedDrafting` of D²SD's ``branches`` (:func:`tree_drafting`'s, its siblings dropped) and the
+    one-pass tree of ``first``, ``nodes`` (default ``decode.tree_nodes``) spent as ``budget`` (default
+    ``decode.tree_budget``), checked before any decoding."""
+    nodes = nodes or cfg.decode.tree_nodes
+    merged = MergedDrafting(replace(branches, siblings=0), nodes, cfg.decode.tree_chain,
+                            node_budget(cfg, first, nodes, budget))
+    try:
+        merged.check(first)
+    except ValueError as e:
+        raise SpecdraftError(f"config key 'decode.tree_nodes': {e}") from None
+    return merged
+
+
+def node_budget(cfg: RunConfig, first, nodes: int, budget: str | None = None) -> NodeBudget | None:
+    """A measured :class:`NodeBudget` up to ``nodes`` when ``budget`` (default ``decode.tree_budget``) is measured."""
+    if (budget or cfg.decode.tree_budget) != "measured":
+        return None
+    return NodeBudget(budget_choices(first.block_size, nodes))

@@ -88,6 +88,8 @@ class Candidates(NamedTuple):
     proposes: torch.Tensor  # [b, J + 1, K] candidate c drew slot k itself (False on a branch's copied prefix)
     first_logits: torch.Tensor  # [b, K, V] the first drafter's logits
     hidden: torch.Tensor  # [b, Bk, D] the first drafter's hidden states
+    branch_logits: torch.Tensor  # [b, J, K, V] the second drafter's logits (its first draft's token ruled out where
+    # ``distinct`` rules it out)
 
 
 def verify_tree(tree: Tree, target_logits: torch.Tensor, params: SamplingParams,
@@ -136,7 +138,8 @@ def merge_candidates(first: torch.Tensor, first_q: torch.Tensor | None, first_lo
     branch = torch.where(known, first[:, None, :], branch)  # [b, J, K] the prefix is the first draft's
     proposes = torch.cat([torch.ones_like(known[:, :1]), ~known], dim=1)  # [b, J + 1, K]
     probs = torch.cat([first_q[:, None], branch_q], dim=1) if sampled else None  # [b, J + 1, K, V]
-    return Candidates(torch.cat([first[:, None], branch], dim=1), probs, proposes, first_logits, hidden)
+    return Candidates(torch.cat([first[:, None], branch], dim=1), probs, proposes, first_logits, hidden,
+                      branch_logits)
 
 
 def with_siblings(candidates: torch.Tensor, first_logits: torch.Tensor, siblings: int):

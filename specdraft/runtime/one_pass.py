@@ -307,15 +307,12 @@ def draft_block(drafter: Drafter, dcache, anchor: torch.Tensor) -> tuple[torch.T
     return drafter.logits(hidden[:, 1:]), hidden
 
 
-def tree_shape(q: torch.Tensor, drafting: OnePassDrafting, plan: Callable[[Shape], int] | None = None):
-    """``(shape, ranked [b, K, W])``: the best-first tree over ``q`` ``[b, K, V]`` at the drafting's budget, or at the
-    budget ``plan`` picks from it, and each slot's tokens by rank."""
+def tree_shape(q: torch.Tensor, drafting: OnePassDrafting):
+    """``(shape, ranked [b, K, W])``: the best-first tree over ``q`` ``[b, K, V]`` at the drafting's node budget, and
+    each slot's tokens by rank."""
     W = min(drafting.nodes - 1, q.shape[-1])
     top, ranked = q.topk(W, dim=-1)  # [b, K, W]
-    shape = best_first(top, drafting.nodes, drafting.keep_chain)
-    if plan is not None:
-        shape = shape.first(plan(shape) - 1)
-    return shape, ranked
+    return best_first(top, drafting.nodes, drafting.keep_chain), ranked
 
 
 def node_tokens(shape: Shape, ranked: torch.Tensor, q: torch.Tensor | None,
@@ -338,34 +335,51 @@ def one_pass_round(target, drafter: Drafter, drafting: OnePassDrafting, dcache, 
                    params: SamplingParams, feature_layers: tuple[int, ...], generator: torch.Generator | None,
                    clock: PhaseClock, draft_sampling: str = "sample") -> TreeRound:
     """One one-pass round for every active row (the accepted path's K/V already moved into the committed slots, the
-    lengths left for the engine to raise). When a measured budget picks the drafter's own block, the round is a plain
-    chain round (its verify pass causal, its acceptance the chain's): the same drafts, without the tree's work."""
+    lengths left for the engine to raise)."""
     sampled = not params.greedy and draft_sampling == "sample"
-    budget, setting = drafting.budget, f"{params}/{draft_sampling}"
-    plan = None
-    if budget is not None:
-        context = int(tcache.lengths.float().mean())
-
-        def plan(shape: Shape) -> int:
-            probs = torch.where(shape.valid, shape.log_prob.exp(), 0.0)  # [b, M]
-            return budget.choose(target, probs, context, feature_layers, setting)
     started = time.perf_counter()
     logits, hidden = draft_block(drafter, dcache, anchor)  # [b, K, V], [b, Bk, D]
-    b, K = logits.shape[:2]
     q = logits_to_probs(logits, params) if sampled else logits.float().softmax(-1)  # [b, K, V]
-    shape, ranked = tree_shape(q, drafting, plan)
-    chain = budget is not None and drafting.keep_chain and shape.parent.shape[1] == K
-    if chain:
-        draft_tokens = sample_from_probs(q, generator) if sampled else ranked[:, :, 0]  # [b, K]
-    else:
-        tree = build_nodes(anchor, shape, node_tokens(shape, ranked, q if sampled else None, generator), K)
+    shape, ranked = tree_shape(q, drafting)
+    tokens = node_tokens(shape, ranked, q if sampled else None, generator)  # [b, M]
+    chain = (lambda: sample_from_probs(q, generator)) if sampled else (lambda: ranked[:, :, 0])
+    return verify_nodes(target, drafting, shape, tokens, chain, q if sampled else None, logits, hidden, tcache,
+                        anchor, params, feature_layers, generator, clock, started)
+
+
+def verify_nodes(target, drafting, shape: Shape, tokens: torch.Tensor, chain: Callable[[], torch.Tensor],
+                 q: torch.Tensor | None, logits: torch.Tensor, hidden: torch.Tensor, tcache, anchor: torch.Tensor,
+                 params: SamplingParams, feature_layers: tuple[int, ...], generator: torch.Generator | None,
+                 clock: PhaseClock, started: float) -> TreeRound:
+    """Verify the best-first tree ``shape`` (non-root tokens ``tokens`` ``[b, M]``) at the drafting's node budget,
+    or at the one its measured ``budget`` picks, and walk it: the end of a one-pass or a merged round.
+
+    When a measured budget picks the drafter's own block (``keep_chain``), the round is a plain chain round of the
+    tokens ``chain()`` ``[b, K]`` (its verify pass causal, its acceptance the chain's): the same drafts, without the
+    tree's work.
+
+    Args:
+        q: ``[b, K, V]`` the distributions the siblings were drawn from without replacement (None: deterministic
+            tokens, and the walk follows the target's token at each node).
+        started: when the round began (``time.perf_counter()``), for the budget's record of round seconds.
+    """
+    budget, setting = drafting.budget, f"{params}/{'sample' if q is not None else 'ranked'}"
+    b, K = logits.shape[:2]
+    if budget is not None:
+        probs = torch.where(shape.valid, shape.log_prob.exp(), 0.0)  # [b, M]
+        n = budget.choose(target, probs, int(tcache.lengths.float().mean()), feature_layers, setting)
+        shape, tokens = shape.first(n - 1), tokens[:, :n - 1]
+    as_chain = budget is not None and drafting.keep_chain and shape.parent.shape[1] == K
+    if not as_chain:
+        tree = build_nodes(anchor, shape, tokens, K)
     clock.lap("tree")
-    if chain:
+    if as_chain:
+        draft_tokens = chain()  # [b, K]
         out = target(torch.cat([anchor[:, None], draft_tokens], 1), cache=tcache, feature_layers=feature_layers)
         if params.greedy:
             n_acc, nxt = accept_greedy(draft_tokens, out.logits)
         else:
-            own = q if sampled else torch.nn.functional.one_hot(draft_tokens, q.shape[-1]).float()
+            own = q if q is not None else torch.nn.functional.one_hot(draft_tokens, logits.shape[-1]).float()
             n_acc, nxt = accept_speculative_sampling(draft_tokens, own, logits_to_probs(out.logits, params), generator)
         acc = TreeAcceptance(n_acc, nxt, torch.zeros_like(n_acc), torch.arange(K + 1, device=anchor.device).expand(
             b, -1))
@@ -373,7 +387,7 @@ def one_pass_round(target, drafter: Drafter, drafting: OnePassDrafting, dcache, 
     else:
         out = target(tree.tokens, cache=tcache, positions=tcache.lengths[:, None] + tree.depth, new_mask=tree.mask,
                      feature_layers=feature_layers)  # logits [b, N, V]
-        if sampled:
+        if q is not None:
             acc = accept_nodes_sampled(tree, logits_to_probs(out.logits, params), q, generator)
         else:
             acc = accept_nodes(tree, sample(out.logits, params, generator))

@@ -36,6 +36,8 @@ rounds run eagerly: the CPU tests check the static-shape logic, the GPU tests th
 
 A one-pass round (``tree=`` a fixed-budget :class:`~specdraft.runtime.one_pass.OnePassDrafting`) is the D²SD round
 without the branch step: the best-first tree of the first draft's distributions, eagerly, at its node budget.
+A merged round (:class:`~specdraft.runtime.merged.MergedDrafting`) is the D²SD round whose tree is the best nodes of
+its branches and the one-pass tree, padded to the fixed ``max_nodes``.
 
 With an adaptive policy (``policy=``, pricing whole rounds) each round is either the drafted round above, for every
 row, or a plain round: the target's one-token pass and the drafter's ingest of its features, two graphs of their
@@ -49,7 +51,7 @@ The policy decides on the host between rounds (from the last round's host sync: 
 accepted drafts and wall seconds.
 
 Scope: chains with a DFlash, VP or ReTrace drafter or none (AR), D²SD trees (with or without one-pass siblings) and
-fixed-budget one-pass trees of stateless drafters, under a fixed or an adaptive policy. ReTrace's
+fixed-budget one-pass and merged trees of stateless drafters, under a fixed or an adaptive policy. ReTrace's
 prior (the rejected suffix it carries into the next round) lives in fixed-shape buffers of each bucket: the draft
 step fuses it into every slot (slots no prior lands on add zero), the commit step returns the drafter's fused view
 of the verify pass, and the next prior is built eagerly from the round's outputs.
@@ -64,10 +66,11 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 
 from specdraft.kernels.lm_head_argmax import lm_head_argmax
-from specdraft.runtime import d2sd, one_pass
+from specdraft.runtime import d2sd, merged, one_pass
 from specdraft.runtime.d2sd import TreeDrafting
 from specdraft.runtime.drafter import Drafter, RoundRecord
 from specdraft.runtime.kv_cache import KVCache
+from specdraft.runtime.merged import MergedDrafting
 from specdraft.runtime.models.dflash import DFlashDrafter
 from specdraft.runtime.models.retrace import Prior, ReTraceDrafter
 from specdraft.runtime.models.target import TargetLM
@@ -203,7 +206,7 @@ class StaticDecoder:
                 raise ValueError("the static path verifies whole blocks and trees: the policy must price its rounds "
                                  "so (whole_rounds=True)")
         if tree is not None:
-            if isinstance(tree, OnePassDrafting) and tree.budget is not None:
+            if isinstance(tree, (OnePassDrafting, MergedDrafting)) and tree.budget is not None:
                 raise ValueError("the static path verifies a fixed node budget per bucket; a measured budget runs on "
                                  "the eager engine")
             if drafter is None:
@@ -212,8 +215,8 @@ class StaticDecoder:
             self.check_drafter(tree.second)
         self.target, self.drafter, self.tree, self.dev = target, drafter, tree, dev
         self.one_pass = tree if isinstance(tree, OnePassDrafting) else None
-        self._round = self._chain_round if tree is None else \
-            self._one_pass_round if self.one_pass is not None else self._tree_round
+        self._round = self._chain_round if tree is None else self._one_pass_round if self.one_pass is not None \
+            else self._merged_round if isinstance(tree, MergedDrafting) else self._tree_round
         self.block = drafter.block_size if drafter is not None else 1
         self.buckets = sorted({b for b in buckets if b < max_batch} | {max_batch})
         self.max_batch, self.max_len = max_batch, max_len
@@ -421,10 +424,34 @@ class StaticDecoder:
         shape, ranked = one_pass.tree_shape(q, drafting)  # N - 1 nodes (padding where no path is left)
         tokens = one_pass.node_tokens(shape, ranked, q if sampled else None, generator)  # [n, N - 1]
         t = one_pass.build_nodes(bk.anchor, shape, tokens, K, width=ranked.shape[-1])
+        return self._walk_nodes(bk, t, logits, q if sampled else None, config, generator)
+
+    def _merged_round(self, bk: _Bucket, config: GenerationConfig, generator) -> _Round:
+        params, tree, K = config.sampling, self.tree, self.block - 1
+        (logits,) = bk.draft()  # [n, K, V]
+        first = logits.argmax(-1)  # [n, K] a merged tree drafts ranked tokens at every temperature
+        lengths, blocks = d2sd.branch_blocks(bk.anchor, first, logits, tree.branches)  # [n, J], [n, J, Bk]
+        bk.branch_blocks.copy_(blocks)
+        (branch_logits,) = bk.branch()  # [n, J, K, V]
+        cands = d2sd.merge_candidates(first, None, logits, None, lengths, branch_logits, tree.branches, params, False,
+                                      generator)
+        shape, tokens = merged.merged_shape(bk.anchor, cands, merged.walk_probs(logits, params),
+                                            merged.walk_probs(cands.branch_logits, params), tree.nodes,
+                                            tree.keep_chain)
+        N = tree.max_nodes(self.block)  # the bucket's verify shape (padding nodes past the tree's)
+        shape, tokens = merged.padded(shape, tokens, N - 1)
+        t = one_pass.build_nodes(bk.anchor, shape, tokens, K, width=N - 1)
+        return self._walk_nodes(bk, t, logits, None, config, generator)
+
+    def _walk_nodes(self, bk: _Bucket, t, logits: torch.Tensor, q: torch.Tensor | None, config: GenerationConfig,
+                    generator) -> _Round:
+        """Verify the node tree ``t`` and walk it (siblings drawn without replacement from ``q``; None: ranked
+        tokens, the walk following the target's token): the end of a one-pass or merged round."""
+        params, K = config.sampling, self.block - 1
         verified, features = self._verify_tree(bk, t)  # [n, N, V] (or [n, N] tokens), [n, N, F]
         if self.argmax_heads:
             acc = one_pass.accept_nodes(t, verified, max_depth=K)  # the target's greedy token at every node
-        elif sampled:
+        elif q is not None:
             acc = one_pass.accept_nodes_sampled(t, logits_to_probs(verified, params), q, generator)
         else:
             acc = one_pass.accept_nodes(t, sample(verified, params, generator), max_depth=K)

@@ -17,7 +17,7 @@ from specdraft.export import tensorrt as trt_build
 from specdraft.export.onnx import export_onnx, weights_hash
 from specdraft.export.tensorrt import EngineShapes, build_engines, check_profiles, engine_profiles
 from specdraft.export.tensorrt_compat import check_tensorrt_compat, parser_ops
-from specdraft.pipeline.exports import check_branch_tokens
+from specdraft.pipeline.exports import check_engine_tokens
 from specdraft.runtime.backends.onnx import load_manifest, sha256_file
 from specdraft.runtime.backends.tensorrt import (
     ENGINE_MANIFEST,
@@ -120,15 +120,18 @@ def test_an_engine_manifest_that_does_not_match_is_refused_in_one_line(exported,
             load_engine_manifest(_fake_engines(out, tmp_path / "again"))
 
 
-def test_d2sd_branches_longer_than_the_draft_engines_profile_are_refused_before_decoding(exported, tmp_path):
+def test_passes_longer_than_the_engines_profile_are_refused_before_decoding(exported, tmp_path):
+    """D²SD's branches (tree_k x block_size tokens in one draft pass) and a tree's verify pass (its nodes)."""
     _, _, out = exported
     engines = _fake_engines(out, tmp_path / "drafter").rename(tmp_path / "drafter" / "trt")  # <drafter>/trt
     m = json.loads((engines / ENGINE_MANIFEST).read_text())
     m["shapes"] = {"batch_sizes": [1, 8], "max_context": 256, "max_new": 64}
     (engines / ENGINE_MANIFEST).write_text(json.dumps(m))
-    check_branch_tokens(tmp_path / "drafter", 64)  # tree_k x block_size tokens in one draft pass: fits
+    check_engine_tokens(tmp_path / "drafter", 64, "tree_k", "the branches draft")  # fits
     with pytest.raises(SpecdraftError, match="decode.tree_k.*80 tokens.*at most 64"):
-        check_branch_tokens(tmp_path / "drafter", 80)
+        check_engine_tokens(tmp_path / "drafter", 80, "tree_k", "the branches draft")
+    with pytest.raises(SpecdraftError, match="decode.tree_nodes.*the tree verifies 96 tokens.*at most 64"):
+        check_engine_tokens(tmp_path / "drafter", 96, "tree_nodes", "the tree verifies")
 
 
 @pytest.mark.gpu

@@ -53,6 +53,9 @@ def test_dotted_overrides_are_typed():
     (["decode.tree_nodes=1001"], "decode.tree_nodes"),
     (["decode.tree_siblings=-1"], "decode.tree_siblings"),
     (["bench.tree_nodes=[1]"], "bench.tree_nodes"),
+    (["bench.merged_nodes=[1]"], "bench.merged_nodes"),
+    (["decode.method=merged", "decode.tree_budget=measured", "decode.cuda_graphs=true", "decode.batching=static"],
+     "decode.cuda_graphs"),
     (["train.opd.rejected_decay=0"], "train.opd.rejected_decay"),
     (["train.opd.eval_prompts=0"], "train.opd.eval_prompts"),
 ])

@@ -100,9 +100,11 @@ def test_greedy_decode_job_equals_ar_job(tiny_world, drafter_dir, tmp_path):
                            ("dflash", "static"), ("dflash", "adaptive"), ("d2sd", "static"), ("d2sd", "true"),
                            ("ddtree", "false"), ("ddtree", "static"), ("ddtree", "true"), ("ddtree", "adaptive"),
                            ("d2sd", "adaptive"), ("dflash", "adaptive-graphs"), ("ddtree", "adaptive-graphs"),
-                           ("d2sd", "adaptive-graphs")):
+                           ("d2sd", "adaptive-graphs"), ("merged", "static"), ("merged", "true"),
+                           ("merged", "adaptive")):
         outs[method, graphs] = tmp_path / f"{method}-{graphs}.jsonl"
-        extra = {"d2sd": tree, "ddtree": ["decode.tree_nodes=6"]}.get(method, [])
+        extra = {"d2sd": tree, "ddtree": ["decode.tree_nodes=6"], "merged": [*tree, "decode.tree_nodes=8"]}.get(
+            method, [])
         assert main(["decode", *_args(tiny_world, drafter_dir, tmp_path, f"decode.method={method}", *modes[graphs],
                                       *extra), "--input", str(inp), "--output", str(outs[method, graphs])]) == 0
     comp = {m: {json.loads(line)["id"]: json.loads(line)["completion"]
@@ -122,18 +124,20 @@ def test_greedy_decode_job_equals_ar_job(tiny_world, drafter_dir, tmp_path):
     assert comp["d2sd", "static"] == comp["d2sd", "true"] == comp["ar", "false"] == comp["ddtree", "false"]
     assert comp["ddtree", "true"] == comp["ar", "false"] == comp["ddtree", "adaptive"] == comp["d2sd", "adaptive"]
     assert comp["ar", "false"] == comp["dflash", "adaptive-graphs"] == comp["ddtree", "adaptive-graphs"] \
-        == comp["d2sd", "adaptive-graphs"]
+        == comp["d2sd", "adaptive-graphs"] == comp["merged", "static"] == comp["merged", "true"] \
+        == comp["merged", "adaptive"]
     for method, mode in (("ddtree", "adaptive"), ("d2sd", "adaptive"), ("dflash", "adaptive-graphs"),
-                         ("ddtree", "adaptive-graphs"), ("d2sd", "adaptive-graphs")):
+                         ("ddtree", "adaptive-graphs"), ("d2sd", "adaptive-graphs"), ("merged", "adaptive")):
         # a plain round or a whole tree (or block) round, and the tree's statistics every round
         rows = [json.loads(line) for line in outs[method, mode].read_text().splitlines()]
         assert all(set(r["verified"]) <= {0, 3} and len(r["verified"]) == len(r["accept_lengths"]) for r in rows)
     tau = {(m, g): {json.loads(line)["id"]: json.loads(line)["tau"] for line in outs[m, g].read_text().splitlines()}
            for m, g in (("dflash", "true"), ("dflash", "false"), ("d2sd", "true"), ("d2sd", "static"),
-                        ("ddtree", "true"), ("ddtree", "static"))}
+                        ("ddtree", "true"), ("ddtree", "static"), ("merged", "true"), ("merged", "static"))}
     assert tau["dflash", "true"] == tau["dflash", "false"]  # the static path drafts what the eager engine drafts
     assert tau["d2sd", "true"] == tau["d2sd", "static"]  # and builds the same trees
     assert tau["ddtree", "true"] == tau["ddtree", "static"]
+    assert tau["merged", "true"] == tau["merged", "static"]
 
 
 def test_a_retrace_job_on_the_static_path_writes_the_eager_jobs_rows(tiny_world, drafter_dir, tmp_path):

@@ -97,8 +97,10 @@ def test_trees_on_the_onnx_backend_write_what_torch_writes(tiny_world, tmp_path)
     _three_prompts(inp)
     rows = {}
     one_pass = ["decode.method=ddtree", "decode.tree_nodes=6"]
+    merged = [*tree, "decode.method=merged", "decode.tree_nodes=8"]
     for name, how in (("torch", tree), ("onnx", tree), ("onnx-adaptive", [*tree, "decode.policy=adaptive"]),
-                      ("torch-ddtree", one_pass), ("onnx-ddtree", one_pass),
+                      ("torch-ddtree", one_pass), ("onnx-ddtree", one_pass), ("torch-merged", merged),
+                      ("onnx-merged", merged),
                       ("onnx-ddtree-adaptive", [*one_pass, "decode.policy=adaptive"])):
         out = tmp_path / f"{name}.jsonl"
         backend = name.split("-")[0]
@@ -107,6 +109,7 @@ def test_trees_on_the_onnx_backend_write_what_torch_writes(tiny_world, tmp_path)
         rows[name] = _rows(out)
     assert rows["onnx"] == rows["torch"]  # completions and accept lengths, round for round
     assert rows["onnx-ddtree"] == rows["torch-ddtree"]  # one-pass trees on the exported models too
+    assert rows["onnx-merged"] == rows["torch-merged"]  # and merged ones, with both drafters' exports
     completions = {name: {i: r["completion"] for i, r in got.items()} for name, got in rows.items()}
     assert completions["onnx-adaptive"] == completions["onnx-ddtree-adaptive"] == completions["torch"]
     for name in ("onnx-adaptive", "onnx-ddtree-adaptive"):  # a plain round or a whole tree round, every round

@@ -10,6 +10,7 @@ import torch
 from specdraft.runtime.d2sd import TreeDrafting
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.drafter_io import convert_drafter
+from specdraft.runtime.merged import MergedDrafting
 from specdraft.runtime.one_pass import OnePassDrafting
 from specdraft.runtime.static_decode import StaticDecoder, StaticEngine
 from tests.helpers import bigram_oracle, make_drafter, make_target, retrace_from
@@ -189,6 +190,21 @@ def test_one_pass_greedy_output_is_the_targets_with_pinned_drafts():
     assert counts["partial"] > 0 and counts["stopped_rows"] > 0 and counts["branch_wins"] > 0, counts
 
 
+def merged_factory(target, nodes: int, block_size: int = 5):
+    """``prompts -> (first drafter, MergedDrafting)``: :func:`tree_factory`'s drafters, two branches."""
+    first = make_drafter(target, seed=2, block_size=block_size, std=0.3)
+    tree = tree_factory(first, target)([])[1]
+    return lambda prompts: (first, MergedDrafting(tree, nodes))
+
+
+@pytest.mark.parametrize("nodes", [3, 16])
+def test_merged_rounds_are_the_eager_engines_round_for_round(nodes):
+    """The static path pads a tree smaller than the branch blocks (3 nodes) to its fixed verify shape."""
+    target = make_target(seed=7, vocab=6, std=1.0)
+    got = _tree_rounds_conform(target, merged_factory(target, nodes))
+    assert sum(w > 0 for r in got for w in r.winner) > 0 or nodes < 4  # a branch or a sibling wins
+
+
 @pytest.mark.parametrize("rule", [r for r in ONE_PASS_WRONG_RULES if "sampled" not in r])
 def test_the_one_pass_checks_catch_each_wrong_rule(rule, monkeypatch):
     """Through the pinned oracle (a bigram target, which reads no context) or a real target and drafter (which do:
@@ -246,6 +262,16 @@ def test_one_pass_sampled_output_fits_the_target_distribution(drafts):
     target = make_target(seed=7, vocab=6, std=0.5)
     check = sampling_pvalues(target, one_pass_factory(target, 8, block_size=4), SAMPLING_SETTINGS[1], n=6000,
                              draft_sampling=drafts, engine=static_engine((1, 6000)))
+    assert check.min_p > ALPHA, check
+    assert check.profile["partial"] + check.profile["full"] > 0 and check.profile["branch_wins"] > 0, check
+
+
+@pytest.mark.slow
+def test_merged_sampled_output_fits_the_target_distribution():
+    """A merged tree's tokens are ranked at every temperature: the walk samples the target at each node."""
+    target = make_target(seed=7, vocab=6, std=0.5)
+    check = sampling_pvalues(target, merged_factory(target, 8, block_size=4), SAMPLING_SETTINGS[1], n=6000,
+                             engine=static_engine((1, 6000)))
     assert check.min_p > ALPHA, check
     assert check.profile["partial"] + check.profile["full"] > 0 and check.profile["branch_wins"] > 0, check
 
