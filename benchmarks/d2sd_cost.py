@@ -1,15 +1,19 @@
 """D²SD in serving: end-to-end tokens/s against DFlash and the target alone at batch 1 and 8, each round's cost split
-into phases, and how calibrated the first drafter's confidences are.
+into phases, and how calibrated the first drafter's confidences are; with ``--nodes`` the one-pass and merged trees of
+that node budget (``--budget measured``: the budget each round picks up to it) beside them.
 
 All methods decode the same held-out prompts in one process, interleaved batch by batch (the order alternating), at
 T=0. Phases (wall time, summed over rounds; :class:`~specdraft.runtime.phase_clock.PhaseClock`): ``draft`` (the
-first drafter's block), ``second_draft`` (the batched VP pass), ``tree`` (posterior, placement, tree build), ``verify``
-(the target's pass over the chain or the tree, and the acceptance walk), ``compaction`` (moving the accepted path's
-K/V, gathering its features) and ``commit`` (the drafters' context updates and the engine's bookkeeping). The
-reliability table bins the first drafter's per-slot confidence ``c_k = max_v q_k(v)`` over the DFlash rounds and
-reports the empirical acceptance of slot ``k`` among rounds that reached it (calibrated: equal columns).
+first drafter's block), ``second_draft`` (the batched VP pass), ``tree`` (posterior, placement, tree build),
+``budget`` (a measured budget's choice, with the verify passes it times for a batch size it has not priced),
+``verify`` (the target's pass over the chain or the tree; a chain's acceptance too), ``walk`` (the walk down a tree),
+``compaction`` (moving the accepted path's K/V, gathering its features) and ``commit`` (the drafters' context updates
+and the engine's bookkeeping). The reliability table bins the first drafter's per-slot confidence
+``c_k = max_v q_k(v)`` over the DFlash rounds and reports the empirical acceptance of slot ``k`` among rounds that
+reached it (calibrated: equal columns).
 
-    python benchmarks/d2sd_cost.py configs/tiny.yaml [--prompts 16] [--k 4] [--out cost.json] [key=value ...]
+    python benchmarks/d2sd_cost.py configs/tiny.yaml [--prompts 16] [--k 4] [--nodes 48 [--budget measured]]
+        [--out cost.json] [key=value ...]
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from specdraft.pipeline.bench import suite_prompts
 from specdraft.pipeline.config import load_config
 from specdraft.pipeline.measure import config_models, write_report
 from specdraft.pipeline.tokenizer import stop_token_ids
-from specdraft.pipeline.trees import tree_drafting
+from specdraft.pipeline.trees import merged_drafting, one_pass_drafting, tree_drafting
 from specdraft.runtime.decode import GenerationConfig, generate
 
 BINS = (0.0, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 1.01)
@@ -55,6 +59,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--suite", default="math")
+    ap.add_argument("--nodes", type=int, default=0, help="one-pass and merged trees of this many nodes (0: none)")
+    ap.add_argument("--budget", default="fixed", choices=["fixed", "measured"])
     ap.add_argument("--out", default="")
     args, overrides = ap.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
@@ -65,6 +71,11 @@ def main(argv=None) -> dict:
                             target.args.max_position_embeddings)
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_token_ids=stop_token_ids(tok))
     methods = {"ar": {}, "dflash": {"drafter": first}, f"d2sd{args.k}": {"drafter": first, "tree": tree}}
+    if args.nodes:
+        name = f"{args.nodes}" + ("+measured" if args.budget == "measured" else "")
+        methods[f"ddtree{name}"] = {"drafter": first, "tree": one_pass_drafting(cfg, first, args.nodes, args.budget)}
+        methods[f"merged{name}"] = {"drafter": first, "tree": merged_drafting(cfg, first, tree, args.nodes,
+                                                                              args.budget)}
     generate(target, prompts[:2], GenerationConfig(max_new_tokens=8), **methods[f"d2sd{args.k}"])  # warm-up
     report = {"config": args.config, "suite": args.suite, "prompts": len(prompts), "k": args.k,
               "max_new_tokens": args.max_new_tokens, "by_batch_size": {}}

@@ -85,6 +85,7 @@ def default_steps() -> list[Step]:
              "--prompts", "16", "--out", "{out}/static_adaptive.json"]],
              needs=[world_path, "artifacts/tiny/drafter/sft"]),
         Step("d2sd", 120, [["{py}", "benchmarks/d2sd_cost.py", "configs/tiny.yaml", "--prompts", "16", "--k", "4",
+                            "--nodes", "48", "--budget", "measured", "--batch-sizes", "1,8,32",
                             "target.device=cuda", "--out", "{out}/d2sd.json"]],
              needs=["artifacts/tiny/drafter/vp"]),
         Step("trt", 150, [

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from specdraft.runtime.drafter import Drafter
-from specdraft.runtime.one_pass import best_first, node_paths
+from specdraft.runtime.one_pass import best_first, draft_block, node_paths
 from specdraft.runtime.phase_clock import PhaseClock
 from specdraft.runtime.sampling import SamplingParams, logits_to_probs, sample, sample_from_probs
 from specdraft.runtime.tree import (
@@ -163,13 +163,20 @@ def draft_candidates(drafter: Drafter, drafting: TreeDrafting, dcache, scache, a
                      generator: torch.Generator | None = None) -> Candidates:
     """The first draft and the second drafter's ``J`` re-drafts, whose prefixes are the first draft's tokens
     exactly; drawn from each drafter's processed distribution when ``sampled``, else each drafter's argmax."""
-    b, Bk = anchor.shape[0], drafter.block_size
-    block = torch.full((b, Bk), drafter.config.mask_token_id, dtype=torch.long, device=anchor.device)
-    block[:, 0] = anchor
-    hidden = drafter.draft_hidden(dcache, drafter.block_embeds(block, None))  # [b, Bk, D]
-    logits = drafter.logits(hidden[:, 1:])  # [b, K, V]
+    logits, hidden = draft_block(drafter, dcache, anchor)  # [b, K, V], [b, Bk, D]
     first, first_q = draw_tokens(logits, params, sampled, generator)  # [b, K], [b, K, V] or None
     clock.lap("draft")
+    return branch_candidates(drafting, scache, anchor, first, first_q, logits, hidden, clock, params, sampled,
+                             generator)
+
+
+def branch_candidates(drafting: TreeDrafting, scache, anchor: torch.Tensor, first: torch.Tensor,
+                      first_q: torch.Tensor | None, logits: torch.Tensor, hidden: torch.Tensor, clock: PhaseClock,
+                      params: SamplingParams = SamplingParams(), sampled: bool = False,
+                      generator: torch.Generator | None = None) -> Candidates:
+    """The second drafter's ``J`` re-drafts of the first draft ``first`` ``[b, K]`` (its ``logits``, ``hidden``),
+    and the candidates they make with it."""
+    b, Bk = anchor.shape[0], first.shape[1] + 1
     lengths, blocks = branch_blocks(anchor, first, logits, drafting)  # [b, J], [b, J, Bk]
     second = drafting.second
     embeds = second.block_embeds(blocks.flatten(0, 1), None)  # [b * J, Bk, D]
@@ -196,8 +203,9 @@ def tree_round(target, drafter: Drafter, drafting: TreeDrafting, dcache, scache,
     clock.lap("tree")
     out = target(tree.tokens, cache=tcache, positions=tcache.lengths[:, None] + tree.depth, new_mask=tree.mask,
                  feature_layers=feature_layers)  # logits [b, N, V]
-    acc = verify_tree(tree, out.logits, params, generator, cands)
     clock.lap("verify")
+    acc = verify_tree(tree, out.logits, params, generator, cands)
+    clock.lap("walk")
     winner = candidates.gather(1, acc.winner[:, None, None].expand(-1, 1, candidates.shape[-1]))[:, 0]  # [b, K]
     winner = winner.clamp_min(0)  # a sibling's slots past its depth (never accepted) hold -1
     return commit_path(tree.num_nodes, acc, out, tcache, winner, draft_logits, hidden, clock)

@@ -197,9 +197,10 @@ def generate(target: TargetLM, prompts: Sequence[Sequence[int]], config: Generat
         drafter: a block drafter bound to ``target`` (a :class:`Drafter`), or ``None`` for AR.
         generator: RNG for sampling (on the target's device).
         observer: called once per verify round with its :class:`RoundRecord` (analysis, on-policy rollouts).
-        tree: tree rounds, D²SD's or one-pass (needs ``drafter``, a first drafter without cross-round state).
+        tree: tree rounds, D²SD's, one-pass or merged (needs ``drafter``, a first drafter without cross-round state).
         timings: when given, wall seconds per round phase are added to it (prefill, draft, second_draft, tree,
-            verify, compaction, commit), synchronising the device at each phase boundary.
+            budget (a measured tree budget's choice), verify, walk (a tree's), compaction, commit), synchronising the
+            device at each phase boundary.
         policy: an :class:`AdaptivePolicy` choosing whether to draft and how many drafts to verify each round
             (with ``tree``: a whole tree round or a plain one; None: the whole block or tree every round).
         slots: continuous batching: at most ``slots`` requests decode at once, and when one finishes the next in

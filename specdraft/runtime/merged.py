@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdraft.runtime.d2sd import Candidates, TreeDrafting, draft_candidates
+from specdraft.runtime.d2sd import Candidates, TreeDrafting, branch_candidates
 from specdraft.runtime.drafter import Drafter
 from specdraft.runtime.node_budget import NodeBudget
 from specdraft.runtime.one_pass import (
@@ -32,6 +32,9 @@ from specdraft.runtime.one_pass import (
     MAX_NODES,
     Shape,
     best_first,
+    budget_setting,
+    choose_nodes,
+    draft_block,
     node_tokens,
     verify_nodes,
 )
@@ -180,10 +183,25 @@ def merged_round(target, drafter: Drafter, drafting: MergedDrafting, dcache, sca
                  params: SamplingParams, feature_layers: tuple[int, ...], generator: torch.Generator | None,
                  clock: PhaseClock) -> TreeRound:
     """One merged round for every active row (the accepted path's K/V already moved into the committed slots, the
-    lengths left for the engine to raise)."""
+    lengths left for the engine to raise).
+
+    With a measured budget that keeps the chain, the budget first prices the first drafter's own one-pass tree (a
+    merged tree's best nodes are at least as likely): where even that picks the chain, the round is a chain round
+    and the second drafter does not draft."""
     started = time.perf_counter()
-    cands = draft_candidates(drafter, drafting.branches, dcache, scache, anchor, clock)  # argmax drafts
-    shape, tokens = merged_shape(anchor, cands, walk_probs(cands.first_logits, params),
-                                 walk_probs(cands.branch_logits, params), drafting.nodes, drafting.keep_chain)
-    return verify_nodes(target, drafting, shape, tokens, lambda: cands.tokens[:, 0], None, cands.first_logits,
-                        cands.hidden, tcache, anchor, params, feature_layers, generator, clock, started)
+    logits, hidden = draft_block(drafter, dcache, anchor)  # [b, K, V], [b, Bk, D]
+    first = logits.argmax(-1)  # [b, K] ranked drafts at every temperature
+    clock.lap("draft")
+    q1, budget = walk_probs(logits, params), drafting.budget
+    if budget is not None and drafting.keep_chain:
+        top, ranked = q1.topk(min(drafting.nodes - 1, q1.shape[-1]), dim=-1)  # [b, K, W]
+        one = best_first(top, drafting.nodes, True)
+        n = choose_nodes(target, budget, one, tcache, feature_layers, budget_setting(params, None), clock)
+        if n == budget.choices[0]:
+            return verify_nodes(target, drafting, one, node_tokens(one, ranked, None, None), lambda: first, None,
+                                logits, hidden, tcache, anchor, params, feature_layers, generator, clock, started, n)
+    cands = branch_candidates(drafting.branches, scache, anchor, first, None, logits, hidden, clock)
+    shape, tokens = merged_shape(anchor, cands, q1, walk_probs(cands.branch_logits, params), drafting.nodes,
+                                 drafting.keep_chain)
+    return verify_nodes(target, drafting, shape, tokens, lambda: first, None, logits, hidden, tcache, anchor, params,
+                        feature_layers, generator, clock, started)

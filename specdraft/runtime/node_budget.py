@@ -84,6 +84,8 @@ class NodeBudget:
             rate = tokens / (self.overhead(self.kind(n)) + self.price(target, b, context, n, feature_layers))
             if rate > best_rate:
                 best, best_rate = n, rate
+        if self.kind(best) == "tree" and "tree" in self.overhead_s and "chain" not in self.overhead_s:
+            return self.choices[0]  # once: the chain's own seconds, not the trees' borrowed
         return best
 
     def kind(self, nodes: int) -> str:
@@ -91,7 +93,9 @@ class NodeBudget:
         return "chain" if nodes == self.choices[0] else "tree"
 
     def overhead(self, kind: str) -> float:
-        """A round's seconds beyond its verify pass; a kind not seen yet borrows the other's (0 before any round)."""
+        """A round's seconds beyond its verify pass; a kind not seen yet borrows the other's (0 before any round).
+        :meth:`choose` runs one chain round after the first tree round, so a chain is not priced by a tree's drafting,
+        building and walking."""
         return self.overhead_s.get(kind, self.overhead_s.get("tree" if kind == "chain" else "chain", 0.0))
 
     def observe(self, predicted: float, accepted: float, nodes: int, rows: int, round_seconds: float,

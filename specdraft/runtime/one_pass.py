@@ -339,6 +339,7 @@ def one_pass_round(target, drafter: Drafter, drafting: OnePassDrafting, dcache, 
     sampled = not params.greedy and draft_sampling == "sample"
     started = time.perf_counter()
     logits, hidden = draft_block(drafter, dcache, anchor)  # [b, K, V], [b, Bk, D]
+    clock.lap("draft")
     q = logits_to_probs(logits, params) if sampled else logits.float().softmax(-1)  # [b, K, V]
     shape, ranked = tree_shape(q, drafting)
     tokens = node_tokens(shape, ranked, q if sampled else None, generator)  # [b, M]
@@ -347,10 +348,26 @@ def one_pass_round(target, drafter: Drafter, drafting: OnePassDrafting, dcache, 
                         anchor, params, feature_layers, generator, clock, started)
 
 
+def budget_setting(params: SamplingParams, q: torch.Tensor | None) -> str:
+    """The sampling setting a budget's calibration is kept for (sampled siblings or ranked tokens apart)."""
+    return f"{params}/{'sample' if q is not None else 'ranked'}"
+
+
+def choose_nodes(target, budget: NodeBudget, shape: Shape, tcache, feature_layers: tuple[int, ...], setting: str,
+                 clock: PhaseClock) -> int:
+    """The nodes the measured ``budget`` verifies of the best-first tree ``shape`` this round (its own phase on the
+    clock: the choice, and the verify passes timed the first time a batch size is seen)."""
+    clock.lap("tree")
+    probs = torch.where(shape.valid, shape.log_prob.exp(), 0.0)  # [b, M]
+    n = budget.choose(target, probs, int(tcache.lengths.float().mean()), feature_layers, setting)
+    clock.lap("budget")
+    return n
+
+
 def verify_nodes(target, drafting, shape: Shape, tokens: torch.Tensor, chain: Callable[[], torch.Tensor],
                  q: torch.Tensor | None, logits: torch.Tensor, hidden: torch.Tensor, tcache, anchor: torch.Tensor,
                  params: SamplingParams, feature_layers: tuple[int, ...], generator: torch.Generator | None,
-                 clock: PhaseClock, started: float) -> TreeRound:
+                 clock: PhaseClock, started: float, chosen: int | None = None) -> TreeRound:
     """Verify the best-first tree ``shape`` (non-root tokens ``tokens`` ``[b, M]``) at the drafting's node budget,
     or at the one its measured ``budget`` picks, and walk it: the end of a one-pass or a merged round.
 
@@ -362,12 +379,12 @@ def verify_nodes(target, drafting, shape: Shape, tokens: torch.Tensor, chain: Ca
         q: ``[b, K, V]`` the distributions the siblings were drawn from without replacement (None: deterministic
             tokens, and the walk follows the target's token at each node).
         started: when the round began (``time.perf_counter()``), for the budget's record of round seconds.
+        chosen: the budget's choice when the caller made it already (:func:`choose_nodes`).
     """
-    budget, setting = drafting.budget, f"{params}/{'sample' if q is not None else 'ranked'}"
+    budget, setting = drafting.budget, budget_setting(params, q)
     b, K = logits.shape[:2]
     if budget is not None:
-        probs = torch.where(shape.valid, shape.log_prob.exp(), 0.0)  # [b, M]
-        n = budget.choose(target, probs, int(tcache.lengths.float().mean()), feature_layers, setting)
+        n = chosen or choose_nodes(target, budget, shape, tcache, feature_layers, setting, clock)
         shape, tokens = shape.first(n - 1), tokens[:, :n - 1]
     as_chain = budget is not None and drafting.keep_chain and shape.parent.shape[1] == K
     if not as_chain:
@@ -384,9 +401,11 @@ def verify_nodes(target, drafting, shape: Shape, tokens: torch.Tensor, chain: Ca
         acc = TreeAcceptance(n_acc, nxt, torch.zeros_like(n_acc), torch.arange(K + 1, device=anchor.device).expand(
             b, -1))
         num_nodes = torch.full_like(n_acc, K + 1)
+        clock.lap("verify")  # a chain's acceptance is the verify phase's, as in a chain round
     else:
         out = target(tree.tokens, cache=tcache, positions=tcache.lengths[:, None] + tree.depth, new_mask=tree.mask,
                      feature_layers=feature_layers)  # logits [b, N, V]
+        clock.lap("verify")
         if q is not None:
             acc = accept_nodes_sampled(tree, logits_to_probs(out.logits, params), q, generator)
         else:
@@ -394,7 +413,7 @@ def verify_nodes(target, drafting, shape: Shape, tokens: torch.Tensor, chain: Ca
         path = acc.path[:, :K + 1]  # no node is deeper than K
         acc = acc._replace(path=torch.cat([path, path[:, -1:].expand(-1, K + 1 - path.shape[1])], 1))  # [b, K + 1]
         draft_tokens, num_nodes = tree.tokens.gather(1, acc.path[:, 1:]), tree.num_nodes  # [b, K] accepted first
-    clock.lap("verify")
+    clock.lap("walk")
     rnd = commit_path(num_nodes, acc, out, tcache, draft_tokens, logits, hidden, clock)
     if budget is not None:  # the calibration's evidence and the round's seconds (the pricing excluded)
         budget.observe(float(torch.where(shape.valid, shape.log_prob.exp(), 0.0).sum()),

@@ -211,6 +211,21 @@ def test_the_budget_grows_where_verifying_is_cheap_and_shrinks_where_it_is_not()
     assert mixed.choose(None, PEAKED, 0, ()) > mixed.choose(None, PEAKED.expand(32, -1), 0, ())
 
 
+def test_the_budget_times_one_chain_round_before_it_prices_chains_by_their_own_seconds():
+    """Until a chain round ran, a chain would be priced by a tree round's seconds beyond its verify pass (drafting,
+    building, walking): after the first tree round the budget runs one chain round, then chooses by both."""
+    budget = _budget(lambda rows, n: 0.010)  # verifying costs the same at any size: the model picks the largest tree
+    assert budget.choose(None, PEAKED, 0, ()) == 96
+    budget.observe(50.0, 40.0, nodes=96, rows=1, round_seconds=0.030)  # 20 ms beyond the verify pass
+    assert budget.choose(None, PEAKED, 0, ()) == 16
+    budget.observe(10.0, 9.0, nodes=16, rows=1, round_seconds=0.012)  # a chain round: 2 ms beyond it
+    assert budget.choose(None, PEAKED, 0, ()) == 16  # about 7 tokens in 12 ms beat about 8 in 30 ms
+    cheap = _budget(lambda rows, n: 0.010)
+    cheap.observe(50.0, 40.0, nodes=96, rows=1, round_seconds=0.012)
+    cheap.observe(10.0, 9.0, nodes=16, rows=1, round_seconds=0.012)
+    assert cheap.choose(None, PEAKED, 0, ()) == 96  # trees as cheap as chains: the largest
+
+
 def test_a_drafter_accepted_less_than_it_predicts_gets_smaller_trees():
     budget = _budget(lambda rows, n: 0.010 + 0.0002 * rows * n)
     before = budget.choose(None, PEAKED, 0, (), "T0")
