@@ -100,22 +100,27 @@ def candidate_log_probs(cands: Candidates, log_q1: torch.Tensor, log_q2: torch.T
     return torch.cat([first[:, None], branch], 1).double().cumsum(-1)
 
 
-def merged_shape(anchor: torch.Tensor, cands: Candidates, q1: torch.Tensor, q2: torch.Tensor, nodes: int,
-                 keep_chain: bool = True) -> tuple[Shape, torch.Tensor]:
-    """The best ``nodes - 1`` non-root nodes of D²SD's candidates and the first drafter's best-first tree, best-first:
-    ``(shape, tokens [b, nodes - 1])``. Pure tensor code of fixed shapes, no host read.
+def one_pass_part(q1: torch.Tensor, nodes: int, keep_chain: bool = True) -> tuple[Shape, torch.Tensor]:
+    """The first drafter's best-first tree of ``nodes`` over ``q1`` ``[b, K, V]`` and each slot's tokens by rank
+    ``[b, K, W]``: a merged tree's one-pass part."""
+    top, ranked = q1.topk(min(nodes - 1, q1.shape[-1]), dim=-1)  # [b, K, W]
+    return best_first(top, nodes, keep_chain), ranked
+
+
+def merged_shape(anchor: torch.Tensor, cands: Candidates, one: Shape, ranked: torch.Tensor, q1: torch.Tensor,
+                 q2: torch.Tensor, keep_chain: bool = True) -> tuple[Shape, torch.Tensor]:
+    """The best non-root nodes of D²SD's candidates and the first drafter's best-first tree ``one`` (as many as it
+    has), best-first: ``(shape, tokens)``. Pure tensor code of fixed shapes, no host read.
 
     Args:
         cands: the first draft and the second drafter's branches ``[b, J + 1, K]``.
+        one, ranked: :func:`one_pass_part`'s tree and ranked tokens.
         q1: ``[b, K, V]`` the first drafter's distributions; q2: ``[b, J, K, V]`` the second drafter's per branch.
         keep_chain: the first draft's nodes come first, as deep as the budget allows.
     """
-    b, K, V = q1.shape
-    M, dev = nodes - 1, q1.device
-    W = min(M, V)
+    b, K, _ = q1.shape
+    M, W, dev = one.parent.shape[1], ranked.shape[-1], q1.device
     rows = torch.arange(b, device=dev)[:, None]
-    top, ranked = q1.topk(W, dim=-1)  # [b, K, W]
-    one = best_first(top, nodes, keep_chain)  # M one-pass nodes
     one_tok = node_tokens(one, ranked, None, None)  # [b, M]
     # D²SD's candidates as one prefix tree (node ids 1..C*K, parents first)
     dtree = build_tree(anchor, cands.tokens)
@@ -173,10 +178,10 @@ def padded(shape: Shape, tokens: torch.Tensor, count: int) -> tuple[Shape, torch
     extra = count - tokens.shape[1]
     if extra <= 0:
         return shape, tokens
-    pad = [torch.zeros_like(tokens[:, :1]).expand(-1, extra)] * 3
-    return Shape(*(torch.cat([x, p], 1) for x, p in zip(shape, [*pad, torch.zeros_like(shape.valid[:, :1]).expand(
-        -1, extra), torch.full_like(shape.log_prob[:, :1], float("-inf")).expand(-1, extra)]))), torch.cat(
-        [tokens, pad[0]], 1)
+    zeros = tokens.new_zeros(tokens.shape[0], extra)  # [b, extra]
+    pad = Shape(zeros, zeros, zeros, zeros.bool(), torch.full(zeros.shape, float("-inf"), dtype=shape.log_prob.dtype,
+                                                                device=zeros.device))
+    return Shape(*(torch.cat([x, p], 1) for x, p in zip(shape, pad))), torch.cat([tokens, zeros], 1)
 
 
 def merged_round(target, drafter: Drafter, drafting: MergedDrafting, dcache, scache, tcache, anchor: torch.Tensor,
@@ -193,15 +198,14 @@ def merged_round(target, drafter: Drafter, drafting: MergedDrafting, dcache, sca
     first = logits.argmax(-1)  # [b, K] ranked drafts at every temperature
     clock.lap("draft")
     q1, budget = walk_probs(logits, params), drafting.budget
+    one, ranked = one_pass_part(q1, drafting.nodes, drafting.keep_chain)
     if budget is not None and drafting.keep_chain:
-        top, ranked = q1.topk(min(drafting.nodes - 1, q1.shape[-1]), dim=-1)  # [b, K, W]
-        one = best_first(top, drafting.nodes, True)
         n = choose_nodes(target, budget, one, tcache, feature_layers, budget_setting(params, None), clock)
         if n == budget.choices[0]:
             return verify_nodes(target, drafting, one, node_tokens(one, ranked, None, None), lambda: first, None,
                                 logits, hidden, tcache, anchor, params, feature_layers, generator, clock, started, n)
     cands = branch_candidates(drafting.branches, scache, anchor, first, None, logits, hidden, clock)
-    shape, tokens = merged_shape(anchor, cands, q1, walk_probs(cands.branch_logits, params), drafting.nodes,
+    shape, tokens = merged_shape(anchor, cands, one, ranked, q1, walk_probs(cands.branch_logits, params),
                                  drafting.keep_chain)
     return verify_nodes(target, drafting, shape, tokens, lambda: first, None, logits, hidden, tcache, anchor, params,
                         feature_layers, generator, clock, started)

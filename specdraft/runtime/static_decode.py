@@ -435,9 +435,10 @@ class StaticDecoder:
         (branch_logits,) = bk.branch()  # [n, J, K, V]
         cands = d2sd.merge_candidates(first, None, logits, None, lengths, branch_logits, tree.branches, params, False,
                                       generator)
-        shape, tokens = merged.merged_shape(bk.anchor, cands, merged.walk_probs(logits, params),
-                                            merged.walk_probs(cands.branch_logits, params), tree.nodes,
-                                            tree.keep_chain)
+        q1 = merged.walk_probs(logits, params)  # [n, K, V]
+        one, ranked = merged.one_pass_part(q1, tree.nodes, tree.keep_chain)
+        shape, tokens = merged.merged_shape(bk.anchor, cands, one, ranked, q1,
+                                            merged.walk_probs(cands.branch_logits, params), tree.keep_chain)
         N = tree.max_nodes(self.block)  # the bucket's verify shape (padding nodes past the tree's)
         shape, tokens = merged.padded(shape, tokens, N - 1)
         t = one_pass.build_nodes(bk.anchor, shape, tokens, K, width=N - 1)

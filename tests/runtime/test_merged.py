@@ -10,9 +10,9 @@ import torch
 from specdraft.runtime.d2sd import Candidates, TreeDrafting
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.drafter_io import convert_drafter
-from specdraft.runtime.merged import MergedDrafting, candidate_log_probs, merged_shape
+from specdraft.runtime.merged import MergedDrafting, candidate_log_probs, merged_shape, one_pass_part
 from specdraft.runtime.node_budget import NodeBudget, budget_choices
-from specdraft.runtime.one_pass import OnePassDrafting, best_first, node_tokens
+from specdraft.runtime.one_pass import OnePassDrafting, node_tokens
 from tests.helpers import make_drafter, make_target
 from tests.lossless import (
     ONE_PASS_WRONG_RULES,
@@ -59,10 +59,9 @@ def test_merged_shape_is_the_best_nodes_of_the_union_as_a_tree(keep_chain):
     for trial in range(12):
         nodes = 3 + 2 * trial
         cands, q1, q2 = _random_candidates(rng, b, J, K, V)
-        shape, tokens = merged_shape(torch.zeros(b, dtype=torch.long), cands, q1, q2, nodes, keep_chain)
+        one, ranked = one_pass_part(q1, nodes, keep_chain)
+        shape, tokens = merged_shape(torch.zeros(b, dtype=torch.long), cands, one, ranked, q1, q2, keep_chain)
         # the union by brute force: each one-pass node and each candidate's prefix, by token path, the best score
-        top, ranked = q1.topk(min(nodes - 1, V), -1)
-        one = best_first(top, nodes, keep_chain)
         one_tok = node_tokens(one, ranked, None, None)
         lp = candidate_log_probs(cands, q1.log(), q2.log())  # [b, J + 1, K]
         for row in range(b):
