@@ -202,10 +202,11 @@ def merged_round(target, drafter: Drafter, drafting: MergedDrafting, dcache, sca
     if budget is not None and drafting.keep_chain:
         n = choose_nodes(target, budget, one, tcache, feature_layers, budget_setting(params, None), clock)
         if n == budget.choices[0]:
-            return verify_nodes(target, drafting, one, node_tokens(one, ranked, None, None), lambda: first, None,
-                                logits, hidden, tcache, anchor, params, feature_layers, generator, clock, started, n)
+            return verify_nodes(target, drafting, one, lambda s: node_tokens(s, ranked, None, None), lambda: first,
+                                None, logits, hidden, tcache, anchor, params, feature_layers, generator, clock,
+                                started, n)
     cands = branch_candidates(drafting.branches, scache, anchor, first, None, logits, hidden, clock)
     shape, tokens = merged_shape(anchor, cands, one, ranked, q1, walk_probs(cands.branch_logits, params),
                                  drafting.keep_chain)
-    return verify_nodes(target, drafting, shape, tokens, lambda: first, None, logits, hidden, tcache, anchor, params,
-                        feature_layers, generator, clock, started)
+    return verify_nodes(target, drafting, shape, lambda s: tokens[:, :s.parent.shape[1]], lambda: first, None,
+                        logits, hidden, tcache, anchor, params, feature_layers, generator, clock, started)

@@ -342,7 +342,8 @@ def one_pass_round(target, drafter: Drafter, drafting: OnePassDrafting, dcache, 
     clock.lap("draft")
     q = logits_to_probs(logits, params) if sampled else logits.float().softmax(-1)  # [b, K, V]
     shape, ranked = tree_shape(q, drafting)
-    tokens = node_tokens(shape, ranked, q if sampled else None, generator)  # [b, M]
+    def tokens(verified: Shape) -> torch.Tensor:  # [b, M]
+        return node_tokens(verified, ranked, q if sampled else None, generator)
     chain = (lambda: sample_from_probs(q, generator)) if sampled else (lambda: ranked[:, :, 0])
     return verify_nodes(target, drafting, shape, tokens, chain, q if sampled else None, logits, hidden, tcache,
                         anchor, params, feature_layers, generator, clock, started)
@@ -364,12 +365,14 @@ def choose_nodes(target, budget: NodeBudget, shape: Shape, tcache, feature_layer
     return n
 
 
-def verify_nodes(target, drafting, shape: Shape, tokens: torch.Tensor, chain: Callable[[], torch.Tensor],
-                 q: torch.Tensor | None, logits: torch.Tensor, hidden: torch.Tensor, tcache, anchor: torch.Tensor,
+def verify_nodes(target, drafting, shape: Shape, tokens: Callable[[Shape], torch.Tensor],
+                 chain: Callable[[], torch.Tensor], q: torch.Tensor | None, logits: torch.Tensor, hidden: torch.Tensor,
+                 tcache, anchor: torch.Tensor,
                  params: SamplingParams, feature_layers: tuple[int, ...], generator: torch.Generator | None,
                  clock: PhaseClock, started: float, chosen: int | None = None) -> TreeRound:
-    """Verify the best-first tree ``shape`` (non-root tokens ``tokens`` ``[b, M]``) at the drafting's node budget,
-    or at the one its measured ``budget`` picks, and walk it: the end of a one-pass or a merged round.
+    """Verify the best-first tree ``shape`` at the drafting's node budget, or the best prefix of it its measured
+    ``budget`` picks, and walk it: the end of a one-pass or a merged round. ``tokens(shape)`` gives the verified
+    tree's non-root tokens ``[b, M]`` (drawn only for the nodes verified, and not for a chain round).
 
     When a measured budget picks the drafter's own block (``keep_chain``), the round is a plain chain round of the
     tokens ``chain()`` ``[b, K]`` (its verify pass causal, its acceptance the chain's): the same drafts, without the
@@ -385,10 +388,10 @@ def verify_nodes(target, drafting, shape: Shape, tokens: torch.Tensor, chain: Ca
     b, K = logits.shape[:2]
     if budget is not None:
         n = chosen or choose_nodes(target, budget, shape, tcache, feature_layers, setting, clock)
-        shape, tokens = shape.first(n - 1), tokens[:, :n - 1]
+        shape = shape.first(n - 1)
     as_chain = budget is not None and drafting.keep_chain and shape.parent.shape[1] == K
     if not as_chain:
-        tree = build_nodes(anchor, shape, tokens, K)
+        tree = build_nodes(anchor, shape, tokens(shape), K)
     clock.lap("tree")
     if as_chain:
         draft_tokens = chain()  # [b, K]
