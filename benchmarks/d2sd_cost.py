@@ -3,14 +3,14 @@ into phases, and how calibrated the first drafter's confidences are; with ``--no
 that node budget (``--budget measured``: the budget each round picks up to it) beside them.
 
 All methods decode the same held-out prompts in one process, interleaved batch by batch (the order alternating), at
-T=0. Phases (wall time, summed over rounds; :class:`~specdraft.runtime.phase_clock.PhaseClock`): ``draft`` (the
-first drafter's block), ``second_draft`` (the batched VP pass), ``tree`` (posterior, placement, tree build),
-``budget`` (a measured budget's choice, with the verify passes it times for a batch size it has not priced),
-``verify`` (the target's pass over the chain or the tree; a chain's acceptance too), ``walk`` (the walk down a tree),
-``compaction`` (moving the accepted path's K/V, gathering its features) and ``commit`` (the drafters' context updates
-and the engine's bookkeeping). The reliability table bins the first drafter's per-slot confidence
-``c_k = max_v q_k(v)`` over the DFlash rounds and reports the empirical acceptance of slot ``k`` among rounds that
-reached it (calibrated: equal columns).
+T=0 or ``--temperature``. Phases (wall time, summed over rounds; :class:`~specdraft.runtime.phase_clock.PhaseClock`):
+``draft`` (the first drafter's block), ``second_draft`` (the batched VP pass), ``tree`` (posterior, placement, tree
+build, sampled siblings' draws), ``budget`` (a measured budget's choice, with the verify passes it times for a batch
+size it has not priced), ``verify`` (the target's pass over the chain or the tree; a chain's acceptance too),
+``walk`` (the walk down a tree), ``compaction`` (moving the accepted path's K/V, gathering its features) and
+``commit`` (the drafters' context updates and the engine's bookkeeping). The reliability table bins the first
+drafter's per-slot confidence ``c_k = max_v q_k(v)`` over the DFlash rounds and reports the empirical acceptance of
+slot ``k`` among rounds that reached it (calibrated: equal columns).
 
     python benchmarks/d2sd_cost.py configs/tiny.yaml [--prompts 16] [--k 4] [--nodes 48 [--budget measured]]
         [--out cost.json] [key=value ...]
@@ -29,6 +29,7 @@ from specdraft.pipeline.measure import config_models, write_report
 from specdraft.pipeline.tokenizer import stop_token_ids
 from specdraft.pipeline.trees import merged_drafting, one_pass_drafting, tree_drafting
 from specdraft.runtime.decode import GenerationConfig, generate
+from specdraft.runtime.sampling import SamplingParams
 
 BINS = (0.0, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 1.01)
 
@@ -61,15 +62,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--suite", default="math")
     ap.add_argument("--nodes", type=int, default=0, help="one-pass and merged trees of this many nodes (0: none)")
     ap.add_argument("--budget", default="fixed", choices=["fixed", "measured"])
+    ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--out", default="")
     args, overrides = ap.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
+    torch.manual_seed(0)
     job = config_models(cfg)
     world, target, tok, first = job.world, job.target, job.tokenizer, job.drafter
     tree = tree_drafting(cfg, target, first, args.k)
     prompts = suite_prompts(world, args.suite, args.prompts, tok, cfg.data.enable_thinking,
                             target.args.max_position_embeddings)
-    gen = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_token_ids=stop_token_ids(tok))
+    gen = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_token_ids=stop_token_ids(tok),
+                           sampling=SamplingParams(temperature=args.temperature))
     methods = {"ar": {}, "dflash": {"drafter": first}, f"d2sd{args.k}": {"drafter": first, "tree": tree}}
     if args.nodes:
         name = f"{args.nodes}" + ("+measured" if args.budget == "measured" else "")
@@ -78,6 +82,7 @@ def main(argv=None) -> dict:
                                                                               args.budget)}
     generate(target, prompts[:2], GenerationConfig(max_new_tokens=8), **methods[f"d2sd{args.k}"])  # warm-up
     report = {"config": args.config, "suite": args.suite, "prompts": len(prompts), "k": args.k,
+              "temperature": args.temperature,
               "max_new_tokens": args.max_new_tokens, "by_batch_size": {}}
     records = []
 

@@ -2,7 +2,8 @@
 attention, against ``scaled_dot_product_attention`` with an explicit dense mask; achieved memory bandwidth as a share
 of the device's peak (bytes the kernel must move: the row's K/V up to its length plus the new tokens, queries and
 outputs, over the median time). ReTrace fusion reports the share of its traffic that the split into two kernels adds
-(the ``u`` round trip); the LM-head argmax reports the logits bytes it avoids.
+(the ``u`` round trip); the LM-head argmax reports the logits bytes it avoids. The sampled one-pass tree (no kernel
+of its own: torch ops with one host read) reports its siblings' draw and its walk at Qwen3's vocabulary.
 
     python benchmarks/kernels.py [--device cuda] [--dtype bfloat16] [--peak-gbps 4800] [--out kernels.json]
 
@@ -24,6 +25,7 @@ from specdraft.kernels.speculative_attention import (
     speculative_attention_triton,
 )
 from specdraft.pipeline.measure import median_seconds, write_report
+from specdraft.runtime.one_pass import OnePassDrafting, accept_nodes_sampled, build_nodes, node_tokens, tree_shape
 
 PEAK_GBPS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0, "L4": 300.0}
 """Datasheet HBM/GDDR bandwidth by device-name fragment (GB/s)."""
@@ -143,6 +145,25 @@ def bench_lm_head_argmax(device: str, dtype: torch.dtype, peak_gbps: float | Non
     return rows
 
 
+def bench_sampled_tree(device: str, repeats: int, nodes: int = 48) -> list[dict]:
+    """A sampled one-pass tree round's own work at Qwen3's vocabulary (fp32 distributions, a drafter as peaked as a
+    trained one): the siblings' draw without replacement (one a slot) and the walk down the verified tree."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for b in (1, 8, 32):
+        q = torch.softmax(torch.randn(b, BLOCK - 1, VOCAB, generator=gen, device=device) * 4, -1)  # [b, K, V]
+        p = torch.softmax(torch.randn(b, nodes, VOCAB, generator=gen, device=device) * 4, -1)  # [b, N, V]
+        shape, ranked = tree_shape(q, OnePassDrafting(nodes))
+        tree = build_nodes(torch.zeros(b, dtype=torch.long, device=device), shape,
+                           node_tokens(shape, ranked, q, gen), BLOCK - 1)
+        row = {"case": f"sampled tree{nodes} bs{b}", "batch": b, "nodes": nodes,
+               "siblings_draw_s": median_seconds(lambda: node_tokens(shape, ranked, q, gen), device, repeats),
+               "walk_s": median_seconds(lambda: accept_nodes_sampled(tree, p, q, gen), device, repeats)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -159,7 +180,8 @@ def main(argv=None) -> dict:
     report = {"device": device_name, "dtype": args.dtype, "peak_gbps": peak, "heads": HEADS, "kv_heads": KV_HEADS,
               "head_dim": HEAD_DIM, "speculative_attention": bench_attention(args.device, dtype, peak, args.repeats),
               "retrace_fusion": bench_retrace_fusion(args.device, dtype, peak, args.repeats),
-              "lm_head_argmax": bench_lm_head_argmax(args.device, dtype, peak, args.repeats)}
+              "lm_head_argmax": bench_lm_head_argmax(args.device, dtype, peak, args.repeats),
+              "sampled_tree": bench_sampled_tree(args.device, args.repeats)}
     write_report(report, args.out, echo=False)
     return report
 

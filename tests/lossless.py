@@ -568,13 +568,18 @@ def _nodes_bonus_from_the_root(tree, node_targets, max_depth=None):
     return _accept_nodes(tree, node_targets, max_depth)._replace(next_token=node_targets[:, 0])
 
 
+def _not_reduced(p, q, rest, live):
+    """Every sibling tried against the target's own distribution, and the token after them drawn from it."""
+    return rest.new_zeros(*rest.shape[:-1], len(live) + 1), rest.new_ones(*rest.shape[:-1], len(live))
+
+
 ONE_PASS_WRONG_RULES: dict[str, list[tuple[object, str, Callable]]] = {
     "tree mask lets a node see the nodes numbered before it": [(one_pass, "build_nodes", _siblings_visible)],
     "token after the accepted path taken at the root": [(one_pass, "accept_nodes", _nodes_bonus_from_the_root)],
     "sampled siblings: each tried against q, not q without the earlier draws": [
-        (one_pass, "without_drawn", lambda q, x: q)],
+        (one_pass, "rest_mass", torch.ones_like)],
     "sampled siblings: the target's distribution not reduced after a rejected sibling": [
-        (one_pass, "rejection_residual", lambda p, q: p)],
+        (one_pass, "residual_offsets", _not_reduced)],
 }
 """The same for one-pass trees (the sampled ones only under sampling with sampled siblings)."""
 

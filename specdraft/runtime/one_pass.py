@@ -12,12 +12,12 @@ the drafter's distributions alone. Its tokens are
 - the ranked tokens themselves (greedy verification, or argmax drafts under sampling): the walk follows the target's
   own token at each node (:func:`accept_nodes`), lossless for any deterministic tree;
 - under sampling with ``draft_sampling="sample"``, a node's ``j``-th child is the ``j``-th token drawn WITHOUT
-  replacement from ``q_d`` (Gumbel top-k, an independent draw per node): the walk runs recursive rejection sampling
-  for siblings drawn without replacement (:func:`accept_nodes_sampled`; Jeon et al., arXiv:2402.14160), exact
-  because the shape does not depend on the drawn tokens.
+  replacement from ``q_d`` (Gumbel top-k, one draw a slot: :func:`node_tokens`): the walk runs recursive rejection
+  sampling for siblings drawn without replacement (:func:`accept_nodes_sampled`; Jeon et al., arXiv:2402.14160),
+  exact because the shape does not depend on the drawn tokens.
 
-Pure tensor code with a few host reads per round (the tree's widest fan-out, the sampled walk's loop bounds, and
-a measured budget's choice).
+Pure tensor code with a few host reads per round (the tree's widest fan-out, the sampled walk's count of nodes with
+a ``j``-th child, and a measured budget's choice); no loop over the tree's depth.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from specdraft.runtime.drafter import Drafter
 from specdraft.runtime.node_budget import NodeBudget
 from specdraft.runtime.phase_clock import PhaseClock
 from specdraft.runtime.sampling import SamplingParams, logits_to_probs, sample, sample_from_probs
-from specdraft.runtime.tree import TreeAcceptance, rejection_residual
+from specdraft.runtime.tree import TreeAcceptance
 from specdraft.runtime.tree_round import TreeRound, commit_path
 from specdraft.runtime.verify import accept_greedy, accept_speculative_sampling
 
@@ -199,19 +199,11 @@ def node_paths(shape: Shape, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def draw_without_replacement(q: torch.Tensor, count: int, generator: torch.Generator | None) -> torch.Tensor:
-    """``[..., count]`` tokens drawn one after another without replacement from ``q`` ``[..., V]`` (Gumbel top-k:
-    the order of ``log q + G`` is that sequential draw); draws past ``q``'s support are arbitrary tokens of
-    probability 0 (a shape never asks for them)."""
-    u = torch.rand(q.shape, generator=generator, device=q.device, dtype=torch.float64).clamp_min(1e-300)
-    keys = q.double().log() - (-u.log()).log()  # log q + Gumbel
-    return keys.topk(count, dim=-1).indices
-
-
-def without_drawn(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``q`` ``[b, V]`` without the drawn tokens ``x`` ``[b, 1]``, renormalised: what the next sibling was drawn
-    from."""
-    rest = q.scatter(1, x, 0.0)
-    return rest / rest.sum(-1, keepdim=True).clamp_min(1e-30)
+    """``[..., count]`` tokens drawn one after another without replacement from ``q`` ``[..., V]`` (Gumbel top-k in
+    its exponential form: the order of ``q / E``, ``E ~ Exp(1)``, is the order of ``log q + G``, that sequential
+    draw); draws past ``q``'s support are arbitrary tokens of probability 0 (a shape never asks for them)."""
+    e = torch.empty_like(q, dtype=torch.float64).exponential_(generator=generator).clamp_min(1e-300)
+    return (q.double() / e).topk(count, dim=-1).indices  # probability 0: key 0, never before a possible token
 
 
 def accept_nodes(tree: NodeTree, node_targets: torch.Tensor, max_depth: int | None = None) -> TreeAcceptance:
@@ -219,83 +211,130 @@ def accept_nodes(tree: NodeTree, node_targets: torch.Tensor, max_depth: int | No
     token follows the accepted path (greedy verification with argmax targets; with one SAMPLE per node, lossless
     speculative sampling for deterministic siblings, as :func:`~specdraft.runtime.tree.accept_tree`).
 
-    Vectorised: a node is on the accepted path when it and each of its ancestors carry the target's token at their
-    parent (siblings are distinct, so these nodes form one path), found by pointer doubling over the parents (not the
-    attention mask); the walk stops at the deepest of them.
-
     Args:
         node_targets: ``[b, N]`` the target's token after each node.
         max_depth: the tree's depth at most (default: read from the tree on the host).
     Returns:
         ``winner`` 1 where the accepted path leaves the rank-0 children (a sibling won), else 0.
     """
-    b, N = tree.tokens.shape
-    real = torch.arange(N, device=tree.tokens.device) < tree.num_nodes[:, None]  # [b, N]
-    match = (tree.tokens == node_targets.gather(1, tree.parent)) & real  # [b, N]
-    match[:, 0] = True  # the root is committed
-    on_path, up = match, tree.parent  # on_path: every node within 2^t - 1 steps up matches; up: 2^t steps up
+    moves = tree.tokens == node_targets.gather(1, tree.parent)  # [b, N] siblings are distinct: one at most
+    last, num_accepted, path, sibling = follow_moves(tree, moves, max_depth)
+    return TreeAcceptance(num_accepted, node_targets.gather(1, last[:, None])[:, 0], sibling, path)
+
+
+def follow_moves(tree: NodeTree, moves: torch.Tensor, max_depth: int | None = None):
+    """The walk from the root that moves, at each node, to the child marked in ``moves`` ``[b, N]`` (at most one
+    child of a node is; padding nodes never are): ``(last [b], num_accepted [b], path [b, N], sibling [b])``, the
+    node it stops at, its depth, the path's node at each depth (past it the last node), and whether the path leaves
+    the rank-0 children.
+
+    Vectorised: a node is on the path when it and each of its ancestors are marked, found by pointer doubling over
+    the parents (not the attention mask); the walk stops at the deepest of them.
+    """
+    b, N = moves.shape
+    real = torch.arange(N, device=moves.device) < tree.num_nodes[:, None]  # [b, N]
+    on_path = moves & real  # every node within 2^t - 1 steps up is marked
+    on_path[:, 0] = True  # the root is committed
+    up = tree.parent  # [b, N] the ancestor 2^t steps up
     for _ in range((max_depth if max_depth is not None else int(tree.depth.max())).bit_length()):
         on_path, up = on_path & on_path.gather(1, up), up.gather(1, up)
     depth = torch.where(on_path, tree.depth, -1)  # [b, N]
-    last = depth.argmax(-1)  # [b] the deepest node on the path (the root when no draft matches)
+    last = depth.argmax(-1)  # [b] the deepest node on the path (the root when no draft is accepted)
     num_accepted = tree.depth.gather(1, last[:, None])[:, 0]
     path = last.new_zeros(b, N + 1)  # by depth: the path's node there (column N takes the other nodes)
     path.scatter_(1, torch.where(on_path, tree.depth, N), torch.arange(N, device=last.device).expand(b, N))
     steps = torch.arange(N, device=last.device)
     path = torch.where(steps <= num_accepted[:, None], path[:, :N], last[:, None])  # [b, N] past it: the last node
-    sibling = (on_path & (tree.rank > 0)).any(-1)
-    return TreeAcceptance(num_accepted, node_targets.gather(1, last[:, None])[:, 0], sibling.long(), path)
+    return last, num_accepted, path, (on_path & (tree.rank > 0)).any(-1).long()
+
+
+def rest_mass(qx: torch.Tensor) -> torch.Tensor:
+    """``[..., W]`` the mass of ``q`` left when the ``j``-th sibling is drawn: one minus the earlier siblings'
+    ``q(x_0..x_{j-1})`` (``qx`` ``[..., W]`` in draw order); the ``j``-th sibling was drawn from ``q`` without them,
+    ``q(x_j) / rest_mass_j``."""
+    return (1.0 - (qx.cumsum(-1) - qx)).clamp_min(1e-30)
+
+
+def residual_offsets(p: torch.Tensor, q: torch.Tensor, rest: torch.Tensor, live: list[int]) -> tuple[torch.Tensor, ...]:
+    """After the first ``j`` siblings of a node are rejected, the target's distribution there is
+    ``relu(p - T_j q) / S_j``: each rejection of a sibling ``x`` drawn from ``q_j = q / rest_j`` (the earlier siblings
+    out) turns ``p_j`` into ``norm(relu(p_j - q_j))``, and ``relu(relu(a) - c) = relu(a - c)`` for ``c >= 0``, so
+    ``T_{j+1} = T_j + S_j / rest_j`` (the rejected siblings' own mass is already 0 there). ``T_0 = 0`` and
+    ``S_0 = 1``.
+
+    Args:
+        p, q: ``[..., F, V]`` the target's distribution at ``F`` nodes and the distribution their children were drawn
+            from, the nodes with the most children first.
+        rest: ``[..., F, W]`` :func:`rest_mass` of the nodes' children.
+        live: for each rejection ``j < W``, how many of the leading nodes have a ``j``-th child (``S_j`` is summed
+            over the vocabulary there only; 1 elsewhere, where it is never read).
+    Returns:
+        ``(T, S)`` ``[..., F, W + 1]`` and ``[..., F, W]``.
+    """
+    T, S = [torch.zeros_like(rest[..., 0])], [torch.ones_like(rest[..., 0])]
+    for j in range(len(live)):
+        T.append(T[j] + S[j] / rest[..., j])
+        if j + 1 < len(live):
+            n = live[j + 1]
+            mass = (p[..., :n, :] - T[j + 1][..., :n, None].to(p.dtype) * q[..., :n, :]).clamp_min(0).sum(-1)
+            S.append(torch.cat([mass.to(rest.dtype), S[0][..., n:]], -1))
+    return torch.stack(T, -1), torch.stack(S, -1)
 
 
 def accept_nodes_sampled(tree: NodeTree, target_probs: torch.Tensor, draft_probs: torch.Tensor,
                          generator: torch.Generator | None = None) -> TreeAcceptance:
     """Recursive rejection sampling down a tree whose siblings were drawn WITHOUT replacement from ``q_d``: at the
-    current node its children ``x_1, x_2, ..`` are tried in draw order, ``x_j`` accepted with probability
-    ``min(1, p(x_j) / q_j(x_j))`` where ``q_j`` is ``q_d`` without ``x_1..x_{j-1}`` (renormalised: what ``x_j`` was
-    drawn from); a rejection replaces ``p`` by ``norm(max(p - q_j, 0))``. When every child is rejected a token is
-    drawn from the remaining ``p`` and the walk stops. Every emitted token is distributed as the target's.
+    current node its children ``x_0, x_1, ..`` are tried in draw order, ``x_j`` accepted with probability
+    ``min(1, p_j(x_j) / q_j(x_j))`` where ``q_j`` is ``q_d`` without ``x_0..x_{j-1}`` (renormalised: what ``x_j`` was
+    drawn from) and ``p_j`` the target's distribution after the ``j`` rejections (:func:`residual_offsets`). When
+    every child is rejected a token is drawn from what is left of ``p`` and the walk stops. Every emitted token is
+    distributed as the target's (Jeon et al., arXiv:2402.14160).
+
+    Vectorised: which child the walk would move to is decided at every node at once, each with its own uniforms
+    (it visits one node per depth, so deciding the others too changes no law), and the walk follows those moves
+    (:func:`follow_moves`); a residual's mass is summed only at the nodes with a sibling left to try. One host read
+    (how many nodes of a row have a ``j``-th child, for each ``j``).
 
     Args:
         target_probs: ``[b, N, V]`` the target's processed distribution after each node.
         draft_probs: ``[b, K, V]`` the first drafter's processed distribution ``q_d`` per slot.
     """
-    b, N, W = tree.children.shape
-    K = draft_probs.shape[1]
+    b, N, _ = tree.children.shape
+    K, V = draft_probs.shape[1:]
     dev = target_probs.device
-    rows = torch.arange(b, device=dev)
+    rows = torch.arange(b, device=dev)[:, None]
     fanout = (tree.children > 0).sum(-1)  # [b, N]
-    width = fanout.new_zeros(K + 1).scatter_reduce(0, tree.depth.flatten(), fanout.flatten(), "amax").tolist()
-    node = torch.zeros(b, dtype=torch.long, device=dev)
-    active = torch.ones(b, dtype=torch.bool, device=dev)
-    path = node.new_zeros(b, K + 1)
-    num_accepted, sibling = node.new_zeros(b), torch.zeros(b, dtype=torch.bool, device=dev)
-    next_token = node.new_zeros(b)
-    for k in range(K + 1):
-        p = target_probs[rows, node]  # [b, V]
-        q = draft_probs[:, min(k, K - 1)]  # [b, V] what the children at depth k + 1 were drawn from
-        moved = torch.zeros(b, dtype=torch.bool, device=dev)
-        child = node
-        for j in range(width[k] if k < K else 0):
-            kid = tree.children[rows, node, j]  # [b]
-            asks = active & ~moved & (kid > 0)
-            x = tree.tokens.gather(1, kid[:, None])  # [b, 1]
-            qx, px = q.gather(1, x)[:, 0], p.gather(1, x)[:, 0]
-            u = torch.rand(b, generator=generator, device=dev)
-            ok = asks & (u * qx <= px)
-            child = torch.where(ok, kid, child)
-            sibling |= ok & (j > 0)
-            moved |= ok
-            rejected = (asks & ~ok)[:, None]
-            p = torch.where(rejected, rejection_residual(p, q), p)
-            q = torch.where(rejected, without_drawn(q, x), q)
-        stop = active & ~moved
-        next_token = torch.where(stop, sample_from_probs(p, generator), next_token)
-        num_accepted += moved.long()
-        active &= moved
-        node = child
-        if k < K:
-            path[:, k + 1] = node
-    return TreeAcceptance(num_accepted, next_token, sibling.long(), path)
+    live = [n for n in (fanout[:, :, None] > torch.arange(tree.children.shape[-1], device=dev)).sum(1).amax(0).tolist()
+            if n]  # [W] nodes a row with a j-th child, at most
+    W = max(len(live), 1)
+    kids = tree.children[:, :, :W]  # [b, N, W] node ids by draw order (0: none)
+    slot = tree.depth.clamp_max(K - 1)  # [b, N] the slot the node's children were drawn at
+    x = tree.tokens.gather(1, kids.flatten(1)).view(kids.shape)  # [b, N, W]
+    qx = draft_probs[rows[:, :, None], slot[:, :, None], x].double()  # [b, N, W]
+    px = target_probs.gather(2, x).double()  # [b, N, W]
+    rest = rest_mass(qx)  # [b, N, W]
+    T, S = residual_offsets(target_probs, draft_probs, rest, [N])  # every node's first rejection: no mass to sum
+    T, S = torch.nn.functional.pad(T, (0, W - 1)), torch.nn.functional.pad(S, (0, W - 1), value=1.0)  # [b, N, W + 1]
+    if W > 1:  # the nodes with several children, the most first
+        at = torch.sort(fanout, dim=-1, descending=True, stable=True).indices[:, :live[1]]  # [b, F]
+        p_at = target_probs.gather(1, at[:, :, None].expand(-1, -1, V))  # [b, F, V]
+        q_at = draft_probs.gather(1, slot.gather(1, at)[:, :, None].expand(-1, -1, V))  # [b, F, V]
+        T_at, S_at = residual_offsets(p_at, q_at, rest.gather(1, at[:, :, None].expand(-1, -1, W)), live)
+        T.scatter_(1, at[:, :, None].expand(-1, -1, W + 1), T_at)
+        S.scatter_(1, at[:, :, None].expand(-1, -1, W), S_at)
+    u = torch.rand(b, N, W, generator=generator, device=dev, dtype=torch.float64)
+    tried = torch.arange(W, device=dev) < fanout[:, :, None]  # [b, N, W]
+    ok = tried & (u * qx * S <= rest * (px - T[..., :W] * qx).clamp_min(0))  # u < p_j(x_j) / q_j(x_j)
+    moved = ok.any(-1)  # [b, N]
+    to = torch.where(moved, kids.gather(2, ok.long().argmax(-1, keepdim=True))[..., 0], 0)  # [b, N] first accepted
+    moves = to.gather(1, tree.parent) == torch.arange(N, device=dev)  # [b, N]
+    last, num_accepted, path, sibling = follow_moves(tree, moves, K)
+    stop = last[:, None]  # [b, 1]
+    offset = T.gather(1, stop[:, :, None].expand(-1, -1, W + 1))[:, 0].gather(1, fanout.gather(1, stop))  # [b, 1]
+    left = (target_probs[rows[:, 0], last] - offset.to(target_probs.dtype) * draft_probs[rows[:, 0], slot.gather(
+        1, stop)[:, 0]]).clamp_min(0)  # [b, V] the target's distribution after every child of the last node failed
+    next_token = sample_from_probs(left / left.sum(-1, keepdim=True).clamp_min(1e-30), generator)
+    return TreeAcceptance(num_accepted, next_token, sibling, path)
 
 
 def draft_block(drafter: Drafter, dcache, anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -318,17 +357,14 @@ def tree_shape(q: torch.Tensor, drafting: OnePassDrafting):
 def node_tokens(shape: Shape, ranked: torch.Tensor, q: torch.Tensor | None,
                 generator: torch.Generator | None) -> torch.Tensor:
     """``[b, M]`` the non-root nodes' tokens: each node's ranked token, or with ``q`` (sampled siblings) the node's rank
-    in one draw without replacement from ``q`` at its slot, a draw per parent."""
-    b, M = shape.parent.shape
-    W = min(ranked.shape[-1], max(M, 1))
+    in one draw without replacement from ``q`` at its slot. The draw is one a slot, shared by the slot's parents: the
+    walk tries the children of one node a depth, and each depth's draw is independent of the shallower ones it got
+    there by, so the children it tries are a fresh draw wherever it stands."""
     slot = (shape.depth - 1).clamp_min(0)  # [b, M] the slot a node's token fills
-    if q is None:
-        return ranked.gather(1, slot[:, :, None].expand(-1, -1, ranked.shape[-1])).gather(
-            2, shape.rank[:, :, None])[..., 0]
-    parent_slot = torch.cat([slot.new_zeros(b, 1), slot + 1], 1).clamp_max(q.shape[1] - 1)  # [b, N] by node
-    draws = draw_without_replacement(q.gather(1, parent_slot[:, :, None].expand(-1, -1, q.shape[-1])), W,
-                                     generator)  # [b, N, W] node i's children: a draw from q at the slot after i's
-    return draws[torch.arange(b, device=q.device)[:, None], shape.parent, shape.rank]  # [b, M]
+    if q is not None:
+        ranked = draw_without_replacement(q, min(ranked.shape[-1], max(shape.parent.shape[1], 1)), generator)
+    return ranked.gather(1, slot[:, :, None].expand(-1, -1, ranked.shape[-1])).gather(
+        2, shape.rank[:, :, None])[..., 0]
 
 
 def one_pass_round(target, drafter: Drafter, drafting: OnePassDrafting, dcache, tcache, anchor: torch.Tensor,

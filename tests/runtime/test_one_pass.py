@@ -11,8 +11,15 @@ import torch
 from specdraft.runtime.d2sd import TreeDrafting
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.node_budget import NodeBudget, budget_choices
-from specdraft.runtime.one_pass import OnePassDrafting, accept_nodes, best_first, build_nodes
-from tests.helpers import make_drafter, make_target
+from specdraft.runtime.one_pass import (
+    OnePassDrafting,
+    accept_nodes,
+    accept_nodes_sampled,
+    best_first,
+    build_nodes,
+    node_tokens,
+)
+from tests.helpers import chi2_pvalue, make_drafter, make_target
 from tests.lossless import (
     ONE_PASS_WRONG_RULES,
     RAGGED_CAPS,
@@ -98,6 +105,55 @@ def test_mask_is_the_ancestor_relation_and_the_walk_follows_the_target():
             walked.append(node)
         assert int(acc.num_accepted[row]) == len(walked) and acc.path[row, 1:1 + len(walked)].tolist() == walked
         assert int(acc.next_token[row]) == int(targets[row, node])
+
+
+def _walk_law(tree, p, q, row: int = 0) -> dict[tuple[int, int], float]:
+    """Recursive rejection sampling down ``tree``'s row, step by step, exactly: ``(last node, next token) ->
+    probability``, siblings tried in rank order against ``q`` without the earlier ones and the target's distribution
+    ``p`` [N, V] reduced after each rejection."""
+    law: dict[tuple[int, int], float] = {}
+
+    def visit(node: int, weight: float):
+        target, draft = p[node].double(), q[min(int(tree.depth[row, node]), q.shape[0] - 1)].double()
+        for kid in [int(c) for c in tree.children[row, node] if c > 0]:
+            x = int(tree.tokens[row, kid])
+            accept = min(1.0, float(target[x] / draft[x]))
+            visit(kid, weight * accept)
+            weight *= 1 - accept
+            target = (target - draft).clamp_min(0)
+            target, draft = target / target.sum(), draft.index_fill(0, torch.tensor([x]), 0.0)
+            draft = draft / draft.sum()
+        for v in range(p.shape[-1]):
+            law[node, v] = law.get((node, v), 0.0) + weight * float(target[v])
+
+    visit(0, 1.0)
+    return law
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_sampled_walk_on_a_fixed_tree_is_recursive_rejection_sampling(seed):
+    """The vectorised walk (every node's move decided at once) against the step-by-step rule, on one tree repeated
+    over a batch of draws: where it stops and the token it emits."""
+    rng = torch.Generator().manual_seed(seed)
+    K, V, N, draws = 3, 5, 12, 40000
+    q = torch.softmax(torch.randn(1, K, V, generator=rng) * 1.5, -1)  # [1, K, V]
+    shape = best_first(q.topk(V, dim=-1).values, N)
+    tokens = node_tokens(shape, q.topk(V, dim=-1).indices, q, rng)
+    tree = build_nodes(torch.zeros(1, dtype=torch.long), shape, tokens, K)
+    p = torch.softmax(torch.randn(N, V, generator=rng) * 0.7, -1)  # [N, V] the target after each node
+    assert ((tree.children[0] > 0).sum(-1) > 1).sum() >= 3  # several nodes with siblings
+    law = _walk_law(tree, p, q[0])
+    many = tree._replace(**{k: getattr(tree, k).expand(draws, *getattr(tree, k).shape[1:])
+                            for k in tree._fields})
+    acc = accept_nodes_sampled(many, p.expand(draws, N, V), q.expand(draws, K, V), rng)
+    last = acc.path.gather(1, acc.num_accepted[:, None])[:, 0]
+    counts = torch.zeros(N, V).index_put_((last, acc.next_token), torch.ones(draws), accumulate=True)
+    probs = torch.zeros(N, V)
+    for (node, v), w in law.items():
+        probs[node, v] = w
+    assert probs.sum().item() == pytest.approx(1.0) and (probs.sum(-1) > 0.01).sum() >= 4  # stops at 4+ nodes
+    assert chi2_pvalue(counts, probs) > ALPHA
+    assert (acc.winner > 0).any() and (acc.num_accepted >= 2).any()
 
 
 def one_pass_factory(path: str, target, mode: str, block_size: int, nodes: int):
