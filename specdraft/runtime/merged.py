@@ -33,9 +33,11 @@ from specdraft.runtime.one_pass import (
     Shape,
     best_first,
     budget_setting,
+    chain_round,
     choose_nodes,
     draft_block,
     node_tokens,
+    skips_tree,
     verify_nodes,
 )
 from specdraft.runtime.phase_clock import PhaseClock
@@ -198,6 +200,9 @@ def merged_round(target, drafter: Drafter, drafting: MergedDrafting, dcache, sca
     first = logits.argmax(-1)  # [b, K] ranked drafts at every temperature
     clock.lap("draft")
     q1, budget = walk_probs(logits, params), drafting.budget
+    if skips_tree(drafting, logits.shape[1]):
+        return chain_round(target, budget, first, None, logits, hidden, tcache, anchor, params, feature_layers,
+                           generator, clock, started)
     one, ranked = one_pass_part(q1, drafting.nodes, drafting.keep_chain)
     if budget is not None and drafting.keep_chain:
         n = choose_nodes(target, budget, one, tcache, feature_layers, budget_setting(params, None), clock)

@@ -10,6 +10,10 @@ round costs the target's verify pass of ``rows x n`` tokens, measured once per (
 from the rounds so far apart for chain rounds and tree rounds. At a large batch, where a
 verify pass is compute-bound, the trees shrink (down to the drafter's own block when it is kept first); at batch 1
 they grow.
+
+Building the tree and pricing it cost a round time whatever the budget then picks, so before it a round asks
+:meth:`NodeBudget.builds_tree`: the committed tokens per second of the rounds that built a tree against those of
+the chain rounds that did not, each kind tried again now and then while it loses.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from dataclasses import dataclass, field
 import torch
 
 from specdraft.runtime.phase_clock import wall_seconds
+
+MAX_PATIENCE = 64
+"""Rounds of the winning kind, at most, between two tries of the losing one (:meth:`NodeBudget.builds_tree`)."""
 
 
 @dataclass
@@ -39,6 +46,14 @@ class NodeBudget:
     """Per sampling setting: drafts accepted and the tree's predicted acceptance, summed over the rounds so far."""
     last_pricing_s: float = 0.0
     """Seconds the last :meth:`choose` spent measuring verify passes (not the round's)."""
+    committed: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """``built`` (rounds that built a tree, whatever budget they verified) and ``chain`` (chain rounds that did not):
+    tokens committed per row and seconds per round (the priced verify pass and the rest), exponentially averaged (the
+    winning kind's rounds by 0.2, the losing kind's rarer ones by 0.5)."""
+    patience: int = 1
+    """Rounds of the winning kind before the losing one is tried again (doubling while it keeps losing)."""
+    wait: int = 0
+    tree_won: bool = True
 
     def price(self, target, rows: int, context: int, nodes: int, feature_layers: tuple[int, ...]) -> float:
         """Seconds of a verify pass of ``nodes`` tokens on ``rows`` rows (rounded up to a power of two). The first
@@ -98,15 +113,46 @@ class NodeBudget:
         building and walking."""
         return self.overhead_s.get(kind, self.overhead_s.get("tree" if kind == "chain" else "chain", 0.0))
 
+    def builds_tree(self) -> bool:
+        """Whether this round builds its tree (and :meth:`choose` prices it) or verifies the drafter's block alone:
+        a tree first, then a chain, then whichever commits more tokens a second, the other tried again after
+        ``patience`` rounds (1, 2, 4, .. up to :data:`MAX_PATIENCE` while it keeps losing), so a kind is re-timed as
+        the batch and the context change and a slow first round does not decide the job."""
+        self.last_pricing_s = 0.0
+        if "built" not in self.committed or "chain" not in self.committed:
+            return "built" not in self.committed
+        (bt, bs), (ct, cs) = self.committed["built"], self.committed["chain"]
+        tree_wins = bt * cs >= ct * bs
+        if tree_wins != self.tree_won:
+            self.tree_won, self.patience, self.wait = tree_wins, 1, 1
+        if self.wait > 0:
+            self.wait -= 1
+            return tree_wins
+        self.patience = min(2 * self.patience, MAX_PATIENCE)
+        self.wait = self.patience
+        return not tree_wins
+
+    def observe_committed(self, kind: str, accepted: float, nodes: int, rows: int, round_seconds: float) -> float:
+        """A round's accepted drafts (summed over rows), the budget it verified at ``rows`` rows and its wall seconds,
+        for :meth:`builds_tree`; returns its seconds beyond the priced verify pass. Kept per row and in units of a
+        chain's verify pass at the round's rows, so rounds of a batch that shrinks as its requests finish compare."""
+        bucket = 1 << max(rows - 1, 0).bit_length()
+        verify = self.verify_s.get((bucket, nodes), 0.0)
+        extra = max(round_seconds - verify, 0.0)
+        unit = self.verify_s.get((bucket, self.choices[0])) or round_seconds  # a chain's verify pass at these rows
+        now = (1.0 + accepted / rows, (extra + verify) / max(unit, 1e-12))
+        w = 0.2 if (kind == "built") == self.tree_won else 0.5  # the losing kind's rare tries count more
+        self.committed[kind] = tuple((1 - w) * a + w * x for a, x in zip(self.committed.get(kind, now), now))
+        return extra
+
     def observe(self, predicted: float, accepted: float, nodes: int, rows: int, round_seconds: float,
                 setting: str = "") -> None:
         """A round's predicted and accepted drafts (summed over rows), the budget it verified at ``rows`` rows and
-        its wall seconds (the pricing of :meth:`choose` excluded)."""
+        its wall seconds (the pricing of :meth:`choose` excluded), for a round that built its tree."""
+        extra = self.observe_committed("built", accepted, nodes, rows, round_seconds)
         self.predicted[setting] = self.predicted.get(setting, 0.0) + predicted
         self.accepted[setting] = self.accepted.get(setting, 0.0) + accepted
         kind = self.kind(nodes)
-        bucket = 1 << max(rows - 1, 0).bit_length()
-        extra = max(round_seconds - self.verify_s.get((bucket, nodes), 0.0), 0.0)
         self.overhead_s[kind] = extra if kind not in self.overhead_s else 0.8 * self.overhead_s[kind] + 0.2 * extra
 
 

@@ -377,12 +377,59 @@ def one_pass_round(target, drafter: Drafter, drafting: OnePassDrafting, dcache, 
     logits, hidden = draft_block(drafter, dcache, anchor)  # [b, K, V], [b, Bk, D]
     clock.lap("draft")
     q = logits_to_probs(logits, params) if sampled else logits.float().softmax(-1)  # [b, K, V]
+    def chain() -> torch.Tensor:  # [b, K] the drafter's own block
+        return sample_from_probs(q, generator) if sampled else logits.argmax(-1)
+    if skips_tree(drafting, logits.shape[1]):
+        return chain_round(target, drafting.budget, chain(), q if sampled else None, logits, hidden, tcache, anchor,
+                           params, feature_layers, generator, clock, started)
     shape, ranked = tree_shape(q, drafting)
     def tokens(verified: Shape) -> torch.Tensor:  # [b, M]
         return node_tokens(verified, ranked, q if sampled else None, generator)
-    chain = (lambda: sample_from_probs(q, generator)) if sampled else (lambda: ranked[:, :, 0])
     return verify_nodes(target, drafting, shape, tokens, chain, q if sampled else None, logits, hidden, tcache,
                         anchor, params, feature_layers, generator, clock, started)
+
+
+def verify_chain(target, draft_tokens: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor, tcache,
+                 anchor: torch.Tensor, params: SamplingParams, feature_layers: tuple[int, ...],
+                 generator: torch.Generator | None, clock: PhaseClock):
+    """``(acceptance, target output, draft_tokens)``: the target's causal pass over ``[anchor, draft_tokens]``
+    ``[b, K]`` and its acceptance (sampled drafts drawn from ``q``; None: deterministic ones), as a chain round's."""
+    b, K = draft_tokens.shape
+    out = target(torch.cat([anchor[:, None], draft_tokens], 1), cache=tcache, feature_layers=feature_layers)
+    if params.greedy:
+        n_acc, nxt = accept_greedy(draft_tokens, out.logits)
+    else:
+        own = q if q is not None else torch.nn.functional.one_hot(draft_tokens, logits.shape[-1]).float()
+        n_acc, nxt = accept_speculative_sampling(draft_tokens, own, logits_to_probs(out.logits, params), generator)
+    path = torch.arange(K + 1, device=anchor.device).expand(b, -1)  # [b, K + 1]
+    clock.lap("verify")  # a chain's acceptance is the verify phase's, as in a chain round
+    return TreeAcceptance(n_acc, nxt, torch.zeros_like(n_acc), path), out, draft_tokens
+
+
+def skips_tree(drafting, K: int) -> bool:
+    """Whether this round verifies the drafter's block of ``K`` drafts without building the tree: a measured budget
+    that keeps the chain says so (:meth:`~specdraft.runtime.node_budget.NodeBudget.builds_tree`)."""
+    budget = drafting.budget
+    return (budget is not None and drafting.keep_chain and budget.choices[0] == K + 1
+            and not budget.builds_tree())
+
+
+def chain_round(target, budget: NodeBudget, draft_tokens: torch.Tensor, q: torch.Tensor | None,
+                logits: torch.Tensor, hidden: torch.Tensor, tcache, anchor: torch.Tensor, params: SamplingParams,
+                feature_layers: tuple[int, ...], generator: torch.Generator | None, clock: PhaseClock,
+                started: float) -> TreeRound:
+    """A round that verifies the drafter's block ``draft_tokens`` ``[b, K]`` with no tree built (the measured
+    ``budget`` said so: :meth:`~specdraft.runtime.node_budget.NodeBudget.builds_tree`)."""
+    b, K = draft_tokens.shape
+    context = int(tcache.lengths.float().mean())
+    budget.price(target, b, context, K + 1, feature_layers)  # (timed the first time a batch size is seen)
+    clock.lap("budget")
+    acc, out, draft_tokens = verify_chain(target, draft_tokens, q, logits, tcache, anchor, params, feature_layers,
+                                          generator, clock)
+    rnd = commit_path(torch.full_like(acc.num_accepted, K + 1), acc, out, tcache, draft_tokens, logits, hidden, clock)
+    budget.observe_committed("chain", float(acc.num_accepted.sum()), K + 1, b,
+                             time.perf_counter() - started - budget.last_pricing_s)
+    return rnd
 
 
 def budget_setting(params: SamplingParams, q: torch.Tensor | None) -> str:
@@ -430,17 +477,9 @@ def verify_nodes(target, drafting, shape: Shape, tokens: Callable[[Shape], torch
         tree = build_nodes(anchor, shape, tokens(shape), K)
     clock.lap("tree")
     if as_chain:
-        draft_tokens = chain()  # [b, K]
-        out = target(torch.cat([anchor[:, None], draft_tokens], 1), cache=tcache, feature_layers=feature_layers)
-        if params.greedy:
-            n_acc, nxt = accept_greedy(draft_tokens, out.logits)
-        else:
-            own = q if q is not None else torch.nn.functional.one_hot(draft_tokens, logits.shape[-1]).float()
-            n_acc, nxt = accept_speculative_sampling(draft_tokens, own, logits_to_probs(out.logits, params), generator)
-        acc = TreeAcceptance(n_acc, nxt, torch.zeros_like(n_acc), torch.arange(K + 1, device=anchor.device).expand(
-            b, -1))
-        num_nodes = torch.full_like(n_acc, K + 1)
-        clock.lap("verify")  # a chain's acceptance is the verify phase's, as in a chain round
+        acc, out, draft_tokens = verify_chain(target, chain(), q, logits, tcache, anchor, params, feature_layers,
+                                              generator, clock)
+        num_nodes = torch.full_like(acc.num_accepted, K + 1)
     else:
         out = target(tree.tokens, cache=tcache, positions=tcache.lengths[:, None] + tree.depth, new_mask=tree.mask,
                      feature_layers=feature_layers)  # logits [b, N, V]

@@ -4,6 +4,7 @@ the harness catching each wrong one-pass rule)."""
 
 import functools
 import itertools
+import time
 
 import pytest
 import torch
@@ -321,6 +322,64 @@ def test_a_budget_that_picks_the_block_runs_chain_rounds():
                    observer=lambda rec: nodes.extend(rec.nodes.tolist()))
     assert [r.tokens for r in got] == [r.tokens for r in generate(target, RAGGED_PROMPTS, gen)]
     assert set(nodes) == {6} and sum(a > 1 for r in got for a in r.accept_lengths) > 0
+
+
+def _builds(budget: NodeBudget, rounds: int, tree: tuple, chain: tuple) -> list[bool]:
+    """``builds_tree`` over ``rounds`` rounds, each observed as a tree round ``(accepted, seconds)`` or a chain one."""
+    out = []
+    for _ in range(rounds):
+        built = budget.builds_tree()
+        accepted, seconds = tree if built else chain
+        budget.observe_committed("built" if built else "chain", accepted, 16, 1, seconds)
+        out.append(built)
+    return out
+
+
+def test_where_trees_lose_the_tree_is_built_again_after_longer_and_longer_waits():
+    budget = _budget(lambda rows, n: 0.010)
+    seen = _builds(budget, 40, tree=(8.0, 0.030), chain=(7.0, 0.012))  # the chain: more tokens a second
+    assert seen[:2] == [True, False]  # each kind once
+    tries = [i for i, b in enumerate(seen) if b][1:]
+    assert len(tries) >= 3 and all(b - a > 1 for a, b in zip(tries, tries[1:]))
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] >= 4 * gaps[0], gaps  # waits grow while trees keep losing
+    budget = _budget(lambda rows, n: 0.010)
+    seen = _builds(budget, 40, tree=(8.0, 0.012), chain=(7.0, 0.012))  # trees win: chains are the rare tries
+    assert sum(seen) > 30 and not all(seen[2:])
+
+
+def test_a_kind_that_starts_winning_is_taken():
+    budget = _budget(lambda rows, n: 0.010)
+    _builds(budget, 30, tree=(8.0, 0.030), chain=(7.0, 0.012))
+    seen = _builds(budget, 200, tree=(12.0, 0.012), chain=(7.0, 0.012))  # trees got cheap: they are re-timed
+    assert sum(seen[-50:]) > 45
+
+
+def test_the_kind_of_round_that_commits_less_a_second_is_built_less(monkeypatch):
+    """Greedy output equals the target's; with the tree's construction made slow most rounds verify the drafter's
+    block without building it, with the chain's pass made slow most rounds build the tree."""
+    from specdraft.runtime import one_pass  # noqa: PLC0415  (slowed down on purpose)
+
+    target = make_target(seed=3, vocab=48)
+    drafter = one_pass_factory("dflash", target, "oracle", 6, 24)(RAGGED_PROMPTS)[0]
+    gen = GenerationConfig(max_new_tokens=60)
+    expected = [r.tokens for r in generate(target, RAGGED_PROMPTS, gen)]
+    shape_of, chain_of, built = one_pass.tree_shape, one_pass.verify_chain, {}
+
+    def slow(fn):
+        return lambda *a: time.sleep(0.1) or fn(*a)
+
+    for slowed in ("tree", "chain"):
+        calls, rounds = [], []
+        monkeypatch.setattr(one_pass, "tree_shape", lambda *a: calls.append(1) or (
+            slow(shape_of) if slowed == "tree" else shape_of)(*a))
+        monkeypatch.setattr(one_pass, "verify_chain", slow(chain_of) if slowed == "chain" else chain_of)
+        got = generate(target, RAGGED_PROMPTS, gen, drafter=drafter,
+                       tree=OnePassDrafting(24, budget=_priced(6, 24, lambda rows, n: 1e-4)),
+                       observer=lambda rec: rounds.append(1))
+        assert [r.tokens for r in got] == expected
+        built[slowed] = len(calls) / len(rounds)
+    assert built["tree"] < 0.5 and built["chain"] > 0.7, built
 
 
 @pytest.mark.slow
