@@ -6,8 +6,11 @@ import torch
 from specdraft.runtime.d2sd import TreeDrafting
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.drafter_io import convert_drafter
+from specdraft.runtime.node_budget import NodeBudget, budget_choices
+from specdraft.runtime.one_pass import OnePassDrafting
 from specdraft.runtime.sampling import SamplingParams
 from tests.helpers import PROMPTS, make_drafter, make_target, requires_cuda
+from tests.runtime.test_one_pass import check_walk_law
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -44,3 +47,22 @@ def test_cuda_d2sd_greedy_equals_ar_in_ragged_batches(branches):
     spec = generate(target, prompts, gen, drafter=first, tree=TreeDrafting(second, branches), timings=timings)
     assert [r.tokens for r in spec] == [r.tokens for r in generate(target, prompts, gen)]
     assert set(timings) >= {"draft", "second_draft", "tree", "verify", "compaction", "commit"}
+
+
+def test_cuda_sampled_walk_is_recursive_rejection_sampling():
+    check_walk_law(0, "cuda")
+
+
+def test_cuda_one_pass_with_a_measured_budget_greedy_equals_ar_and_samples_on_device():
+    """Chain rounds without a tree and tree rounds, the budget timing its passes on the GPU."""
+    target = make_target(seed=3, vocab=12).cuda()
+    drafter = make_drafter(target, seed=4).cuda().bind_target(target.model.embed_tokens, target.lm_head)
+    prompts = [[t % 11 for t in p] for p in PROMPTS]
+    gen = GenerationConfig(max_new_tokens=[10, 25, 17, 30, 8, 21, 14, 19])
+    tree = OnePassDrafting(24, budget=NodeBudget(budget_choices(drafter.block_size, 24), repeats=1))
+    assert [r.tokens for r in generate(target, prompts, gen, drafter=drafter, tree=tree)] == [
+        r.tokens for r in generate(target, prompts, gen)]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    res = generate(target, prompts, GenerationConfig(max_new_tokens=20, sampling=SamplingParams(1.0)),
+                   drafter=drafter, tree=tree, generator=g)
+    assert all(len(r.tokens) == 20 and all(0 <= t < 12 for t in r.tokens) for r in res)

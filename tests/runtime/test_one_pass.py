@@ -135,6 +135,11 @@ def _walk_law(tree, p, q, row: int = 0) -> dict[tuple[int, int], float]:
 def test_the_sampled_walk_on_a_fixed_tree_is_recursive_rejection_sampling(seed):
     """The vectorised walk (every node's move decided at once) against the step-by-step rule, on one tree repeated
     over a batch of draws: where it stops and the token it emits."""
+    check_walk_law(seed, "cpu")
+
+
+def check_walk_law(seed: int, device: str):
+    """:func:`test_the_sampled_walk_on_a_fixed_tree_is_recursive_rejection_sampling` with the walk on ``device``."""
     rng = torch.Generator().manual_seed(seed)
     K, V, N, draws = 3, 5, 12, 40000
     q = torch.softmax(torch.randn(1, K, V, generator=rng) * 1.5, -1)  # [1, K, V]
@@ -144,9 +149,11 @@ def test_the_sampled_walk_on_a_fixed_tree_is_recursive_rejection_sampling(seed):
     p = torch.softmax(torch.randn(N, V, generator=rng) * 0.7, -1)  # [N, V] the target after each node
     assert ((tree.children[0] > 0).sum(-1) > 1).sum() >= 3  # several nodes with siblings
     law = _walk_law(tree, p, q[0])
-    many = tree._replace(**{k: getattr(tree, k).expand(draws, *getattr(tree, k).shape[1:])
+    many = tree._replace(**{k: getattr(tree, k).expand(draws, *getattr(tree, k).shape[1:]).to(device)
                             for k in tree._fields})
-    acc = accept_nodes_sampled(many, p.expand(draws, N, V), q.expand(draws, K, V), rng)
+    walk_rng = torch.Generator(device=device).manual_seed(seed)
+    acc = accept_nodes_sampled(many, p.expand(draws, N, V).to(device), q.expand(draws, K, V).to(device), walk_rng)
+    acc = acc._replace(**{k: getattr(acc, k).cpu() for k in acc._fields})
     last = acc.path.gather(1, acc.num_accepted[:, None])[:, 0]
     counts = torch.zeros(N, V).index_put_((last, acc.next_token), torch.ones(draws), accumulate=True)
     probs = torch.zeros(N, V)
