@@ -53,8 +53,10 @@ class NodeBudget:
     winning kind's rounds by 0.2, the losing kind's rarer ones by 0.5)."""
     patience: int = 1
     """Rounds of the winning kind before the losing one is tried again (doubling while it keeps losing)."""
-    wait: int = 0
+    wait: int = 1
+    """Rounds of the winning kind left before that try."""
     tree_won: bool = True
+    """The winner at the last comparison: rounds that built a tree (True) or chain rounds that did not."""
 
     def price(self, target, rows: int, context: int, nodes: int, feature_layers: tuple[int, ...]) -> float:
         """Seconds of a verify pass of ``nodes`` tokens on ``rows`` rows (rounded up to a power of two). The first
@@ -118,7 +120,8 @@ class NodeBudget:
         """Whether this round builds its tree (and :meth:`choose` prices it) or verifies the drafter's block alone:
         a tree first, then a chain, then whichever commits more tokens a second, the other tried again after
         ``patience`` rounds (1, 2, 4, .. up to :data:`MAX_PATIENCE` while it keeps losing), so a kind is re-timed as
-        the batch and the context change and a slow first round does not decide the job."""
+        the batch and the context change and a slow first round does not decide the job. Starts the round's count of
+        pricing seconds (:attr:`last_pricing_s`) at 0."""
         self.last_pricing_s = 0.0
         if "built" not in self.committed or "chain" not in self.committed:
             return "built" not in self.committed

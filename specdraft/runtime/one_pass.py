@@ -392,8 +392,8 @@ def one_pass_round(target, drafter: Drafter, drafting: OnePassDrafting, dcache, 
 def verify_chain(target, draft_tokens: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor, tcache,
                  anchor: torch.Tensor, params: SamplingParams, feature_layers: tuple[int, ...],
                  generator: torch.Generator | None, clock: PhaseClock):
-    """``(acceptance, target output, draft_tokens)``: the target's causal pass over ``[anchor, draft_tokens]``
-    ``[b, K]`` and its acceptance (sampled drafts drawn from ``q``; None: deterministic ones), as a chain round's."""
+    """``(acceptance, target output)``: the target's causal pass over ``[anchor, draft_tokens]`` (``[b, K]``) and
+    its acceptance (sampled drafts drawn from ``q``; None: deterministic ones), as a chain round's."""
     b, K = draft_tokens.shape
     out = target(torch.cat([anchor[:, None], draft_tokens], 1), cache=tcache, feature_layers=feature_layers)
     if params.greedy:
@@ -403,7 +403,7 @@ def verify_chain(target, draft_tokens: torch.Tensor, q: torch.Tensor | None, log
         n_acc, nxt = accept_speculative_sampling(draft_tokens, own, logits_to_probs(out.logits, params), generator)
     path = torch.arange(K + 1, device=anchor.device).expand(b, -1)  # [b, K + 1]
     clock.lap("verify")  # a chain's acceptance is the verify phase's, as in a chain round
-    return TreeAcceptance(n_acc, nxt, torch.zeros_like(n_acc), path), out, draft_tokens
+    return TreeAcceptance(n_acc, nxt, torch.zeros_like(n_acc), path), out
 
 
 def skips_tree(drafting, K: int) -> bool:
@@ -424,8 +424,8 @@ def chain_round(target, budget: NodeBudget, draft_tokens: torch.Tensor, q: torch
     context = int(tcache.lengths.float().mean())
     budget.price(target, b, context, K + 1, feature_layers)  # (timed the first time a batch size is seen)
     clock.lap("budget")
-    acc, out, draft_tokens = verify_chain(target, draft_tokens, q, logits, tcache, anchor, params, feature_layers,
-                                          generator, clock)
+    acc, out = verify_chain(target, draft_tokens, q, logits, tcache, anchor, params, feature_layers, generator,
+                            clock)
     rnd = commit_path(torch.full_like(acc.num_accepted, K + 1), acc, out, tcache, draft_tokens, logits, hidden, clock)
     budget.observe_committed("chain", float(acc.num_accepted.sum()), K + 1, b,
                              time.perf_counter() - started - budget.last_pricing_s)
@@ -477,8 +477,9 @@ def verify_nodes(target, drafting, shape: Shape, tokens: Callable[[Shape], torch
         tree = build_nodes(anchor, shape, tokens(shape), K)
     clock.lap("tree")
     if as_chain:
-        acc, out, draft_tokens = verify_chain(target, chain(), q, logits, tcache, anchor, params, feature_layers,
-                                              generator, clock)
+        draft_tokens = chain()  # [b, K]
+        acc, out = verify_chain(target, draft_tokens, q, logits, tcache, anchor, params, feature_layers, generator,
+                                clock)
         num_nodes = torch.full_like(acc.num_accepted, K + 1)
     else:
         out = target(tree.tokens, cache=tcache, positions=tcache.lengths[:, None] + tree.depth, new_mask=tree.mask,
