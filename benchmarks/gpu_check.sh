@@ -7,10 +7,11 @@
 # On the lent GPU machine (the `device` tool's `run`; it copies the working tree, and nothing is installed there:
 # the image has torch, triton, transformers, onnx(runtime) and lightning, the project runs from PYTHONPATH):
 #
-#   1. here, build the tiny world once (`make demo`), so artifacts/tiny holds the target and the drafters
-#      (`du -sh artifacts/tiny` must stay under the 64 MiB a call carries);
+#   1. here, build the tiny world once (`make demo`), so artifacts/tiny holds the target and the drafters;
+#      the steps need its world directory and drafters only (about 38 MiB; all of artifacts/tiny, with the
+#      offline features and checkpoints, is past the 64 MiB a call carries);
 #   2. run:   command: OUT=$OUT bash benchmarks/gpu_check.sh
-#             carry:   ["artifacts/tiny"]
+#             carry:   ["artifacts/tiny/world-<hash>", "artifacts/tiny/drafter"]
 #             timeout_s: 600
 #   3. the results come back under the call's files_at (gpu_check.json, one <step>.txt/.json per step).
 #
