@@ -5,12 +5,12 @@ that node budget (``--budget measured``: the budget each round picks up to it) b
 All methods decode the same held-out prompts in one process, interleaved batch by batch (the order alternating), at
 T=0 or ``--temperature``. Phases (wall time, summed over rounds; :class:`~specdraft.runtime.phase_clock.PhaseClock`):
 ``draft`` (the first drafter's block), ``second_draft`` (the batched VP pass), ``tree`` (posterior, placement, tree
-build, sampled siblings' draws), ``budget`` (a measured budget's choice, with the verify passes it times for a batch
-size it has not priced), ``verify`` (the target's pass over the chain or the tree; a chain's acceptance too),
-``walk`` (the walk down a tree), ``compaction`` (moving the accepted path's K/V, gathering its features) and
-``commit`` (the drafters' context updates and the engine's bookkeeping). The reliability table bins the first
-drafter's per-slot confidence ``c_k = max_v q_k(v)`` over the DFlash rounds and reports the empirical acceptance of
-slot ``k`` among rounds that reached it (calibrated: equal columns).
+build, sampled siblings' draws), ``budget`` (a measured budget's choice, priced by the machine's cost model:
+measured once, before the timed jobs, and cached under ``<work_dir>/policy/``), ``verify`` (the target's pass over the
+chain or the tree; a chain's acceptance too), ``walk`` (the walk down a tree), ``compaction`` (moving the accepted
+path's K/V, gathering its features) and ``commit`` (the drafters' context updates and the engine's bookkeeping). The
+reliability table bins the first drafter's per-slot confidence ``c_k = max_v q_k(v)`` over the DFlash rounds and
+reports the empirical acceptance of slot ``k`` among rounds that reached it (calibrated: equal columns).
 
     python benchmarks/d2sd_cost.py configs/tiny.yaml [--prompts 16] [--k 4] [--nodes 48 [--budget measured]]
         [--out cost.json] [key=value ...]
@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import argparse
 import time
+from functools import partial
 
 import torch
 
 from specdraft.pipeline.bench import suite_prompts
 from specdraft.pipeline.config import load_config
 from specdraft.pipeline.measure import config_models, write_report
+from specdraft.pipeline.policy import machine_costs
 from specdraft.pipeline.tokenizer import stop_token_ids
 from specdraft.pipeline.trees import merged_drafting, one_pass_drafting, tree_drafting
 from specdraft.runtime.decode import GenerationConfig, generate
@@ -75,11 +77,14 @@ def main(argv=None) -> dict:
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_token_ids=stop_token_ids(tok),
                            sampling=SamplingParams(temperature=args.temperature))
     methods = {"ar": {}, "dflash": {"drafter": first}, f"d2sd{args.k}": {"drafter": first, "tree": tree}}
-    if args.nodes:
+    if args.nodes:  # a measured budget's prices: the machine's cost model, measured once (cached under work_dir)
+        prices = partial(machine_costs, cfg.work_path, target, first, cfg.decode.drafter or
+                         cfg.drafter_dir(cfg.train.export), [int(x) for x in args.batch_sizes.split(",")])
         name = f"{args.nodes}" + ("+measured" if args.budget == "measured" else "")
-        methods[f"ddtree{name}"] = {"drafter": first, "tree": one_pass_drafting(cfg, first, args.nodes, args.budget)}
+        methods[f"ddtree{name}"] = {"drafter": first, "tree": one_pass_drafting(cfg, first, args.nodes, args.budget,
+                                                                                prices)}
         methods[f"merged{name}"] = {"drafter": first, "tree": merged_drafting(cfg, first, tree, args.nodes,
-                                                                              args.budget)}
+                                                                              args.budget, prices)}
     generate(target, prompts[:2], GenerationConfig(max_new_tokens=8), **methods[f"d2sd{args.k}"])  # warm-up
     report = {"config": args.config, "suite": args.suite, "prompts": len(prompts), "k": args.k,
               "temperature": args.temperature,

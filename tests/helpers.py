@@ -14,11 +14,13 @@ from specdraft.pipeline.corpora import math_docs
 from specdraft.pipeline.jsonl import write_jsonl
 from specdraft.pipeline.tokenizer import train_tokenizer
 from specdraft.pipeline.world import World
+from specdraft.runtime.cost_model import CostModel
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.drafter_io import build_drafter, convert_drafter, drafter_config_for_target
 from specdraft.runtime.models.dflash import DFlashDrafter
 from specdraft.runtime.models.retrace import ReTraceOptions
 from specdraft.runtime.models.target import TargetArgs, TargetLM
+from specdraft.runtime.node_budget import NodeBudget, budget_choices
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
                                    reason="needs a CUDA GPU (pytest -m gpu on a GPU box)")
@@ -162,3 +164,12 @@ def bigram_oracle(right: int, block_size: int = 4, V: int = 6, runner_up: bool =
     oracle = make_drafter(target, seed=2, block_size=block_size)
     oracle.__class__ = BigramOracle
     return target, oracle.pin(bigram, right, runner_up)
+
+
+def priced_budget(block_size: int, nodes: int, cost) -> NodeBudget:
+    """A measured :class:`NodeBudget` up to ``nodes`` over a synthetic machine: a verify pass of ``n`` tokens on
+    ``rows`` rows takes ``cost(rows, n)`` seconds at any context (rows measured at powers of two up to 16 384)."""
+    choices = budget_choices(block_size, nodes)
+    rows = [1 << i for i in range(15)]
+    return NodeBudget(choices, CostModel(rows, list(choices), [[cost(r, n) for n in choices] for r in rows],
+                                         [0.0] * len(rows)))

@@ -27,7 +27,7 @@ from transformers import AutoTokenizer
 from specdraft.errors import SpecdraftError
 from specdraft.pipeline.config import RunConfig
 from specdraft.pipeline.exports import backend_models
-from specdraft.pipeline.policy import adaptive_policy, heldin_prompts, policy_summary
+from specdraft.pipeline.policy import adaptive_policy, heldin_prompts, machine_costs, policy_summary
 from specdraft.pipeline.tokenizer import stop_token_ids
 from specdraft.pipeline.tracking import Tracker
 from specdraft.pipeline.trees import FIRST_DRAFTERS, merged_drafting, one_pass_drafting, tree_drafting
@@ -255,6 +255,7 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
                       for temp in b.temperatures}
             loaded[f"{drafter.arch_name}:{st}+adaptive"] = _Entry(drafter, drafter.arch_name, st, str(d), None, tgt,
                                                                   "torch", policy)
+        prices = partial(machine_costs, cfg.work_path, tgt, drafter, d, tuple(b.batch_sizes), log=log)
         trees = {}  # the second drafter is loaded once per first drafter
         tree_rows = {}  # name -> (method, a fresh tree: a measured budget's record is each row's own)
         for k in b.tree_ks if drafter.arch_name in FIRST_DRAFTERS else []:
@@ -265,13 +266,13 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
         for n in b.tree_nodes if drafter.arch_name in FIRST_DRAFTERS else []:
             for how in b.tree_budgets or [cfg.decode.tree_budget]:
                 tree_rows[f"ddtree{n}:{st}" + ("+measured" if how == "measured" else "")] = (
-                    "ddtree", partial(one_pass_drafting, cfg, drafter, n, how))
+                    "ddtree", partial(one_pass_drafting, cfg, drafter, n, how, prices))
         if b.merged_nodes and drafter.arch_name in FIRST_DRAFTERS:
             branches = trees.get(cfg.decode.tree_k) or tree_drafting(cfg, tgt, drafter)
             for n in b.merged_nodes:
                 for how in b.tree_budgets or [cfg.decode.tree_budget]:
                     tree_rows[f"merged{n}:{st}" + ("+measured" if how == "measured" else "")] = (
-                        "merged", partial(merged_drafting, cfg, drafter, branches, n, how))
+                        "merged", partial(merged_drafting, cfg, drafter, branches, n, how, prices))
         for name, (method, tree) in tree_rows.items():
             if "fixed" in b.policies:
                 loaded[name] = _Entry(drafter, method, st, str(d), tree(), tgt, "torch")

@@ -235,7 +235,8 @@ class DecodeConfig:
     tree_budget: Literal["fixed", "measured"] = "fixed"
     """ddtree and merged: fixed verifies ``tree_nodes`` every round; measured verifies, each round, the budget up to
     ``tree_nodes`` (from the drafter's block up) that maximises expected committed tokens per second, the verify pass
-    timed at the batch's rows on this machine and the tree's path probabilities calibrated by the rounds so far; with
+    priced at the batch's rows and context by this machine's cost model (measured once, cached under
+    ``<work_dir>/policy/``) and the tree's path probabilities calibrated by the rounds so far; with
     ``tree_chain``, rounds where chain rounds commit more tokens a second than tree rounds do not build the tree."""
     tree_chain: bool = True
     """ddtree and merged: the drafter's own block is always in the tree (a round accepts at least what a chain round

@@ -5,6 +5,7 @@ static/CUDA-graph path), the adaptive policy, sampling and batching. Every runne
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -12,7 +13,7 @@ from transformers import AutoTokenizer
 
 from specdraft.pipeline.config import RunConfig
 from specdraft.pipeline.exports import backend_models, check_engine_tokens
-from specdraft.pipeline.policy import adaptive_policy, heldin_prompts
+from specdraft.pipeline.policy import adaptive_policy, heldin_prompts, machine_costs
 from specdraft.pipeline.tokenizer import stop_token_ids
 from specdraft.pipeline.trees import merged_drafting, one_pass_drafting, tree_drafting
 from specdraft.runtime.batch_job import Decoding
@@ -40,17 +41,19 @@ def build_decoding(cfg: RunConfig, world, drafter_dir: Path | None, tokenizer, d
         target, drafter = backend_models(d.backend, drafter_dir or default_drafter_dir(cfg), world,
                                          with_drafter=drafter_dir is not None)
     tree = None
+    # a measured node budget prices its trees by the machine's costs, cached beside the adaptive policy's
+    prices = partial(machine_costs, cfg.work_path, target, drafter, drafter_dir, (d.batch_size,), log=log)
     if d.method in ("d2sd", "merged"):  # on an engine backend the second drafter is read from its own export too
         load = None if d.backend == "torch" else lambda where: backend_models(d.backend, where, world,
                                                                                with_target=False)[1]
         tree = tree_drafting(cfg, target, drafter, load=load)
         if d.method == "merged":
-            tree = merged_drafting(cfg, drafter, tree)
+            tree = merged_drafting(cfg, drafter, tree, prices=prices)
         if d.backend == "trt":  # the branches are one draft pass of tree_k blocks: the engine's profile must hold it
             check_engine_tokens(cfg.second_drafter_dir() or drafter_dir or default_drafter_dir(cfg),
                                 tree.num_branches * tree.second.block_size, "tree_k", "the branches draft")
     if d.method == "ddtree":
-        tree = one_pass_drafting(cfg, drafter)
+        tree = one_pass_drafting(cfg, drafter, prices=prices)
     if tree is not None and d.backend == "trt":  # so is the target's verify pass over the tree's nodes
         check_engine_tokens(drafter_dir or default_drafter_dir(cfg), tree.max_nodes(drafter.block_size),
                             "tree_nodes" if d.method != "d2sd" else "tree_siblings" if tree.siblings else "tree_k",

@@ -1,6 +1,7 @@
 """``decode.policy=adaptive``: the speculation policy's costs for this machine and these models, and its calibration
 for each sampling setting a job decodes with, measured once and cached under ``<work_dir>/policy/`` (keyed by device,
-threads, dtype, torch, the target and the drafter), then reused by ``decode`` and ``bench``."""
+threads, dtype, torch, the target and the drafter), then reused by ``decode`` and ``bench``. A measured node budget
+(``decode.tree_budget=measured``) prices its trees from the same costs (:func:`machine_costs`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 from specdraft.runtime.batch_job import encode_requests, read_requests
 from specdraft.runtime.calibration import Calibration
-from specdraft.runtime.cost_model import CostModel, measure_costs
+from specdraft.runtime.cost_model import CostModel, extend_costs, measure_costs
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.models.target import TargetLM
 from specdraft.runtime.policy import AdaptivePolicy
@@ -77,23 +78,69 @@ def sampling_key(sampling: SamplingParams, draft_sampling: str = "sample") -> st
     return f"T={sampling.temperature:g},top_k={sampling.top_k},top_p={sampling.top_p:g},drafts={draft_sampling}"
 
 
-def adaptive_policy(work_dir: Path, target, drafter, drafter_dir, calibration_prompts: list[list[int]],
-                    stop_token_ids=(), batch_sizes=(1, 8, 32, 64), log=print, sampling: SamplingParams | None = None,
-                    draft_sampling: str = "sample") -> AdaptivePolicy:
-    """A fresh :class:`AdaptivePolicy` from the cached costs and the calibration for ``sampling`` (default greedy)
-    and ``draft_sampling`` (each measured first when missing, and added to the cache)."""
-    sampling = sampling or SamplingParams()
+def _cached(work_dir: Path, target, drafter, drafter_dir, log) -> tuple[Path, dict]:
+    """The cache file of ``target`` and ``drafter`` on this machine and what it holds (only the key where it is
+    missing, or unreadable: then measured again)."""
     key = _key(target, drafter, drafter_dir)
-    path = work_dir / "policy" / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
-    saved = json.loads(path.read_text()) if path.is_file() else {"key": key}
-    changed = "context" not in saved.get("costs", {})  # costs or a calibration to add to the cache
+    name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = work_dir / "policy" / f"{name}.json"
+    if path.is_file():
+        try:
+            return path, json.loads(path.read_text())
+        except ValueError:
+            log(f"policy: {path} is not a readable cache; measuring again")
+    return path, {"key": key}
+
+
+def _costs(saved: dict, path: Path, target, drafter, batch_sizes, tokens, log) -> tuple[CostModel, bool]:
+    """The cached costs in ``saved`` holding ``batch_sizes`` (and one row) and target passes of ``tokens`` new tokens
+    (what is missing measured first, and put into ``saved``), and whether ``saved`` changed."""
+    rows = sorted({1, *batch_sizes})
+    changed = "context" not in saved.get("costs", {})
     if not changed:
         costs = CostModel.from_dict(saved["costs"])
     else:  # none yet, or measured at one context before costs were priced by the context
-        rows = sorted({1, *batch_sizes})
         log(f"policy: measuring target and drafter costs for {rows} rows on this machine (cached in {path})")
         costs = measure_costs(target, drafter, rows=rows)
+    more_rows, more_tokens = sorted(set(rows) - set(costs.rows)), sorted(set(tokens) - set(costs.tokens))
+    if more_rows or more_tokens:
+        what = [f"{more_rows} rows"] * bool(more_rows) + [f"passes of {more_tokens} new tokens"] * bool(more_tokens)
+        log(f"policy: measuring {' and '.join(what)} on this machine (cached in {path})")
+        costs, changed = extend_costs(costs, target, drafter, more_rows, more_tokens), True
+    if changed:
         saved["costs"] = asdict(costs)
+    return costs, changed
+
+
+def _write(path: Path, saved: dict) -> None:
+    """Whole files only: Ray actors of one job may measure and write at once."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(saved))
+    os.replace(tmp, path)
+
+
+def machine_costs(work_dir: Path, target, drafter, drafter_dir, batch_sizes=(1, 8, 32, 64), tokens=(),
+                  log=print) -> CostModel:
+    """This machine's :class:`CostModel` for ``target`` and ``drafter`` from the cache the adaptive policy keeps,
+    holding ``batch_sizes`` and target passes of ``tokens`` new tokens (a node budget's choices); what is missing is
+    measured once and added to the cache."""
+    path, saved = _cached(work_dir, target, drafter, drafter_dir, log)
+    costs, changed = _costs(saved, path, target, drafter, batch_sizes, tokens, log)
+    if changed:
+        _write(path, saved)
+    return costs
+
+
+def adaptive_policy(work_dir: Path, target, drafter, drafter_dir, calibration_prompts: list[list[int]],
+                    stop_token_ids=(), batch_sizes=(1, 8, 32, 64), log=print, sampling: SamplingParams | None = None,
+                    draft_sampling: str = "sample") -> AdaptivePolicy:
+    """A fresh :class:`AdaptivePolicy` from the cached costs (holding ``batch_sizes``) and the calibration for
+    ``sampling`` (default greedy) and ``draft_sampling`` (each measured first when missing, and added to the cache)."""
+    sampling = sampling or SamplingParams()
+    path, saved = _cached(work_dir, target, drafter, drafter_dir, log)
+    costs, changed = _costs(saved, path, target, drafter, batch_sizes, (), log)
     calibrations = saved.setdefault("calibrations", {})
     if "calibration" in saved:  # a cache written before calibrations were kept per sampling: its one is greedy's
         calibrations.setdefault("greedy", saved.pop("calibration"))
@@ -111,12 +158,8 @@ def adaptive_policy(work_dir: Path, target, drafter, drafter_dir, calibration_pr
             calibration = Calibration()
             log("policy: no held-in prompts to calibrate on; drafter confidences are used as acceptance probabilities")
         calibrations[name] = asdict(calibration)
-    if changed:  # whole files only: Ray actors of one job may measure and write at once
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(saved))
-        os.replace(tmp, path)
+    if changed:
+        _write(path, saved)
     return AdaptivePolicy(costs, calibration)
 
 

@@ -9,6 +9,7 @@ from typing import Callable
 
 from specdraft.errors import SpecdraftError
 from specdraft.pipeline.config import RunConfig
+from specdraft.runtime.cost_model import CostModel
 from specdraft.runtime.d2sd import TreeDrafting
 from specdraft.runtime.drafter_io import load_drafter
 from specdraft.runtime.merged import MergedDrafting
@@ -47,24 +48,31 @@ def tree_drafting(cfg: RunConfig, target, first, num_branches: int | None = None
     return tree
 
 
-def one_pass_drafting(cfg: RunConfig, first, nodes: int | None = None, budget: str | None = None) -> OnePassDrafting:
+Prices = Callable[[tuple[int, ...]], CostModel]
+"""The machine's cost model holding target passes of the given token counts (:func:`~specdraft.pipeline.policy.
+machine_costs` bound to a job's target and drafter): what a measured node budget prices its trees by."""
+
+
+def one_pass_drafting(cfg: RunConfig, first, nodes: int | None = None, budget: str | None = None,
+                      prices: Prices | None = None) -> OnePassDrafting:
     """The :class:`OnePassDrafting` of ``nodes`` (default ``decode.tree_nodes``) spent as ``budget`` (default
-    ``decode.tree_budget``) for ``first``, refused in one line unless ``first`` keeps no cross-round state."""
+    ``decode.tree_budget``; ``measured`` priced by ``prices``) for ``first``, refused in one line unless ``first``
+    keeps no cross-round state."""
     if first.arch_name not in FIRST_DRAFTERS:
         raise SpecdraftError(f"config key 'decode.method': ddtree drafts with a {' or '.join(FIRST_DRAFTERS)} drafter, "
                              f"not {first.arch_name!r} (its cross-round state has no meaning in a tree)")
     nodes = nodes or cfg.decode.tree_nodes
-    return OnePassDrafting(nodes, cfg.decode.tree_chain, node_budget(cfg, first, nodes, budget))
+    return OnePassDrafting(nodes, cfg.decode.tree_chain, node_budget(cfg, first, nodes, budget, prices))
 
 
 def merged_drafting(cfg: RunConfig, first, branches: TreeDrafting, nodes: int | None = None,
-                    budget: str | None = None) -> MergedDrafting:
+                    budget: str | None = None, prices: Prices | None = None) -> MergedDrafting:
     """The :class:`MergedDrafting` of D²SD's ``branches`` (:func:`tree_drafting`'s, its siblings dropped) and the
     one-pass tree of ``first``, ``nodes`` (default ``decode.tree_nodes``) spent as ``budget`` (default
-    ``decode.tree_budget``), checked before any decoding."""
+    ``decode.tree_budget``; ``measured`` priced by ``prices``), checked before any decoding."""
     nodes = nodes or cfg.decode.tree_nodes
     merged = MergedDrafting(replace(branches, siblings=0), nodes, cfg.decode.tree_chain,
-                            node_budget(cfg, first, nodes, budget))
+                            node_budget(cfg, first, nodes, budget, prices))
     try:
         merged.check(first)
     except ValueError as e:
@@ -72,8 +80,13 @@ def merged_drafting(cfg: RunConfig, first, branches: TreeDrafting, nodes: int | 
     return merged
 
 
-def node_budget(cfg: RunConfig, first, nodes: int, budget: str | None = None) -> NodeBudget | None:
-    """A measured :class:`NodeBudget` up to ``nodes`` when ``budget`` (default ``decode.tree_budget``) is measured."""
+def node_budget(cfg: RunConfig, first, nodes: int, budget: str | None = None,
+                prices: Prices | None = None) -> NodeBudget | None:
+    """A :class:`NodeBudget` up to ``nodes`` priced by ``prices`` when ``budget`` (default ``decode.tree_budget``) is
+    measured."""
     if (budget or cfg.decode.tree_budget) != "measured":
         return None
-    return NodeBudget(budget_choices(first.block_size, nodes))
+    if prices is None:
+        raise ValueError("a measured node budget needs the machine's prices (pipeline.policy.machine_costs)")
+    choices = budget_choices(first.block_size, nodes)
+    return NodeBudget(choices, prices(choices))

@@ -1,11 +1,14 @@
 """What a round costs on this machine: target passes by rows x new tokens and drafter rounds by rows, measured at two
-cache lengths (:func:`measure_costs`), and priced at a round's context (:class:`CostModel`). The adaptive policy
-(:mod:`specdraft.runtime.policy`) prices its choices with it."""
+cache lengths (:func:`measure_costs`; rows and token counts added later by :func:`extend_costs`), and priced at a
+round's context (:class:`CostModel`). The adaptive policy (:mod:`specdraft.runtime.policy`) prices its choices with
+it, and a measured node budget (:mod:`specdraft.runtime.node_budget`) its trees: a tree's verify pass over ``n`` nodes
+is a target pass of ``n`` new tokens (the same attention, with the tree's mask in place of the causal one)."""
 
 from __future__ import annotations
 
 import bisect
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -25,6 +28,12 @@ def _interp(xs: list[int], ys: list[float], x: float) -> float:
     i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
     return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+def priced_context(context: float) -> int:
+    """``context`` rounded to an eighth of an octave (at least 16 tokens): the contexts a model is priced at (a row's
+    context grows by a few tokens a round; :meth:`CostModel.at` keeps a model per context priced)."""
+    return round(2 ** (max(round(8 * math.log2(max(context, 1.0))), 32) / 8))
 
 
 @dataclass
@@ -109,11 +118,11 @@ class CostModel:
 @torch.inference_mode()
 def measure_costs(target, drafter, rows=(1, 8, 32, 64), tokens=(1, 2, 4, 8, 16), context: int = 256,
                   repeats: int = 3, short_context: int = 64) -> CostModel:
-    """Time target passes and drafter rounds against a ``context``-token cache and, where ``short_context`` is
-    shorter, against one of ``short_context`` tokens too (median of ``repeats``)."""
+    """Time target passes of up to a drafter's block of new tokens (``tokens`` past it dropped: :func:`extend_costs`
+    adds them) and drafter rounds against a ``context``-token cache and, where ``short_context`` is shorter, against
+    one of ``short_context`` tokens too (median of ``repeats``)."""
     dev = target.lm_head.weight.device
-    K = drafter.block_size - 1
-    tokens = sorted({t for t in tokens if t <= K + 1} | {1, K + 1})
+    tokens = sorted({t for t in tokens if t <= drafter.block_size} | {1, drafter.block_size})
     target_s, drafter_s = _measure_at(target, drafter, rows, tokens, context, repeats)
     short = {}
     if 0 < short_context < context:
@@ -125,7 +134,40 @@ def measure_costs(target, drafter, rows=(1, 8, 32, 64), tokens=(1, 2, 4, 8, 16),
     return CostModel(list(rows), tokens, target_s, drafter_s, key, context, short)
 
 
-def _measure_at(target, drafter, rows, tokens, context: int, repeats: int) -> tuple[list, list]:
+@torch.inference_mode()
+def extend_costs(costs: CostModel, target, drafter, rows=(), tokens=(), repeats: int = 3) -> CostModel:
+    """``costs`` with what it lacks of ``rows`` (target passes of its token counts and drafter rounds) and of target
+    passes of ``tokens`` new tokens (a node budget's; at every row) measured at its contexts; itself when it lacks
+    nothing."""
+    new_rows = sorted(set(rows) - set(costs.rows))
+    new_tokens = sorted(set(tokens) - set(costs.tokens))
+    if not new_rows and not new_tokens:
+        return costs
+    all_rows, all_tokens = sorted({*costs.rows, *new_rows}), sorted({*costs.tokens, *new_tokens})
+
+    def grid(target_s: list[list[float]], drafter_s: list[float], context: int) -> tuple[list, list]:
+        t = {(r, n): target_s[i][j] for i, r in enumerate(costs.rows) for j, n in enumerate(costs.tokens)}
+        d = dict(zip(costs.rows, drafter_s))
+        if new_tokens:
+            added = _measure_at(target, drafter, costs.rows, new_tokens, context, repeats, with_drafter=False)[0]
+            t |= {(r, n): added[i][j] for i, r in enumerate(costs.rows) for j, n in enumerate(new_tokens)}
+        if new_rows:
+            added, drafted = _measure_at(target, drafter, new_rows, all_tokens, context, repeats)
+            t |= {(r, n): added[i][j] for i, r in enumerate(new_rows) for j, n in enumerate(all_tokens)}
+            d |= dict(zip(new_rows, drafted))
+        return [[t[r, n] for n in all_tokens] for r in all_rows], [d[r] for r in all_rows]
+
+    short = dict(costs.short)
+    if short:
+        short["target_s"], short["drafter_s"] = grid(short["target_s"], short["drafter_s"], short["context"])
+    target_s, drafter_s = grid(costs.target_s, costs.drafter_s, costs.context)
+    return CostModel(all_rows, all_tokens, target_s, drafter_s, costs.key, costs.context, short)
+
+
+def _measure_at(target, drafter, rows, tokens, context: int, repeats: int,
+                with_drafter: bool = True) -> tuple[list, list]:
+    """``(target_s [len(rows)][len(tokens)], drafter_s [len(rows)])`` against a ``context``-token cache (no drafter
+    rounds timed without ``with_drafter``: ``drafter_s`` empty)."""
     dev = target.lm_head.weight.device
     V = target.args.vocab_size
     K = drafter.block_size - 1
@@ -138,12 +180,9 @@ def _measure_at(target, drafter, rows, tokens, context: int, repeats: int) -> tu
     target_s, drafter_s = [], []
     for b in rows:
         ctx = torch.randint(0, V, (b, context), generator=g).to(dev)
-        cache = target.new_cache(b, context + K + 2)
+        cache = target.new_cache(b, context + max([*tokens, K + 1]) + 1)
         out = target(ctx, cache=cache, feature_layers=drafter.target_layer_ids)
         cache.crop(torch.full((b,), context, device=dev))
-        lens = torch.full((b,), context, device=dev)
-        dcache = drafter.new_cache(b, context + 2 * (K + 2) + 1)
-        drafter.ingest(dcache, out.features, lens)
         row = []
         for t in tokens:
             new = torch.randint(0, V, (b, t), generator=g).to(dev)
@@ -154,6 +193,11 @@ def _measure_at(target, drafter, rows, tokens, context: int, repeats: int) -> tu
 
             row.append(timed(verify))
         target_s.append(row)
+        if not with_drafter:
+            continue
+        lens = torch.full((b,), context, device=dev)
+        dcache = drafter.new_cache(b, context + 2 * (K + 2) + 1)
+        drafter.ingest(dcache, out.features, lens)
         verified = target(ctx[:, :K + 1], cache=None, feature_layers=drafter.target_layer_ids)  # [b, K + 1, *]
         feats, one = verified.features, torch.ones(b, dtype=torch.long, device=dev)
         carried = [None]  # a drafter's cross-round state (ReTrace's prior: a round rejected at its first draft)

@@ -205,7 +205,7 @@ def merged_round(target, drafter: Drafter, drafting: MergedDrafting, dcache, sca
                            generator, clock, started)
     one, ranked = one_pass_part(q1, drafting.nodes, drafting.keep_chain)
     if budget is not None and drafting.keep_chain:
-        n = choose_nodes(target, budget, one, tcache, feature_layers, budget_setting(params, None), clock)
+        n = choose_nodes(budget, one, tcache, budget_setting(params, None), clock)
         if n == budget.choices[0]:
             return verify_nodes(target, drafting, one, lambda s: node_tokens(s, ranked, None, None), lambda: first,
                                 None, logits, hidden, tcache, anchor, params, feature_layers, generator, clock,

@@ -5,26 +5,24 @@ its nodes come in best-first order, so its first ``n`` nodes are the best tree o
 batch commits ``sum over rows of 1 + c * sum_{i < n} P_i`` tokens in expectation: ``P_i`` is the drafter's
 probability of node ``i``'s path (what the walk accepts node ``i`` with, were the drafter calibrated) and ``c`` the
 calibration, drafts accepted over drafts predicted over the rounds so far (one pseudo-round of each to start). The
-round costs the target's verify pass of ``rows x n`` tokens, measured once per (rows rounded up to a power of two,
-``n``) by timing a pass over a scratch cache, plus the rest of a round (drafter, tree, walk, compaction), measured
-from the rounds so far apart for chain rounds and tree rounds. At a large batch, where a
-verify pass is compute-bound, the trees shrink (down to the drafter's own block when it is kept first); at batch 1
-they grow.
+round costs the target's verify pass of ``rows x n`` tokens, priced by the machine's cost model at the rows' context
+(:class:`~specdraft.runtime.cost_model.CostModel`, measured once per machine and models, as the adaptive policy's),
+plus the rest of a round (drafter, tree, walk, compaction), measured from the rounds so far apart for chain rounds
+and tree rounds. At a large batch, where a verify pass is compute-bound, the trees shrink (down to the drafter's own
+block when it is kept first); at batch 1 they grow.
 
-Building the tree and pricing it cost a round time whatever the budget then picks, so before it a round asks
+Building the tree costs a round time whatever the budget then picks, so before it a round asks
 :meth:`NodeBudget.builds_tree`: the committed tokens per second of the rounds that built a tree against those of
 the chain rounds that did not, each kind tried again now and then while it loses.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass, field
 
 import torch
 
-from specdraft.runtime.phase_clock import wall_seconds
+from specdraft.runtime.cost_model import CostModel, priced_context
 
 MAX_PATIENCE = 64
 """Rounds of the winning kind, at most, between two tries of the losing one (:meth:`NodeBudget.builds_tree`)."""
@@ -34,19 +32,15 @@ MAX_PATIENCE = 64
 class NodeBudget:
     choices: tuple[int, ...]
     """Node budgets a round may verify (the root included), ascending."""
-    repeats: int = 1
-    """Timed verify passes per (rows, budget), after one untimed one; the median is kept (more: steadier prices, at a
-    cost a short job at a large batch feels)."""
-    verify_s: dict[tuple[int, int], float] = field(default_factory=dict)
-    """(rows bucket, nodes) -> seconds of the target's verify pass."""
+    costs: CostModel
+    """The machine's costs, holding target passes of every choice's tokens (:func:`~specdraft.pipeline.policy.
+    machine_costs`)."""
     overhead_s: dict[str, float] = field(default_factory=dict)
     """Per round kind (``chain``: the drafter's block alone, ``tree``): the round's seconds beyond its priced verify
     pass (the drafter, the tree's construction, the walk, the compaction), exponentially averaged."""
     accepted: dict[str, float] = field(default_factory=dict)
     predicted: dict[str, float] = field(default_factory=dict)
     """Per sampling setting: drafts accepted and the tree's predicted acceptance, summed over the rounds so far."""
-    last_pricing_s: float = 0.0
-    """Seconds the last :meth:`choose` spent measuring verify passes (not the round's)."""
     committed: dict[str, tuple[float, float]] = field(default_factory=dict)
     """``built`` (rounds that built a tree, whatever budget they verified) and ``chain`` (chain rounds that did not):
     tokens committed per row and seconds per round (the priced verify pass and the rest), exponentially averaged (the
@@ -58,48 +52,30 @@ class NodeBudget:
     tree_won: bool = True
     """The winner at the last comparison: rounds that built a tree (True) or chain rounds that did not."""
 
-    def price(self, target, rows: int, context: int, nodes: int, feature_layers: tuple[int, ...]) -> float:
-        """Seconds of a verify pass of ``nodes`` tokens on ``rows`` rows (rounded up to a power of two). The first
-        time a bucket is asked for, every choice is measured at it and at every smaller bucket, at this context (so a
-        batch that shrinks as its requests finish finds its prices measured)."""
-        bucket = 1 << max(rows - 1, 0).bit_length()
-        if (bucket, nodes) not in self.verify_s:
-            started = time.perf_counter()
-            for size in (1 << i for i in range(bucket.bit_length())):
-                for n in self.choices:
-                    if (size, n) not in self.verify_s:
-                        self.verify_s[size, n] = self._measure(target, size, context, n, feature_layers)
-            self.last_pricing_s += time.perf_counter() - started
-        return self.verify_s[bucket, nodes]
+    def __post_init__(self):
+        missing = sorted(set(self.choices) - set(self.costs.tokens))
+        if missing:
+            raise ValueError(f"the cost model has no target passes of {missing} new tokens to price the budget by")
 
-    def _measure(self, target, rows: int, context: int, nodes: int, feature_layers: tuple[int, ...]) -> float:
-        dev = target.lm_head.weight.device
-        cache = target.new_cache(rows, context + nodes)
-        cache.lengths.fill_(context)
-        tokens = torch.zeros(rows, nodes, dtype=torch.long, device=dev)
-        depth = torch.arange(nodes, device=dev).expand(rows, nodes)
-        mask = torch.ones(nodes, nodes, dtype=torch.bool, device=dev).tril().expand(rows, nodes, nodes)
+    def price(self, rows: int, context: float, nodes: int) -> float:
+        """Seconds of a verify pass of ``nodes`` tokens on ``rows`` rows against ``context`` tokens of cache a row."""
+        return self.costs.at(priced_context(context)).target(rows, nodes)
 
-        def verify():
-            target(tokens, cache=cache, positions=context + depth, new_mask=mask, feature_layers=feature_layers)
-        verify()
-        return statistics.median(wall_seconds(verify, dev) for _ in range(self.repeats))
-
-    def choose(self, target, node_probs: torch.Tensor, context: int, feature_layers: tuple[int, ...],
-               setting: str = "") -> int:
+    def choose(self, node_probs: torch.Tensor, context: float, setting: str = "") -> int:
         """The budget to verify this round.
 
         Args:
             node_probs: ``[b, M]`` each non-root node's path probability, in the tree's best-first node order.
+            context: the rows' mean tokens of cache.
             setting: the sampling setting the calibration is kept for.
         """
-        self.last_pricing_s, b = 0.0, node_probs.shape[0]
+        b = node_probs.shape[0]
         cum = torch.cat([node_probs.new_zeros(b, 1), node_probs.double().cumsum(-1)], 1).sum(0).tolist()  # [M + 1]
         c = (self.accepted.get(setting, 0.0) + 1.0) / (self.predicted.get(setting, 0.0) + 1.0)
         best, best_rate = self.choices[0], -1.0
         for n in self.choices:
             tokens = b + c * cum[min(n - 1, len(cum) - 1)]
-            rate = tokens / (self.overhead(self.kind(n)) + self.price(target, b, context, n, feature_layers))
+            rate = tokens / (self.overhead(self.kind(n)) + self.price(b, context, n))
             if rate > best_rate:
                 best, best_rate = n, rate
         if self.kind(best) == "tree" and "tree" in self.overhead_s and "chain" not in self.overhead_s:
@@ -120,9 +96,7 @@ class NodeBudget:
         """Whether this round builds its tree (and :meth:`choose` prices it) or verifies the drafter's block alone:
         a tree first, then a chain, then whichever commits more tokens a second, the other tried again after
         ``patience`` rounds (1, 2, 4, .. up to :data:`MAX_PATIENCE` while it keeps losing), so a kind is re-timed as
-        the batch and the context change and a slow first round does not decide the job. Starts the round's count of
-        pricing seconds (:attr:`last_pricing_s`) at 0."""
-        self.last_pricing_s = 0.0
+        the batch and the context change and a slow first round does not decide the job."""
         if "built" not in self.committed or "chain" not in self.committed:
             return "built" not in self.committed
         (bt, bs), (ct, cs) = self.committed["built"], self.committed["chain"]
@@ -136,24 +110,25 @@ class NodeBudget:
         self.wait = self.patience
         return not tree_wins
 
-    def observe_committed(self, kind: str, accepted: float, nodes: int, rows: int, round_seconds: float) -> float:
-        """A round's accepted drafts (summed over rows), the budget it verified at ``rows`` rows and its wall seconds,
-        for :meth:`builds_tree`; returns its seconds beyond the priced verify pass. Kept per row and in units of a
-        chain's verify pass at the round's rows, so rounds of a batch that shrinks as its requests finish compare."""
-        bucket = 1 << max(rows - 1, 0).bit_length()
-        verify = self.verify_s.get((bucket, nodes), 0.0)
+    def observe_committed(self, kind: str, accepted: float, nodes: int, rows: int, context: float,
+                          round_seconds: float) -> float:
+        """A round's accepted drafts (summed over rows), the budget it verified at ``rows`` rows and ``context``
+        tokens of cache a row, and its wall seconds, for :meth:`builds_tree`; returns its seconds beyond the priced
+        verify pass. Kept per row and in units of a chain's verify pass at the round's rows and context, so rounds of
+        a batch that shrinks as its requests finish, and whose context grows, compare."""
+        verify = self.price(rows, context, nodes)
         extra = max(round_seconds - verify, 0.0)
-        unit = self.verify_s.get((bucket, self.choices[0])) or round_seconds  # a chain's verify pass at these rows
+        unit = self.price(rows, context, self.choices[0]) or round_seconds  # a chain's verify pass at these rows
         now = (1.0 + accepted / rows, (extra + verify) / max(unit, 1e-12))
         w = 0.2 if (kind == "built") == self.tree_won else 0.5  # the losing kind's rare tries count more
         self.committed[kind] = tuple((1 - w) * a + w * x for a, x in zip(self.committed.get(kind, now), now))
         return extra
 
-    def observe(self, predicted: float, accepted: float, nodes: int, rows: int, round_seconds: float,
-                setting: str = "") -> None:
+    def observe(self, predicted: float, accepted: float, nodes: int, rows: int, context: float,
+                round_seconds: float, setting: str = "") -> None:
         """A round's predicted and accepted drafts (summed over rows), the budget it verified at ``rows`` rows and
-        its wall seconds (the pricing of :meth:`choose` excluded), for a round that built its tree."""
-        extra = self.observe_committed("built", accepted, nodes, rows, round_seconds)
+        ``context`` tokens of cache a row, and its wall seconds, for a round that built its tree."""
+        extra = self.observe_committed("built", accepted, nodes, rows, context, round_seconds)
         self.predicted[setting] = self.predicted.get(setting, 0.0) + predicted
         self.accepted[setting] = self.accepted.get(setting, 0.0) + accepted
         kind = self.kind(nodes)

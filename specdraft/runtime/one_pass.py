@@ -421,14 +421,11 @@ def chain_round(target, budget: NodeBudget, draft_tokens: torch.Tensor, q: torch
     """A round that verifies the drafter's block ``draft_tokens`` ``[b, K]`` with no tree built (the measured
     ``budget`` said so: :meth:`~specdraft.runtime.node_budget.NodeBudget.builds_tree`)."""
     b, K = draft_tokens.shape
-    context = int(tcache.lengths.float().mean())
-    budget.price(target, b, context, K + 1, feature_layers)  # (timed the first time a batch size is seen)
-    clock.lap("budget")
+    context = float(tcache.lengths.float().mean())
     acc, out = verify_chain(target, draft_tokens, q, logits, tcache, anchor, params, feature_layers, generator,
                             clock)
     rnd = commit_path(torch.full_like(acc.num_accepted, K + 1), acc, out, tcache, draft_tokens, logits, hidden, clock)
-    budget.observe_committed("chain", float(acc.num_accepted.sum()), K + 1, b,
-                             time.perf_counter() - started - budget.last_pricing_s)
+    budget.observe_committed("chain", float(acc.num_accepted.sum()), K + 1, b, context, time.perf_counter() - started)
     return rnd
 
 
@@ -437,13 +434,12 @@ def budget_setting(params: SamplingParams, q: torch.Tensor | None) -> str:
     return f"{params}/{'sample' if q is not None else 'ranked'}"
 
 
-def choose_nodes(target, budget: NodeBudget, shape: Shape, tcache, feature_layers: tuple[int, ...], setting: str,
-                 clock: PhaseClock) -> int:
+def choose_nodes(budget: NodeBudget, shape: Shape, tcache, setting: str, clock: PhaseClock) -> int:
     """The nodes the measured ``budget`` verifies of the best-first tree ``shape`` this round (its own phase on the
-    clock: the choice, and the verify passes timed the first time a batch size is seen)."""
+    clock)."""
     clock.lap("tree")
     probs = torch.where(shape.valid, shape.log_prob.exp(), 0.0)  # [b, M]
-    n = budget.choose(target, probs, int(tcache.lengths.float().mean()), feature_layers, setting)
+    n = budget.choose(probs, float(tcache.lengths.float().mean()), setting)
     clock.lap("budget")
     return n
 
@@ -470,7 +466,8 @@ def verify_nodes(target, drafting, shape: Shape, tokens: Callable[[Shape], torch
     budget, setting = drafting.budget, budget_setting(params, q)
     b, K = logits.shape[:2]
     if budget is not None:
-        n = chosen or choose_nodes(target, budget, shape, tcache, feature_layers, setting, clock)
+        context = float(tcache.lengths.float().mean())  # the rows' mean cache, before this round's nodes
+        n = chosen or choose_nodes(budget, shape, tcache, setting, clock)
         shape = shape.first(n - 1)
     as_chain = budget is not None and drafting.keep_chain and shape.parent.shape[1] == K
     if not as_chain:
@@ -494,8 +491,8 @@ def verify_nodes(target, drafting, shape: Shape, tokens: Callable[[Shape], torch
         draft_tokens, num_nodes = tree.tokens.gather(1, acc.path[:, 1:]), tree.num_nodes  # [b, K] accepted first
     clock.lap("walk")
     rnd = commit_path(num_nodes, acc, out, tcache, draft_tokens, logits, hidden, clock)
-    if budget is not None:  # the calibration's evidence and the round's seconds (the pricing excluded)
+    if budget is not None:  # the calibration's evidence and the round's seconds
         budget.observe(float(torch.where(shape.valid, shape.log_prob.exp(), 0.0).sum()),
-                       float(acc.num_accepted.sum()), shape.parent.shape[1] + 1, b,
-                       time.perf_counter() - started - budget.last_pricing_s, setting)
+                       float(acc.num_accepted.sum()), shape.parent.shape[1] + 1, b, context,
+                       time.perf_counter() - started, setting)
     return rnd

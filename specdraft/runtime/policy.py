@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from specdraft.runtime.calibration import Calibration
-from specdraft.runtime.cost_model import CostModel
+from specdraft.runtime.cost_model import CostModel, priced_context
 
 
 def conditional_acceptance(accept: np.ndarray) -> np.ndarray:
@@ -111,9 +111,9 @@ class AdaptivePolicy:
         lo, hi = self._context_range
         if lo <= context < hi:  # the bucket of the last round (a row's context grows by a few tokens a round)
             return
-        i = max(round(8 * math.log2(max(context, 1.0))), 32)  # 2 ** (32 / 8) = 16 tokens
+        self._context = priced_context(context)
+        i = round(8 * math.log2(self._context))  # 32: 2 ** (32 / 8) = 16 tokens, the least
         self._context_range = (2 ** ((i - 0.5) / 8) if i > 32 else 0.0, 2 ** ((i + 0.5) / 8))
-        self._context = round(2 ** (i / 8))
         self._priced = self.costs.at(self._context)
 
     def new_job(self) -> None:

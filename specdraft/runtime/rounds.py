@@ -196,7 +196,7 @@ class AdaptiveRounds(ChainRounds):
         self.fresh: set[int] = set()  # requests admitted since the last drafted round (the policy probes them)
         # a plain round's features wait in the backlog as the layers' outputs (concatenated once, when a row is fed)
         self.split = {"concat_features": False} if isinstance(job.target, TargetLM) else {}
-        self.started = self.flushed = self.pricing = 0.0
+        self.started = self.flushed = 0.0
         policy.new_job()
 
     def admitted(self, rows: list[int], backlog: Backlog | None, before: int, caches: dict) -> None:
@@ -209,7 +209,7 @@ class AdaptiveRounds(ChainRounds):
         job, policy = self.job, self.policy
         if job.device.type == "cuda":
             torch.cuda.synchronize()
-        self.started, self.flushed, self.pricing = time.perf_counter(), 0.0, 0.0
+        self.started, self.flushed = time.perf_counter(), 0.0
         b, ids = state.rows.numel(), state.rows.tolist()
         policy.at_context(context())  # priced at the rows' mean context
         if not policy.draft_this_round(ids, len(self.fresh)):
@@ -223,8 +223,6 @@ class AdaptiveRounds(ChainRounds):
             rnd = _tree_round(job, self.tree, self.second, state, caches)
             first = rnd.draft_logits.argmax(-1)  # [b, K] the first drafter's own block
             policy.whole(draft_confidence(rnd.draft_logits, first, None))
-            budget = getattr(self.tree, "budget", None)
-            self.pricing = budget.last_pricing_s if budget is not None else 0.0  # timing passes, not the round's
             return rnd
         hidden, draft_logits, draft_tokens, draft_probs = _draft(
             job.drafter, caches["d"], state.anchor, state.draft_state, job.params, job.draft_sampling, job.generator)
@@ -250,7 +248,7 @@ class AdaptiveRounds(ChainRounds):
         if width > 0:  # drafts past a row's end count as rejected
             self.policy.observe(torch.tensor(useful), ids)
         # the round's rows, drafting rows and verified width, as the cost model prices them
-        seconds = time.perf_counter() - self.started - self.flushed - self.pricing
+        seconds = time.perf_counter() - self.started - self.flushed
         self.policy.observe_seconds(len(ids), rnd.drafting, width, seconds, self.flushed)
 
     def _flush(self, caches: dict) -> None:

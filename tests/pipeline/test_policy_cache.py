@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from specdraft.pipeline import policy as pipeline_policy
-from specdraft.pipeline.policy import adaptive_policy, sampling_key
-from specdraft.runtime.cost_model import CostModel
+from specdraft.pipeline.policy import adaptive_policy, machine_costs, sampling_key
+from specdraft.runtime.calibration import Calibration
+from specdraft.runtime.cost_model import CostModel, extend_costs
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.policy import expected_committed
 from specdraft.runtime.rounds import draft_confidence
 from specdraft.runtime.sampling import SamplingParams, logits_to_probs
-from tests.helpers import make_target
+from tests.helpers import make_drafter, make_target
 from tests.lossless import ControlledDrafter
 
 PROMPTS = [[1, 2, 3], [5, 4, 3, 2, 1, 0], [4], [2, 2], [3, 1, 4, 1, 5], [0], [1, 1, 1, 3], [1, 0]]
@@ -50,8 +51,9 @@ def test_a_policy_is_calibrated_under_the_sampling_its_job_decodes_with(tmp_path
     def drafter():
         return ControlledDrafter(target, PROMPTS, block_size=4, mode="mix", alpha=0.8)
 
-    greedy = adaptive_policy(tmp_path, target, drafter(), None, PROMPTS, log=lambda m: None)
-    sampled = adaptive_policy(tmp_path, target, drafter(), None, PROMPTS, log=lambda m: None, sampling=T1)
+    greedy = adaptive_policy(tmp_path, target, drafter(), None, PROMPTS, batch_sizes=(1,), log=lambda m: None)
+    sampled = adaptive_policy(tmp_path, target, drafter(), None, PROMPTS, batch_sizes=(1,), log=lambda m: None,
+                              sampling=T1)
     assert measured == [1]
     (path,) = (tmp_path / "policy").iterdir()
     assert set(json.loads(path.read_text())["calibrations"]) == {"greedy", sampling_key(T1)}
@@ -64,7 +66,7 @@ def test_a_policy_is_calibrated_under_the_sampling_its_job_decodes_with(tmp_path
     assert abs(predicted["sampled"] - realized) < 0.25, (realized, predicted)
 
     monkeypatch.setattr(pipeline_policy, "calibrate", lambda *a, **k: pytest.fail("a cached calibration was refitted"))
-    again = adaptive_policy(tmp_path, target, drafter(), None, PROMPTS, sampling=T1)
+    again = adaptive_policy(tmp_path, target, drafter(), None, PROMPTS, batch_sizes=(1,), sampling=T1)
     assert again.calibration.table == sampled.calibration.table and measured == [1]
 
 
@@ -80,8 +82,8 @@ def test_a_cache_from_before_calibrations_per_sampling_keeps_its_greedy_one(tmp_
     (tmp_path / "policy").mkdir()
     (tmp_path / "policy" / f"{name}.json").write_text(json.dumps(
         {"key": key, "costs": pipeline_policy.asdict(costs), "calibration": old}))
-    assert adaptive_policy(tmp_path, target, drafter, None, PROMPTS).calibration.table == old["table"]
-    adaptive_policy(tmp_path, target, drafter, None, PROMPTS, log=lambda m: None, sampling=T1)
+    assert adaptive_policy(tmp_path, target, drafter, None, PROMPTS, batch_sizes=(1,)).calibration.table == old["table"]
+    adaptive_policy(tmp_path, target, drafter, None, PROMPTS, batch_sizes=(1,), log=lambda m: None, sampling=T1)
     saved = json.loads((tmp_path / "policy" / f"{name}.json").read_text())
     assert "calibration" not in saved and saved["calibrations"]["greedy"]["table"] == old["table"]
     assert sampling_key(T1) in saved["calibrations"]
@@ -104,6 +106,51 @@ def test_costs_cached_at_one_context_are_measured_again_and_the_calibrations_kep
     measured = []
     monkeypatch.setattr(pipeline_policy, "measure_costs", lambda *a, **k: measured.append(1) or two)
     monkeypatch.setattr(pipeline_policy, "calibrate", lambda *a, **k: pytest.fail("a cached calibration was refitted"))
-    policy = adaptive_policy(tmp_path, target, drafter, None, PROMPTS, log=lambda m: None)
+    policy = adaptive_policy(tmp_path, target, drafter, None, PROMPTS, batch_sizes=(1,), log=lambda m: None)
     assert measured == [1] and policy.calibration.table == old["table"] and policy.costs.at(160).target(1, 1) == 1.5
-    assert adaptive_policy(tmp_path, target, drafter, None, PROMPTS).costs.short == two.short and measured == [1]
+    again = adaptive_policy(tmp_path, target, drafter, None, PROMPTS, batch_sizes=(1,))
+    assert again.costs.short == two.short and measured == [1]
+
+
+def test_a_node_budgets_passes_and_a_new_batch_size_are_measured_once_beside_the_policys_costs(tmp_path,
+                                                                                                 monkeypatch):
+    """A measured node budget prices its trees by the cached costs: node counts and batch sizes they lack are timed
+    once (at both the cache's contexts) and added to the cache, what was measured before kept as it was; the next job
+    and the adaptive policy read them without timing anything."""
+    target = make_target(vocab=16)
+    drafter = make_drafter(target, seed=2, block_size=4)
+    logs = []
+    first = machine_costs(tmp_path, target, drafter, None, (1, 8), (4, 6, 9), log=logs.append)
+    assert first.rows == [1, 8] and first.tokens == [1, 2, 4, 6, 9] and len(logs) == 2, logs
+    assert all(len(r) == 5 for r in first.target_s + first.short["target_s"])
+    added = []
+    monkeypatch.setattr(pipeline_policy, "measure_costs", lambda *a, **k: pytest.fail("cached costs measured again"))
+    monkeypatch.setattr(pipeline_policy, "extend_costs", lambda costs, t, d, rows, tokens: added.append(
+        (rows, tokens)) or extend_costs(costs, t, d, rows, tokens, repeats=1))
+    more = machine_costs(tmp_path, target, drafter, None, (4, 8), (6, 9, 13), log=lambda m: None)
+    assert added == [([4], [13])] and more.rows == [1, 4, 8] and more.tokens == [1, 2, 4, 6, 9, 13]
+    for near in (False, True):
+        was, now = (first.short, more.short) if near else (vars(first), vars(more))
+        assert [now["target_s"][i][:5] for i in (0, 2)] == was["target_s"]  # rows 1 and 8, the first five counts
+        assert [now["drafter_s"][i] for i in (0, 2)] == was["drafter_s"]
+        assert len(now["target_s"][1]) == 6 and now["drafter_s"][1] > 0
+    assert machine_costs(tmp_path, target, drafter, None, (1, 4), (9, 13)).tokens == more.tokens and len(added) == 1
+    monkeypatch.setattr(pipeline_policy, "calibrate", lambda *a, **k: Calibration())
+    policy = adaptive_policy(tmp_path, target, drafter, None, PROMPTS, batch_sizes=(8,), log=lambda m: None)
+    assert policy.costs.tokens == more.tokens and len(added) == 1
+
+
+def test_an_unreadable_cache_is_named_and_measured_again(tmp_path, monkeypatch):
+    target = make_target(vocab=16)
+    drafter = make_drafter(target, seed=2, block_size=4)
+    fresh = CostModel([1], [1, 4], [[1.0, 1.2]], [0.1], {}, 256, {"context": 64, "target_s": [[0.5, 0.6]],
+                                                                    "drafter_s": [0.1]})
+    measured = []
+    monkeypatch.setattr(pipeline_policy, "measure_costs", lambda *a, **k: measured.append(1) or fresh)
+    machine_costs(tmp_path, target, drafter, None, (1,), log=lambda m: None)
+    (path,) = (tmp_path / "policy").iterdir()
+    path.write_text(path.read_text()[:20])  # a write cut short
+    logs = []
+    assert machine_costs(tmp_path, target, drafter, None, (1,), log=logs.append).target_s == fresh.target_s
+    assert logs[0] == f"policy: {path} is not a readable cache; measuring again" and measured == [1, 1], logs
+    assert json.loads(path.read_text())["costs"]["target_s"] == fresh.target_s

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from specdraft.runtime.cost_model import extend_costs, measure_costs
 from specdraft.runtime.d2sd import TreeDrafting
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.drafter_io import convert_drafter
@@ -54,12 +55,14 @@ def test_cuda_sampled_walk_is_recursive_rejection_sampling():
 
 
 def test_cuda_one_pass_with_a_measured_budget_greedy_equals_ar_and_samples_on_device():
-    """Chain rounds without a tree and tree rounds, the budget timing its passes on the GPU."""
+    """Chain rounds without a tree and tree rounds, the budget priced by passes timed on the GPU."""
     target = make_target(seed=3, vocab=12).cuda()
     drafter = make_drafter(target, seed=4).cuda().bind_target(target.model.embed_tokens, target.lm_head)
     prompts = [[t % 11 for t in p] for p in PROMPTS]
     gen = GenerationConfig(max_new_tokens=[10, 25, 17, 30, 8, 21, 14, 19])
-    tree = OnePassDrafting(24, budget=NodeBudget(budget_choices(drafter.block_size, 24), repeats=1))
+    choices = budget_choices(drafter.block_size, 24)
+    costs = extend_costs(measure_costs(target, drafter, rows=(1, 8), repeats=1), target, drafter, (), choices, 1)
+    tree = OnePassDrafting(24, budget=NodeBudget(choices, costs))
     assert [r.tokens for r in generate(target, prompts, gen, drafter=drafter, tree=tree)] == [
         r.tokens for r in generate(target, prompts, gen)]
     g = torch.Generator(device="cuda").manual_seed(0)

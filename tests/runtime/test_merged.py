@@ -11,9 +11,8 @@ from specdraft.runtime.d2sd import Candidates, TreeDrafting
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.drafter_io import convert_drafter
 from specdraft.runtime.merged import MergedDrafting, candidate_log_probs, merged_shape, one_pass_part
-from specdraft.runtime.node_budget import NodeBudget, budget_choices
 from specdraft.runtime.one_pass import OnePassDrafting, node_tokens
-from tests.helpers import make_drafter, make_target
+from tests.helpers import make_drafter, make_target, priced_budget
 from tests.lossless import (
     ONE_PASS_WRONG_RULES,
     RAGGED_CAPS,
@@ -166,8 +165,7 @@ def test_a_measured_budget_on_a_merged_tree_is_lossless_and_shrinks_where_nodes_
     for name, cost in (("compute", lambda rows, n: 1.0 * rows * n), ("free", lambda rows, n: 1.0)):
         sizes[name] = []
         for stop in ((), (3,)):
-            budget = NodeBudget(budget_choices(5, 16))
-            budget.verify_s = {(1 << i, n): cost(1 << i, n) for i in range(15) for n in budget.choices}
+            budget = priced_budget(5, 16, cost)
             gen = GenerationConfig(max_new_tokens=RAGGED_CAPS, stop_token_ids=stop)
             got = generate(target, SMALL_PROMPTS, gen, drafter=first,
                            tree=MergedDrafting(TreeDrafting(second, 2), 16, budget=budget),

@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from specdraft.runtime.cost_model import CostModel, extend_costs, measure_costs
 from specdraft.runtime.d2sd import TreeDrafting
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.node_budget import NodeBudget, budget_choices
@@ -20,7 +21,7 @@ from specdraft.runtime.one_pass import (
     build_nodes,
     node_tokens,
 )
-from tests.helpers import chi2_pvalue, make_drafter, make_target
+from tests.helpers import chi2_pvalue, make_drafter, make_target, priced_budget
 from tests.lossless import (
     ONE_PASS_WRONG_RULES,
     RAGGED_CAPS,
@@ -256,10 +257,8 @@ def test_d2sd_with_siblings_under_sampling_is_distributed_as_the_targets(params)
 
 
 def _budget(cost):
-    """A NodeBudget over synthetic verify costs ``cost(rows, nodes)`` (seconds), priced for every rows bucket."""
-    b = NodeBudget(budget_choices(16, 96))
-    b.verify_s = {(1 << i, n): cost(1 << i, n) for i in range(6) for n in b.choices}
-    return b
+    """A NodeBudget up to 96 nodes over synthetic verify costs ``cost(rows, nodes)`` (seconds)."""
+    return priced_budget(16, 96, cost)
 
 
 PEAKED = torch.tensor([[0.9 ** (i + 1) for i in range(95)]])  # a confident drafter: deep paths stay likely
@@ -268,41 +267,47 @@ PEAKED = torch.tensor([[0.9 ** (i + 1) for i in range(95)]])  # a confident draf
 def test_the_budget_grows_where_verifying_is_cheap_and_shrinks_where_it_is_not():
     assert budget_choices(16, 96) == (16, 24, 36, 54, 81, 96) and budget_choices(16, 8) == (8,)
     flat = _budget(lambda rows, n: 0.010)  # memory-bound: a bigger tree costs nothing more
-    assert flat.choose(None, PEAKED, 0, ()) == 96
+    assert flat.choose(PEAKED, 0) == 96
     compute = _budget(lambda rows, n: 0.001 * rows * n)  # compute-bound: every node is paid for
-    assert compute.choose(None, PEAKED.expand(32, -1), 0, ()) == 16
+    assert compute.choose(PEAKED.expand(32, -1), 0) == 16
     mixed = _budget(lambda rows, n: 0.010 + 0.0002 * rows * n)  # bigger trees at batch 1 than at batch 32
-    assert mixed.choose(None, PEAKED, 0, ()) > mixed.choose(None, PEAKED.expand(32, -1), 0, ())
+    assert mixed.choose(PEAKED, 0) > mixed.choose(PEAKED.expand(32, -1), 0)
 
 
 def test_the_budget_times_one_chain_round_before_it_prices_chains_by_their_own_seconds():
     """Until a chain round ran, a chain would be priced by a tree round's seconds beyond its verify pass (drafting,
     building, walking): after the first tree round the budget runs one chain round, then chooses by both."""
     budget = _budget(lambda rows, n: 0.010)  # verifying costs the same at any size: the model picks the largest tree
-    assert budget.choose(None, PEAKED, 0, ()) == 96
-    budget.observe(50.0, 40.0, nodes=96, rows=1, round_seconds=0.030)  # 20 ms beyond the verify pass
-    assert budget.choose(None, PEAKED, 0, ()) == 16
-    budget.observe(10.0, 9.0, nodes=16, rows=1, round_seconds=0.012)  # a chain round: 2 ms beyond it
-    assert budget.choose(None, PEAKED, 0, ()) == 16  # about 7 tokens in 12 ms beat about 8 in 30 ms
+    assert budget.choose(PEAKED, 0) == 96
+    budget.observe(50.0, 40.0, nodes=96, rows=1, context=0, round_seconds=0.030)  # 20 ms beyond the verify pass
+    assert budget.choose(PEAKED, 0) == 16
+    budget.observe(10.0, 9.0, nodes=16, rows=1, context=0, round_seconds=0.012)  # a chain round: 2 ms beyond it
+    assert budget.choose(PEAKED, 0) == 16  # about 7 tokens in 12 ms beat about 8 in 30 ms
     cheap = _budget(lambda rows, n: 0.010)
-    cheap.observe(50.0, 40.0, nodes=96, rows=1, round_seconds=0.012)
-    cheap.observe(10.0, 9.0, nodes=16, rows=1, round_seconds=0.012)
-    assert cheap.choose(None, PEAKED, 0, ()) == 96  # trees as cheap as chains: the largest
+    cheap.observe(50.0, 40.0, nodes=96, rows=1, context=0, round_seconds=0.012)
+    cheap.observe(10.0, 9.0, nodes=16, rows=1, context=0, round_seconds=0.012)
+    assert cheap.choose(PEAKED, 0) == 96  # trees as cheap as chains: the largest
 
 
 def test_a_drafter_accepted_less_than_it_predicts_gets_smaller_trees():
     budget = _budget(lambda rows, n: 0.010 + 0.0002 * rows * n)
-    before = budget.choose(None, PEAKED, 0, (), "T0")
-    budget.observe(predicted=1000.0, accepted=50.0, nodes=16, rows=1, round_seconds=0.012, setting="T0")
-    assert budget.choose(None, PEAKED, 0, (), "T0") < before
-    assert budget.choose(None, PEAKED, 0, (), "T1") >= before  # calibrated per sampling setting
+    before = budget.choose(PEAKED, 0, "T0")
+    budget.observe(predicted=1000.0, accepted=50.0, nodes=16, rows=1, context=0, round_seconds=0.012, setting="T0")
+    assert budget.choose(PEAKED, 0, "T0") < before
+    assert budget.choose(PEAKED, 0, "T1") >= before  # calibrated per sampling setting
 
 
-def test_a_measured_budget_is_lossless_and_prices_every_smaller_batch():
-    """Greedy output equals the target's on the ragged batch and with a stop token (its budget depends on the rows and
-    on this machine's timings, so rounds are not compared with one-row decoding)."""
+def test_a_budget_priced_by_this_machines_costs_is_lossless():
+    """The budget priced by target passes timed on this machine (the drafter's block, then the budget's node counts
+    added). Greedy output equals the target's on the ragged batch and with a stop token (its budget depends on the
+    rows and on the timings, so rounds are not compared with one-row decoding)."""
     target = make_target(seed=3, vocab=48)
-    budget = NodeBudget(budget_choices(6, 24), repeats=1)
+    choices = budget_choices(6, 24)
+    pricing = make_drafter(target, seed=2, block_size=6)
+    costs = measure_costs(target, pricing, rows=(1, 8), context=64, repeats=1, short_context=16)
+    costs = extend_costs(costs, target, pricing, tokens=choices, repeats=1)
+    assert set(choices) <= set(costs.tokens) and len(costs.short["target_s"][0]) == len(costs.tokens)
+    budget = NodeBudget(choices, costs)
     drafter = one_pass_factory("dflash", target, "oracle", 6, 24)(RAGGED_PROMPTS)[0]
     for stop in ((), (7,)):
         gen = GenerationConfig(max_new_tokens=RAGGED_CAPS, stop_token_ids=stop)
@@ -310,19 +315,18 @@ def test_a_measured_budget_is_lossless_and_prices_every_smaller_batch():
         got = generate(target, RAGGED_PROMPTS, gen, drafter=drafter, tree=OnePassDrafting(24, budget=budget))
         assert [r.tokens for r in got] == expected
         assert sum(a > 1 for r in got for a in r.accept_lengths) > 0
-    assert {rows for rows, _ in budget.verify_s} == {1, 2, 4, 8, 16} and sum(budget.predicted.values()) > 0
+    assert sum(budget.predicted.values()) > 0
 
 
-def _priced(block_size: int, nodes: int, cost) -> NodeBudget:
-    b = NodeBudget(budget_choices(block_size, nodes))
-    b.verify_s = {(1 << i, n): cost(1 << i, n) for i in range(15) for n in b.choices}
-    return b
+def test_a_budget_is_refused_a_cost_model_without_its_node_counts():
+    with pytest.raises(ValueError, match=r"no target passes of \[9, 14, 21, 24\] new tokens"):
+        NodeBudget(budget_choices(6, 24), CostModel([1], [1, 6], [[1.0, 1.5]], [0.1]))
 
 
 def test_a_budget_that_picks_the_block_runs_chain_rounds():
     target = make_target(seed=3, vocab=48)
     drafter = one_pass_factory("dflash", target, "oracle", 6, 24)(RAGGED_PROMPTS)[0]
-    budget = _priced(6, 24, lambda rows, n: 1.0 * rows * n)  # compute-bound (and far above a round's other seconds)
+    budget = priced_budget(6, 24, lambda rows, n: 1.0 * rows * n)  # compute-bound, far above a round's other seconds
     nodes: list[int] = []
     gen = GenerationConfig(max_new_tokens=RAGGED_CAPS)
     got = generate(target, RAGGED_PROMPTS, gen, drafter=drafter, tree=OnePassDrafting(24, budget=budget),
@@ -337,7 +341,7 @@ def _builds(budget: NodeBudget, rounds: int, tree: tuple, chain: tuple) -> list[
     for _ in range(rounds):
         built = budget.builds_tree()
         accepted, seconds = tree if built else chain
-        budget.observe_committed("built" if built else "chain", accepted, 16, 1, seconds)
+        budget.observe_committed("built" if built else "chain", accepted, 16, 1, 0, seconds)
         out.append(built)
     return out
 
@@ -382,7 +386,7 @@ def test_the_kind_of_round_that_commits_less_a_second_is_built_less(monkeypatch)
             slow(shape_of) if slowed == "tree" else shape_of)(*a))
         monkeypatch.setattr(one_pass, "verify_chain", slow(chain_of) if slowed == "chain" else chain_of)
         got = generate(target, RAGGED_PROMPTS, gen, drafter=drafter,
-                       tree=OnePassDrafting(24, budget=_priced(6, 24, lambda rows, n: 1e-4)),
+                       tree=OnePassDrafting(24, budget=priced_budget(6, 24, lambda rows, n: 1e-4)),
                        observer=lambda rec: rounds.append(1))
         assert [r.tokens for r in got] == expected
         built[slowed] = len(calls) / len(rounds)
@@ -393,7 +397,7 @@ def test_the_kind_of_round_that_commits_less_a_second_is_built_less(monkeypatch)
 @pytest.mark.parametrize("drafts", ["sample", "greedy"])
 def test_chain_rounds_of_a_measured_budget_under_sampling_are_distributed_as_the_targets(drafts):
     target = make_target(seed=7, vocab=6, std=0.5)
-    budget = _priced(4, 8, lambda rows, n: 1.0 * rows * n)
+    budget = priced_budget(4, 8, lambda rows, n: 1.0 * rows * n)
     f = one_pass_factory("stub", target, "mix", 4, 8)
     got = sampling_pvalues(target, lambda prompts: (f(prompts)[0], OnePassDrafting(8, budget=budget)),
                            SAMPLING_SETTINGS[1], draft_sampling=drafts)
