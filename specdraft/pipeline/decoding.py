@@ -5,7 +5,6 @@ static/CUDA-graph path), the adaptive policy, sampling and batching. Every runne
 
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -40,9 +39,14 @@ def build_decoding(cfg: RunConfig, world, drafter_dir: Path | None, tokenizer, d
     else:  # the exports of the configured drafter hold the target too (for AR as well)
         target, drafter = backend_models(d.backend, drafter_dir or default_drafter_dir(cfg), world,
                                          with_drafter=drafter_dir is not None)
+
+    def prices(tokens: tuple[int, ...]):  # a measured node budget's: the machine's costs, beside the policy's
+        if d.backend == "trt":  # the engine's profile must hold the passes the costs time
+            check_engine_tokens(drafter_dir or default_drafter_dir(cfg), max(tokens), "tree_nodes",
+                                "the tree verifies")
+        return machine_costs(cfg.work_path, target, drafter, drafter_dir, (d.batch_size,), tokens, log=log)
+
     tree = None
-    # a measured node budget prices its trees by the machine's costs, cached beside the adaptive policy's
-    prices = partial(machine_costs, cfg.work_path, target, drafter, drafter_dir, (d.batch_size,), log=log)
     if d.method in ("d2sd", "merged"):  # on an engine backend the second drafter is read from its own export too
         load = None if d.backend == "torch" else lambda where: backend_models(d.backend, where, world,
                                                                                with_target=False)[1]

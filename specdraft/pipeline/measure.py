@@ -90,15 +90,16 @@ def load_job(world: str | Path, drafter: str | Path, suite: str, num_prompts: in
     prompts = [ids for _, ids in encode_requests(reqs, tok, None, warn=print)]
     gen = GenerationConfig(max_new_tokens=length_caps(len(prompts), max_new_tokens, spread, 0),
                            stop_token_ids=stop_token_ids(tok), sampling=SamplingParams(temperature))
-    adaptive = None
+    adaptive, loaded = None, load_drafter(drafter, target)
     if policy:
         saved = json.loads(Path(policy).read_text())
         calibrations = saved.get("calibrations", {"greedy": saved.get("calibration", {})})
         name = sampling_key(gen.sampling)
         if name not in calibrations:
             raise SpecdraftError(f"{policy} holds no calibration for {name} (a bench or decode run at it adds one)")
-        adaptive = AdaptivePolicy(CostModel.from_dict(saved["costs"]), Calibration(**calibrations[name]))
-    return SuiteJob(target, load_drafter(drafter, target), prompts, gen, adaptive)
+        adaptive = AdaptivePolicy(CostModel.from_dict(saved["costs"]).up_to(loaded.block_size),
+                                  Calibration(**calibrations[name]))
+    return SuiteJob(target, loaded, prompts, gen, adaptive)
 
 
 @dataclass

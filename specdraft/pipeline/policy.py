@@ -160,7 +160,7 @@ def adaptive_policy(work_dir: Path, target, drafter, drafter_dir, calibration_pr
         calibrations[name] = asdict(calibration)
     if changed:
         _write(path, saved)
-    return AdaptivePolicy(costs, calibration)
+    return AdaptivePolicy(costs.up_to(drafter.block_size), calibration)
 
 
 def heldin_prompts(world, tokenizer, enable_thinking: bool = False, context: int | None = None) -> list[list[int]]:

@@ -101,6 +101,18 @@ class CostModel:
             self._at[context] = CostModel(self.rows, self.tokens, target_s, drafter_s, self.key, context)
         return self._at[context]
 
+    def up_to(self, tokens: int) -> "CostModel":
+        """The costs of target passes of at most ``tokens`` new tokens (a drafter's block: the adaptive policy drafts
+        at most one, and takes its widest from the model; a cache also holds a node budget's larger passes)."""
+        keep = [i for i, t in enumerate(self.tokens) if t <= tokens]
+        if len(keep) == len(self.tokens):
+            return self
+        short = dict(self.short)
+        if short:
+            short["target_s"] = [[row[i] for i in keep] for row in short["target_s"]]
+        return CostModel(self.rows, [self.tokens[i] for i in keep], [[row[i] for i in keep] for row in self.target_s],
+                         self.drafter_s, self.key, self.context, short)
+
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(asdict(self), indent=1))

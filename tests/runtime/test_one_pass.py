@@ -289,6 +289,20 @@ def test_the_budget_times_one_chain_round_before_it_prices_chains_by_their_own_s
     assert cheap.choose(PEAKED, 0) == 96  # trees as cheap as chains: the largest
 
 
+def test_the_budget_is_priced_at_the_rows_context():
+    """Costs measured at two cache lengths: at 64 tokens a row a verify pass costs 10 ms whatever its size, at 256 the
+    attention over the cache makes every node cost; the budget picks the largest tree at a short context and a smaller
+    one at a long context, and a round's seconds beyond its pass are taken against the pass at its own context."""
+    choices = budget_choices(16, 96)
+    near = [[0.010] * len(choices)] * 2
+    far = [[0.010 + 0.0005 * n for n in choices]] * 2
+    budget = NodeBudget(choices, CostModel([1, 64], list(choices), far, [0.0, 0.0], {}, 256,
+                                           {"context": 64, "target_s": near, "drafter_s": [0.0, 0.0]}))
+    assert budget.choose(PEAKED, 64) == 96 and budget.choose(PEAKED, 256) < 96
+    assert budget.observe_committed("built", 8.0, 96, 1, 64, 0.030) == pytest.approx(0.020)
+    assert budget.observe_committed("built", 8.0, 96, 1, 256, 0.070) == pytest.approx(0.012)
+
+
 def test_a_drafter_accepted_less_than_it_predicts_gets_smaller_trees():
     budget = _budget(lambda rows, n: 0.010 + 0.0002 * rows * n)
     before = budget.choose(PEAKED, 0, "T0")

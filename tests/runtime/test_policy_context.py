@@ -121,3 +121,12 @@ def test_measured_costs_include_a_shorter_context():
 def costs_of(per_token: float) -> CostModel:
     """A target pass of ``1 + per_token * (new tokens - 1)`` seconds and a 0.3 s drafter round at any rows."""
     return CostModel([1, 64], TOKENS, [[1.0 + per_token * (t - 1) for t in TOKENS]] * 2, [0.3] * 2)
+
+
+def test_costs_up_to_a_block_keep_both_contexts_columns():
+    model = measured_at(256, 64)
+    assert model.up_to(4) is model
+    two = model.up_to(2)
+    assert two.tokens == [1, 2] and two.target_s == [row[:2] for row in model.target_s]
+    assert two.short["target_s"] == [row[:2] for row in model.short["target_s"]]
+    assert two.at(160).target(8, 2) == pytest.approx(model.at(160).target(8, 2))
