@@ -2,8 +2,9 @@
 attention, against ``scaled_dot_product_attention`` with an explicit dense mask; achieved memory bandwidth as a share
 of the device's peak (bytes the kernel must move: the row's K/V up to its length plus the new tokens, queries and
 outputs, over the median time). ReTrace fusion reports the share of its traffic that the split into two kernels adds
-(the ``u`` round trip); the LM-head argmax reports the logits bytes it avoids. The sampled one-pass tree (no kernel
-of its own: torch ops with one host read) reports its siblings' draw and its walk at Qwen3's vocabulary.
+(the ``u`` round trip); the LM-head argmax reports the logits bytes it avoids. The sampled trees (no kernels of
+their own: torch ops with a host read or two) report the one-pass siblings' draw and walk and D²SD's walk at Qwen3's
+vocabulary.
 
     python benchmarks/kernels.py [--device cuda] [--dtype bfloat16] [--peak-gbps 4800] [--out kernels.json]
 
@@ -25,7 +26,10 @@ from specdraft.kernels.speculative_attention import (
     speculative_attention_triton,
 )
 from specdraft.pipeline.measure import median_seconds, write_report
+from specdraft.runtime.d2sd import TreeDrafting, merge_candidates
 from specdraft.runtime.one_pass import OnePassDrafting, accept_nodes_sampled, build_nodes, node_tokens, tree_shape
+from specdraft.runtime.sampling import SamplingParams, sample_from_probs
+from specdraft.runtime.tree import accept_tree_sampled, build_tree, prefix_lengths
 
 PEAK_GBPS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0, "L4": 300.0}
 """Datasheet HBM/GDDR bandwidth by device-name fragment (GB/s)."""
@@ -164,6 +168,39 @@ def bench_sampled_tree(device: str, repeats: int, nodes: int = 48) -> list[dict]
     return rows
 
 
+def d2sd_sampled_tree(b: int, device: str, gen: torch.Generator, branches: int = 4, vocab: int = VOCAB):
+    """A sampled D²SD round's tree (fp32 distributions as peaked as a trained drafter's, Qwen3's vocabulary by
+    default): the first draft and ``branches`` re-drafts drawn from their distributions, branching where the first
+    draft's confidences put the likely rejections; ``(tree, target_probs [b, N, V], candidates)``."""
+    K = BLOCK - 1
+    logits = torch.randn(b, K, vocab, generator=gen, device=device) * 4  # [b, K, V]
+    q = logits.softmax(-1)
+    first = sample_from_probs(q, gen)  # [b, K]
+    lengths = prefix_lengths(q.amax(-1), branches)  # [b, J]
+    branch_logits = torch.randn(b, branches, K, vocab, generator=gen, device=device) * 4  # [b, J, K, V]
+    cands = merge_candidates(first, q, logits, None, lengths, branch_logits, TreeDrafting(None, branches),
+                             SamplingParams(1.0), True, gen)
+    tree = build_tree(torch.zeros(b, dtype=torch.long, device=device), cands.tokens)
+    tree = tree.trimmed(int(tree.num_nodes.max()))
+    p = torch.softmax(torch.randn(b, tree.tokens.shape[1], vocab, generator=gen, device=device) * 4, -1)
+    return tree, p, cands
+
+
+def bench_d2sd_walk(device: str, repeats: int) -> list[dict]:
+    """D²SD's sampled walk (multi-candidate speculative sampling down the first draft and four branches) at Qwen3's
+    vocabulary."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for b in (1, 8, 32):
+        tree, p, cands = d2sd_sampled_tree(b, device, gen)
+        row = {"case": f"d2sd sampled walk bs{b}", "batch": b, "nodes": tree.tokens.shape[1],
+               "walk_s": median_seconds(lambda: accept_tree_sampled(tree, p, cands.probs, cands.proposes, gen),
+                                        device, repeats)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -181,7 +218,8 @@ def main(argv=None) -> dict:
               "head_dim": HEAD_DIM, "speculative_attention": bench_attention(args.device, dtype, peak, args.repeats),
               "retrace_fusion": bench_retrace_fusion(args.device, dtype, peak, args.repeats),
               "lm_head_argmax": bench_lm_head_argmax(args.device, dtype, peak, args.repeats),
-              "sampled_tree": bench_sampled_tree(args.device, args.repeats)}
+              "sampled_tree": bench_sampled_tree(args.device, args.repeats),
+              "d2sd_walk": bench_d2sd_walk(args.device, args.repeats)}
     write_report(report, args.out, echo=False)
     return report
 

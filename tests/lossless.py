@@ -541,6 +541,12 @@ WRONG_RULES: dict[str, list[tuple[object, str, Callable]]] = {
 }
 """name -> [(module, attribute, replacement)]: monkeypatch these to break the engine on purpose."""
 
+def _proposals_not_reduced(target_probs, draft_probs, at, before):
+    """Every proposal tried against the target's own distribution, and the token after them drawn from it."""
+    return torch.zeros(before.shape, dtype=torch.float64, device=at.device), torch.ones(
+        at.shape, dtype=torch.float64, device=at.device)
+
+
 TREE_WRONG_RULES: dict[str, list[tuple[object, str, Callable]]] = {
     "tree mask lets a node see other branches": [(d2sd, "build_tree", _sibling_visible_tree)],
     "no KV compaction (the accepted path's K/V stay where the tree put them)": [
@@ -549,7 +555,7 @@ TREE_WRONG_RULES: dict[str, list[tuple[object, str, Callable]]] = {
     "accepted path read from the first draft's nodes whatever branch won": [(d2sd, "accept_tree",
                                                                              _first_candidate_only)],
     "sampled drafts: the target's distribution not reduced after a rejected proposal": [
-        (tree, "rejection_residual", lambda p, q: p)],
+        (tree, "proposal_offsets", _proposals_not_reduced)],
 }
 """The same for the D²SD tree path (each passes the chain tests: only a tree round exposes it; the last one only
 under sampling with sampled drafts)."""

@@ -137,11 +137,56 @@ def accept_tree(tree: Tree, node_targets: torch.Tensor) -> TreeAcceptance:
     return TreeAcceptance(num_accepted, node_targets.gather(1, last)[:, 0], winner, path)
 
 
-def rejection_residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """``norm(max(p - q, 0))`` ``[b, V]``: what the target's distribution becomes after a proposal from ``q`` is
-    rejected (its mass is positive wherever a proposal was rejected, since then ``p(x) < q(x)``)."""
-    residual = (p - q).clamp_min(0)
-    return residual / residual.sum(-1, keepdim=True).clamp_min(1e-30)
+def proposal_order(tree: Tree, proposes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which proposals the walk tries before which: ``(live [b, C, K], before [b, C', C, K])``. Candidate ``c``
+    proposes its slot ``k`` at node ``parent_of[c, k]`` when it drew that slot itself (``proposes``, and a token, not
+    the -1 past its length); the proposals at one node are tried in candidate order, so ``before[c', c, k]`` holds
+    when ``c' < c`` proposes at the same node as ``c`` (at the same slot: a node's children are one depth down)."""
+    C = proposes.shape[1]
+    live = proposes & (tree.candidates >= 0)  # [b, C, K]
+    at = tree.parent_of  # [b, C, K]
+    earlier = torch.ones(C, C, dtype=torch.bool, device=at.device).triu(1)  # [C', C] c' < c
+    before = live[:, :, None] & live[:, None] & (at[:, :, None] == at[:, None]) & earlier[None, :, :, None]
+    return live, before  # [b, C, K], [b, C', C, K]
+
+
+def proposal_offsets(target_probs: torch.Tensor, draft_probs: torch.Tensor, at: torch.Tensor,
+                     before: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's distribution at a node after its proposals ``c'`` before ``c`` were rejected, as
+    ``relu(p - sum_c' W[c', c] q_c') / S[c]``: a rejection of ``x ~ q_c'`` turns ``p_c' = relu(p - A) / S`` into
+    ``norm(relu(p_c' - q_c'))``, and ``relu(relu(a) / s - c) = relu(a - s c) / s`` for ``c >= 0``, so the rejected
+    proposal enters with the mass ``S[c']`` before it, and ``S[c] = sum_v relu(p - sum W q)(v)``. A node's first
+    proposal sees ``p`` itself (``S = 1``); only the others need a sum over the vocabulary, computed rank by rank (the
+    ``r``-th proposal at a node needs the masses of the ``r`` before it), gathered to the rows' proposals of that rank
+    (one host read: how many a row has, at most, of each rank).
+
+    Args:
+        target_probs: ``[b, N, V]``; draft_probs: ``[b, C, K, V]``; at: ``[b, C, K]`` the node each proposal is made
+        at; before: ``[b, C', C, K]`` (:func:`proposal_order`).
+    Returns:
+        ``(W [b, C', C, K], S [b, C, K])`` in float64.
+    """
+    b, C, K, V = draft_probs.shape
+    rank = before.sum(1)  # [b, C, K]
+    counts = (rank.flatten(1)[:, :, None] == torch.arange(1, C, device=rank.device)).sum(1).amax(0).tolist()
+    S = torch.ones(b, C * K, dtype=torch.float64, device=at.device)  # [b, C * K] by proposal c * K + k
+    order = before.permute(0, 2, 3, 1).reshape(b, C * K, C)  # [b, C * K, C'] proposal -> those tried before it
+    for r, count in enumerate(counts, start=1):
+        if not count:
+            break
+        is_r = rank.flatten(1) == r  # [b, C * K]
+        idx = torch.sort(is_r.long(), dim=-1, descending=True, stable=True).indices[:, :count]  # [b, R]
+        slot = idx % K  # [b, R]
+        p = target_probs.gather(1, at.flatten(1).gather(1, idx)[:, :, None].expand(-1, -1, V))  # [b, R, V]
+        weight = order.gather(1, idx[:, :, None].expand(-1, -1, C)) * S.view(b, C, K).transpose(1, 2).gather(
+            1, slot[:, :, None].expand(-1, -1, C))  # [b, R, C'] S of each earlier proposal at the node
+        for c in range(C - 1):  # the last candidate is before none
+            q = draft_probs[:, c].gather(1, slot[:, :, None].expand(-1, -1, V))  # [b, R, V]
+            p = p - weight[:, :, c, None].to(p.dtype) * q
+        mass = p.clamp_min(0).sum(-1, dtype=torch.float64)  # [b, R]
+        S.scatter_(1, idx, torch.where(is_r.gather(1, idx), mass, S.gather(1, idx)))  # padding keeps its S
+    S = S.view(b, C, K)
+    return before * S[:, :, None], S  # [b, C', C, K], [b, C, K]
 
 
 def accept_tree_sampled(tree: Tree, target_probs: torch.Tensor, draft_probs: torch.Tensor, proposes: torch.Tensor,
@@ -149,10 +194,14 @@ def accept_tree_sampled(tree: Tree, target_probs: torch.Tensor, draft_probs: tor
     """Multi-candidate speculative sampling down a tree of SAMPLED drafts (recursive rejection sampling, SpecInfer's
     multi-step speculative sampling, arXiv:2305.09781 §4.2): at the current node, each candidate that passes through it
     and proposes a token there (``proposes``), in candidate order, is accepted with probability
-    ``min(1, p(x) / q_c(x))``; a rejection replaces ``p`` by ``norm(max(p - q_c, 0))``; the first acceptance moves
-    the walk to that child, and when every proposal is rejected a token is drawn from the remaining ``p`` and the walk
-    stops (at depth K it is the bonus). Each proposal ``x ~ q_c`` is drawn independently given the path, so every
-    emitted token is distributed as the target's.
+    ``min(1, p(x) / q_c(x))``; a rejection replaces ``p`` by ``norm(max(p - q_c, 0))`` (:func:`proposal_offsets`);
+    the first acceptance moves the walk to that child, and when every proposal is rejected a token is drawn from the
+    remaining ``p`` and the walk stops (at depth K it is the bonus). Each proposal ``x ~ q_c`` is drawn independently
+    given the path, so every emitted token is distributed as the target's.
+
+    Vectorised as the one-pass walk is (:func:`~specdraft.runtime.one_pass.accept_nodes_sampled`): every proposal is
+    decided at once, each with its own uniform (the walk visits one node per depth, so deciding the others too changes
+    no law); a candidate's run of moves the walk makes gives the accepted path.
 
     Args:
         tree: the row's tree over the sampled candidates.
@@ -164,34 +213,30 @@ def accept_tree_sampled(tree: Tree, target_probs: torch.Tensor, draft_probs: tor
     b, C, K = tree.candidates.shape
     dev = target_probs.device
     rows = torch.arange(b, device=dev)
-    node = torch.zeros(b, dtype=torch.long, device=dev)
-    active = torch.ones(b, dtype=torch.bool, device=dev)
-    passes = torch.ones(b, C, dtype=torch.bool, device=dev)  # candidates whose chain runs through the current node
-    num_accepted = torch.zeros(b, dtype=torch.long, device=dev)
-    winner = torch.zeros(b, dtype=torch.long, device=dev)
-    next_token = torch.zeros(b, dtype=torch.long, device=dev)
-    path = torch.zeros(b, K + 1, dtype=torch.long, device=dev)
-    for k in range(K + 1):
-        p = target_probs[rows, node]  # [b, V]
-        moved = torch.zeros(b, dtype=torch.bool, device=dev)
-        child = node
-        for c in range(C if k < K else 0):
-            asks = active & ~moved & passes[:, c] & proposes[:, c, k]  # [b]
-            x = tree.candidates[:, c, k]  # [b]
-            q = draft_probs[:, c, k]  # [b, V]
-            px, qx = p.gather(1, x[:, None])[:, 0], q.gather(1, x[:, None])[:, 0]
-            u = torch.rand(b, generator=generator, device=dev)
-            ok = asks & (u * qx <= px)  # u < p(x) / q(x) without dividing
-            child = torch.where(ok, tree.node_of[:, c, k], child)
-            winner = torch.where(ok, c, winner)
-            moved = moved | ok
-            p = torch.where((asks & ~ok)[:, None], rejection_residual(p, q), p)
-        stop = active & ~moved
-        next_token = torch.where(stop, sample_from_probs(p, generator), next_token)
-        num_accepted = num_accepted + moved.long()
-        active = active & moved
-        node = child
-        if k < K:
-            path[:, k + 1] = node
-            passes = passes & (tree.node_of[:, :, k] == node[:, None])
+    at, x = tree.parent_of, tree.candidates.clamp_min(0)  # [b, C, K]
+    live, before = proposal_order(tree, proposes)
+    W, S = proposal_offsets(target_probs, draft_probs, at, before)  # [b, C', C, K], [b, C, K]
+    qx = draft_probs[rows[:, None, None], torch.arange(C, device=dev)[:, None], torch.arange(K, device=dev),
+                     x].double()  # [b, C, K] q_c(x_c)
+    q_earlier = draft_probs[rows[:, None, None, None], torch.arange(C, device=dev)[:, None, None],
+                            torch.arange(K, device=dev), x[:, None]].double()  # [b, C', C, K] q_c'(x_c)
+    px = target_probs[rows[:, None, None], at, x].double()  # [b, C, K]
+    u = torch.rand(b, C, K, generator=generator, device=dev, dtype=torch.float64)
+    ok = live & (u * qx * S <= (px - (W * q_earlier).sum(1)).clamp_min(0))  # u < p_c(x) / q_c(x)
+    first = ok & ~(before & ok[:, :, None]).any(1)  # [b, C, K] the node's first accepted proposal
+    to = torch.zeros_like(target_probs[..., 0], dtype=torch.long).scatter_reduce(
+        1, at.flatten(1), torch.where(first, tree.node_of, 0).flatten(1), "amax")  # [b, N] the child each node moves to
+    run = ((to.gather(1, at.flatten(1)).view(b, C, K) == tree.node_of) & (tree.node_of > 0)).long().cumprod(-1).sum(-1)
+    num_accepted, winner = run.max(dim=-1)  # [b] (max returns the first maximal candidate)
+    path = torch.cat([tree.node_of.new_zeros(b, 1),
+                      tree.node_of.gather(1, winner[:, None, None].expand(b, 1, K))[:, 0]], dim=-1)  # [b, K + 1]
+    last = path.gather(1, num_accepted[:, None])[:, 0]  # [b] the node the walk stopped at
+    slot = num_accepted.clamp_max(K - 1)  # [b] the slot its children were proposed at (none at depth K)
+    tried = (live & (at == last[:, None, None])).gather(2, slot[:, None, None].expand(b, C, 1))[..., 0]  # [b, C]
+    tried = tried & (num_accepted < K)[:, None]
+    weight = torch.where(tried, S.gather(2, slot[:, None, None].expand(b, C, 1))[..., 0], 0.0)  # [b, C]
+    q = draft_probs[rows, :, slot]  # [b, C, V]
+    left = (target_probs[rows, last] - (weight[:, :, None].to(q.dtype) * q).sum(1)).clamp_min(0)  # [b, V]
+    next_token = sample_from_probs(left / left.sum(-1, keepdim=True).clamp_min(1e-30), generator)
+    path = torch.where(torch.arange(K + 1, device=dev) <= num_accepted[:, None], path, last[:, None])
     return TreeAcceptance(num_accepted, next_token, winner, path)

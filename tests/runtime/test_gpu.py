@@ -12,6 +12,7 @@ from specdraft.runtime.one_pass import OnePassDrafting
 from specdraft.runtime.sampling import SamplingParams
 from tests.helpers import PROMPTS, make_drafter, make_target, requires_cuda
 from tests.runtime.test_one_pass import check_walk_law
+from tests.runtime.test_tree import check_sampled_walk_law
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -52,6 +53,10 @@ def test_cuda_d2sd_greedy_equals_ar_in_ragged_batches(branches):
 
 def test_cuda_sampled_walk_is_recursive_rejection_sampling():
     check_walk_law(0, "cuda")
+
+
+def test_cuda_d2sd_sampled_walk_is_multi_candidate_speculative_sampling():
+    check_sampled_walk_law(0, "cuda")
 
 
 def test_cuda_one_pass_with_a_measured_budget_greedy_equals_ar_and_samples_on_device():

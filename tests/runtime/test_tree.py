@@ -10,8 +10,16 @@ import torch
 from specdraft.runtime.d2sd import verify_tree
 from specdraft.runtime.drafter_io import convert_drafter, load_drafter, save_drafter
 from specdraft.runtime.sampling import SamplingParams
-from specdraft.runtime.tree import accept_tree, boundary_posterior, build_tree, prefix_lengths
-from tests.helpers import make_drafter, make_target
+from specdraft.runtime.tree import (
+    accept_tree,
+    accept_tree_sampled,
+    boundary_posterior,
+    build_tree,
+    prefix_lengths,
+)
+from tests.helpers import chi2_pvalue, make_drafter, make_target
+
+ALPHA = 1e-3
 
 
 def test_boundary_posterior_matches_brute_force_enumeration():
@@ -131,6 +139,82 @@ def test_sampled_tree_walk_emits_the_targets_distribution_at_every_node():
         acc = verify_tree(tree, logits, SamplingParams(temperature=1.0), g)
         first[int(cands[0, int(acc.winner), 0]) if int(acc.num_accepted) else int(acc.next_token)] += 1
     assert (first / 4000).tolist() == pytest.approx([0.5, 0.3, 0.2], abs=0.03)
+
+
+def _sampled_walk_law(tree, p, q, proposes, row: int) -> dict[tuple[int, int], float]:
+    """Multi-candidate speculative sampling down ``tree``'s row, step by step, exactly: ``(last node, next token) ->
+    probability``, each proposal at a node tried in candidate order against the target's distribution ``p`` [N, V]
+    reduced after each rejection (``q`` [C, K, V] what candidate c's slot k was drawn from)."""
+    C, K = tree.candidates.shape[1:]
+    law: dict[tuple[int, int], float] = {}
+
+    def visit(node: int, depth: int, weight: float):
+        target = p[node].double()
+        for c in range(C if depth < K else 0):
+            x = int(tree.candidates[row, c, depth])
+            if not proposes[row, c, depth] or x < 0 or int(tree.parent_of[row, c, depth]) != node:
+                continue
+            draft = q[c, depth].double()
+            accept = min(1.0, float(target[x] / draft[x]))
+            visit(int(tree.node_of[row, c, depth]), depth + 1, weight * accept)
+            weight *= 1 - accept
+            target = (target - draft).clamp_min(0)
+            target = target / target.sum().clamp_min(1e-300)
+        for v in range(p.shape[-1]):
+            law[node, v] = law.get((node, v), 0.0) + weight * float(target[v])
+
+    visit(0, 0, 1.0)
+    return law
+
+
+SAMPLED_TREES = (  # (candidates [C, K], proposes [C, K]): the first draft, then branches from prefix lengths
+    ([[1, 2, 3], [1, 0, 2], [1, 2, 0], [2, 1, 1]],  # 3 proposals at the root (two of token 1) and at node "1"
+     [[1, 1, 1], [1, 1, 1], [0, 1, 1], [1, 1, 1]]),
+    ([[0, 1, 2], [0, 1, 0], [0, 3, 3], [3, 0, 0]],  # 2 proposals at node "0", 3 at node "0 1" (a rank-2 proposal)
+     [[1, 1, 1], [0, 0, 1], [0, 1, 1], [1, 1, 1]]),
+)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 3])
+def test_the_sampled_tree_walk_is_multi_candidate_speculative_sampling(seed):
+    """The vectorised walk (every proposal decided at once) against the step-by-step rule, two different trees
+    alternating over the rows of one batch of draws: where it stops and the token it emits, row by row."""
+    check_sampled_walk_law(seed, "cpu")
+
+
+def check_sampled_walk_law(seed: int, device: str):
+    """:func:`test_the_sampled_tree_walk_is_multi_candidate_speculative_sampling` with the walk on ``device``."""
+    rng = torch.Generator().manual_seed(seed)
+    V, draws = 6, 40000
+    cands = torch.tensor([c for c, _ in SAMPLED_TREES])  # [2, C, K]
+    proposes = torch.tensor([p for _, p in SAMPLED_TREES]).bool()  # [2, C, K]
+    tree = build_tree(torch.tensor([3, 2]), cands)
+    tree = tree.trimmed(int(tree.num_nodes.max()))
+    N = tree.tokens.shape[1]
+    drawn = torch.nn.functional.one_hot(cands, V) * 2.0  # each proposal among its q's likely tokens
+    q = torch.softmax(torch.randn(2, *cands.shape[1:], V, generator=rng) + drawn, -1)  # [2, C, K, V]
+    p = torch.softmax(torch.randn(2, N, V, generator=rng) * 0.7, -1)  # [2, N, V] the target after each node
+    laws = [_sampled_walk_law(tree, p[r], q[r], proposes, r) for r in range(2)]
+    pick = torch.arange(draws) % 2  # [draws] which tree each row is
+    many = tree._replace(**{k: getattr(tree, k)[pick].to(device) for k in tree._fields})
+    walk_rng = torch.Generator(device=device).manual_seed(seed)
+    acc = accept_tree_sampled(many, p[pick].to(device), q[pick].to(device), proposes[pick].to(device), walk_rng)
+    acc = acc._replace(**{k: getattr(acc, k).cpu() for k in acc._fields})
+    last = acc.path.gather(1, acc.num_accepted[:, None])[:, 0]
+    for r, law in enumerate(laws):
+        mine = pick == r
+        counts = torch.zeros(N, V).index_put_((last[mine], acc.next_token[mine]), torch.ones(int(mine.sum())),
+                                              accumulate=True)
+        probs = torch.zeros(N, V)
+        for (node, v), w in law.items():
+            probs[node, v] = w
+        assert probs.sum().item() == pytest.approx(1.0) and (probs.sum(-1) > 0.01).sum() >= 4  # stops at 4+ nodes
+        assert chi2_pvalue(counts, probs) > ALPHA, r
+        held = cands[r][acc.winner[mine]]  # [n, K] each draw's winning candidate holds its accepted path
+        path_tokens = tree.tokens[r][acc.path[mine][:, 1:]]  # [n, K]
+        depth = torch.arange(cands.shape[-1]) < acc.num_accepted[mine][:, None]
+        assert bool((torch.where(depth, held, 0) == torch.where(depth, path_tokens, 0)).all())
+        assert (acc.winner[mine] > 0).any() and (acc.num_accepted[mine] == cands.shape[-1]).any()
 
 
 def test_kv_compaction_leaves_the_cache_of_decoding_the_winning_path_directly():
