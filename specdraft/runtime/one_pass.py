@@ -31,7 +31,7 @@ import torch
 from specdraft.runtime.drafter import Drafter
 from specdraft.runtime.node_budget import NodeBudget
 from specdraft.runtime.phase_clock import PhaseClock
-from specdraft.runtime.sampling import SamplingParams, logits_to_probs, sample, sample_from_probs
+from specdraft.runtime.sampling import SamplingParams, logits_to_probs, sample, sample_from_probs, sample_residual
 from specdraft.runtime.tree import TreeAcceptance
 from specdraft.runtime.tree_round import TreeRound, commit_path
 from specdraft.runtime.verify import accept_greedy, accept_speculative_sampling
@@ -324,16 +324,17 @@ def accept_nodes_sampled(tree: NodeTree, target_probs: torch.Tensor, draft_probs
         S.scatter_(1, at[:, :, None].expand(-1, -1, W), S_at)
     u = torch.rand(b, N, W, generator=generator, device=dev, dtype=torch.float64)
     tried = torch.arange(W, device=dev) < fanout[:, :, None]  # [b, N, W]
-    ok = tried & (u * qx * S <= rest * (px - T[..., :W] * qx).clamp_min(0))  # u < p_j(x_j) / q_j(x_j)
+    ok = tried & (u * qx * S < rest * (px - T[..., :W] * qx).clamp_min(0))  # u < p_j(x_j) / q_j(x_j); none if S is 0
     moved = ok.any(-1)  # [b, N]
     to = torch.where(moved, kids.gather(2, ok.long().argmax(-1, keepdim=True))[..., 0], 0)  # [b, N] first accepted
     moves = to.gather(1, tree.parent) == torch.arange(N, device=dev)  # [b, N]
     last, num_accepted, path, sibling = follow_moves(tree, moves, K)
     stop = last[:, None]  # [b, 1]
     offset = T.gather(1, stop[:, :, None].expand(-1, -1, W + 1))[:, 0].gather(1, fanout.gather(1, stop))  # [b, 1]
-    left = (target_probs[rows[:, 0], last] - offset.to(target_probs.dtype) * draft_probs[rows[:, 0], slot.gather(
-        1, stop)[:, 0]]).clamp_min(0)  # [b, V] the target's distribution after every child of the last node failed
-    next_token = sample_from_probs(left / left.sum(-1, keepdim=True).clamp_min(1e-30), generator)
+    p = target_probs[rows[:, 0], last]  # [b, V]
+    left = (p - offset.to(p.dtype) * draft_probs[rows[:, 0], slot.gather(1, stop)[:, 0]]).clamp_min(
+        0)  # [b, V] the target's distribution after every child of the last node failed
+    next_token = sample_residual(left, p, generator)
     return TreeAcceptance(num_accepted, next_token, sibling, path)
 
 

@@ -56,6 +56,14 @@ def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None = N
     return index.clamp_max(probs.shape[-1] - 1)  # in range even for rows with no mass (NaN: a caller's bug)
 
 
+def sample_residual(residual: torch.Tensor, probs: torch.Tensor,
+                    generator: torch.Generator | None = None) -> torch.Tensor:
+    """One sample per row of ``residual`` ``[..., V]`` (what is left of the target's distribution ``probs`` after a
+    node's proposals were rejected, unnormalised), or of ``probs`` in a row rounding left no mass (a row that exact
+    arithmetic never gives: a proposal is rejected only with some ``p(x) < q(x)``, which leaves mass elsewhere)."""
+    return sample_from_probs(torch.where(residual.sum(-1, keepdim=True) > 0, residual, probs), generator)
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
     if params.greedy:
         return logits.argmax(-1)

@@ -26,7 +26,7 @@ features into place before the commit graph::
     branch          (J blocks -> the second drafter's logits) graph
     tree            (candidates -> the prefix tree)       eager, no host sync
     verify          (tree nodes -> target logits, features) graph
-    accept, move    (the tree walk, KV compaction)        eager, no host sync
+    accept, move    (the tree walk, KV compaction)        eager, no host sync (sampled drafts: one)
     commit                                                graph
 
 Acceptance is the engine's own functions (:func:`~specdraft.runtime.rounds.propose`,

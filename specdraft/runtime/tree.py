@@ -1,9 +1,10 @@
 """Prefix trees of draft candidates (D²SD, arXiv:2606.04446 §3; tree verification as in SpecInfer, arXiv:2305.09781):
 where to branch, how candidates merge into one deduplicated tree, and which root-to-node path the target accepts.
 
-Pure tensor code over ragged batches, no host synchronisation. Shapes: ``b`` rows, ``C`` candidates per row (each a
-chain of ``K`` draft tokens after the row's anchor), ``N`` tree nodes per row (padded to the batch's largest tree).
-Node 0 is the root (the anchor, depth 0); candidate ``c``'s slot ``k`` (``k = 0..K-1``) sits at depth ``k + 1``.
+Pure tensor code over ragged batches, no host synchronisation but one read in the walk down sampled drafts. Shapes:
+``b`` rows, ``C`` candidates per row (each a chain of ``K`` draft tokens after the row's anchor), ``N`` tree nodes
+per row (padded to the batch's largest tree). Node 0 is the root (the anchor, depth 0); candidate ``c``'s slot ``k``
+(``k = 0..K-1``) sits at depth ``k + 1``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from specdraft.runtime.sampling import sample_from_probs
+from specdraft.runtime.sampling import sample_residual
 
 Placement = Literal["confidence", "uniform"]
 
@@ -222,7 +223,7 @@ def accept_tree_sampled(tree: Tree, target_probs: torch.Tensor, draft_probs: tor
                             torch.arange(K, device=dev), x[:, None]].double()  # [b, C', C, K] q_c'(x_c)
     px = target_probs[rows[:, None, None], at, x].double()  # [b, C, K]
     u = torch.rand(b, C, K, generator=generator, device=dev, dtype=torch.float64)
-    ok = live & (u * qx * S <= (px - (W * q_earlier).sum(1)).clamp_min(0))  # u < p_c(x) / q_c(x)
+    ok = live & (u * qx * S < (px - (W * q_earlier).sum(1)).clamp_min(0))  # u < p_c(x) / q_c(x); none if S is 0
     first = ok & ~(before & ok[:, :, None]).any(1)  # [b, C, K] the node's first accepted proposal
     to = torch.zeros_like(target_probs[..., 0], dtype=torch.long).scatter_reduce(
         1, at.flatten(1), torch.where(first, tree.node_of, 0).flatten(1), "amax")  # [b, N] the child each node moves to
@@ -236,7 +237,7 @@ def accept_tree_sampled(tree: Tree, target_probs: torch.Tensor, draft_probs: tor
     tried = tried & (num_accepted < K)[:, None]
     weight = torch.where(tried, S.gather(2, slot[:, None, None].expand(b, C, 1))[..., 0], 0.0)  # [b, C]
     q = draft_probs[rows, :, slot]  # [b, C, V]
-    left = (target_probs[rows, last] - (weight[:, :, None].to(q.dtype) * q).sum(1)).clamp_min(0)  # [b, V]
-    next_token = sample_from_probs(left / left.sum(-1, keepdim=True).clamp_min(1e-30), generator)
+    p = target_probs[rows, last]  # [b, V]
+    next_token = sample_residual((p - (weight[:, :, None].to(q.dtype) * q).sum(1)).clamp_min(0), p, generator)
     path = torch.where(torch.arange(K + 1, device=dev) <= num_accepted[:, None], path, last[:, None])
     return TreeAcceptance(num_accepted, next_token, winner, path)

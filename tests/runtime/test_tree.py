@@ -16,6 +16,8 @@ from specdraft.runtime.tree import (
     boundary_posterior,
     build_tree,
     prefix_lengths,
+    proposal_offsets,
+    proposal_order,
 )
 from tests.helpers import chi2_pvalue, make_drafter, make_target
 
@@ -170,8 +172,8 @@ def _sampled_walk_law(tree, p, q, proposes, row: int) -> dict[tuple[int, int], f
 SAMPLED_TREES = (  # (candidates [C, K], proposes [C, K]): the first draft, then branches from prefix lengths
     ([[1, 2, 3], [1, 0, 2], [1, 2, 0], [2, 1, 1]],  # 3 proposals at the root (two of token 1) and at node "1"
      [[1, 1, 1], [1, 1, 1], [0, 1, 1], [1, 1, 1]]),
-    ([[0, 1, 2], [0, 1, 0], [0, 3, 3], [3, 0, 0]],  # 2 proposals at node "0", 3 at node "0 1" (a rank-2 proposal)
-     [[1, 1, 1], [0, 0, 1], [0, 1, 1], [1, 1, 1]]),
+    ([[0, 1, 2], [0, 1, 0], [0, 3, 3], [0, 3, 1]],  # two of token 0 at the root, 3 proposals at node "0" (two of
+     [[1, 1, 1], [0, 0, 1], [0, 1, 1], [1, 1, 1]]),  # token 3), 2 at "0 1" and at "0 3"; 8 nodes against 10
 )
 
 
@@ -210,11 +212,51 @@ def check_sampled_walk_law(seed: int, device: str):
             probs[node, v] = w
         assert probs.sum().item() == pytest.approx(1.0) and (probs.sum(-1) > 0.01).sum() >= 4  # stops at 4+ nodes
         assert chi2_pvalue(counts, probs) > ALPHA, r
-        held = cands[r][acc.winner[mine]]  # [n, K] each draw's winning candidate holds its accepted path
-        path_tokens = tree.tokens[r][acc.path[mine][:, 1:]]  # [n, K]
-        depth = torch.arange(cands.shape[-1]) < acc.num_accepted[mine][:, None]
-        assert bool((torch.where(depth, held, 0) == torch.where(depth, path_tokens, 0)).all())
-        assert (acc.winner[mine] > 0).any() and (acc.num_accepted[mine] == cands.shape[-1]).any()
+        n, path = acc.num_accepted[mine], acc.path[mine]  # [d], [d, K + 1]
+        steps = torch.arange(path.shape[1])
+        assert bool((path == torch.where(steps <= n[:, None], path, last[mine][:, None])).all())  # then the last
+        depth = steps[:-1] < n[:, None]  # [d, K] the accepted slots
+        on_path = torch.where(depth, tree.tokens[r][path[:, 1:]], -1)  # [d, K]
+        holds = (torch.where(depth[:, None], cands[r], -1) == on_path[:, None]).all(-1)  # [d, C]
+        assert bool((acc.winner[mine] == holds.long().argmax(-1)).all())  # the first candidate holding the path
+        assert (acc.winner[mine] > 0).any() and (n == cands.shape[-1]).any()
+
+
+def test_the_residual_after_rejected_proposals_is_the_sequential_one():
+    """Exactly, without sampling: at every node of both trees, the target's distribution before each proposal as
+    offsets (``relu(p - sum W q) / S``) against the residuals renormalised one rejection at a time."""
+    rng = torch.Generator().manual_seed(0)
+    V = 6
+    cands = torch.tensor([c for c, _ in SAMPLED_TREES])  # [2, C, K]
+    proposes = torch.tensor([p for _, p in SAMPLED_TREES]).bool()  # [2, C, K]
+    tree = build_tree(torch.tensor([3, 2]), cands)
+    q = torch.softmax(torch.randn(2, *cands.shape[1:], V, generator=rng) * 2, -1)  # [2, C, K, V]
+    p = torch.softmax(torch.randn(2, tree.tokens.shape[1], V, generator=rng), -1)  # [2, N, V]
+    live, before = proposal_order(tree, proposes)
+    W, S = proposal_offsets(p, q, tree.parent_of, before)  # [2, C', C, K], [2, C, K]
+    checked = 0
+    for r, (c, k) in itertools.product(range(2), itertools.product(range(cands.shape[1]), range(cands.shape[2]))):
+        if not live[r, c, k]:
+            continue
+        residual = p[r, tree.parent_of[r, c, k]].double()  # the sequential rule, one proposal after another
+        for e in range(c):
+            if before[r, e, c, k]:
+                residual = (residual - q[r, e, k]).clamp_min(0)
+                residual = residual / residual.sum()
+        offsets = (p[r, tree.parent_of[r, c, k]].double() - (W[r, :, c, k, None] * q[r, :, k].double()).sum(0))
+        assert torch.allclose(offsets.clamp_min(0) / S[r, c, k], residual, atol=1e-6), (r, c, k)
+        checked += int(before[r, :, c, k].sum() >= 2)
+    assert checked >= 2  # proposals after two rejections, in both trees
+
+
+def test_a_token_of_target_probability_zero_is_never_emitted_when_rounding_leaves_no_residual():
+    """Two proposals of token 2, which the target never emits; the first one's ``q`` covers ``p`` up to float32
+    rounding, so rejecting it leaves no mass: the second is rejected too and the token comes from ``p``."""
+    tree = build_tree(torch.tensor([3]).expand(1000), torch.tensor([[[2], [2]]]).expand(1000, 2, 1))
+    p = torch.tensor([0.5, 0.5, 0.0, 0.0]).expand(1000, tree.tokens.shape[1], 4)  # [b, N, V]
+    q = torch.tensor([[0.5, 0.5, 1e-8, 0.0], [0.25, 0.25, 0.5, 0.0]]).expand(1000, 2, 4)[:, :, None]  # [b, 2, 1, V]
+    acc = accept_tree_sampled(tree, p, q, torch.ones(1000, 2, 1, dtype=torch.bool), torch.Generator().manual_seed(0))
+    assert int(acc.num_accepted.sum()) == 0 and set(acc.next_token.tolist()) == {0, 1}
 
 
 def test_kv_compaction_leaves_the_cache_of_decoding_the_winning_path_directly():
