@@ -167,9 +167,10 @@ def proposal_offsets(target_probs: torch.Tensor, draft_probs: torch.Tensor, at: 
     Returns:
         ``(W [b, C', C, K], S [b, C, K])`` in float64.
     """
-    b, C, K, V = draft_probs.shape
+    b, C, K = at.shape
     rank = before.sum(1)  # [b, C, K]
     counts = (rank.flatten(1)[:, :, None] == torch.arange(1, C, device=rank.device)).sum(1).amax(0).tolist()
+    rows = torch.arange(b, device=at.device)[:, None]
     S = torch.ones(b, C * K, dtype=torch.float64, device=at.device)  # [b, C * K] by proposal c * K + k
     order = before.permute(0, 2, 3, 1).reshape(b, C * K, C)  # [b, C * K, C'] proposal -> those tried before it
     for r, count in enumerate(counts, start=1):
@@ -178,13 +179,14 @@ def proposal_offsets(target_probs: torch.Tensor, draft_probs: torch.Tensor, at: 
         is_r = rank.flatten(1) == r  # [b, C * K]
         idx = torch.sort(is_r.long(), dim=-1, descending=True, stable=True).indices[:, :count]  # [b, R]
         slot = idx % K  # [b, R]
-        p = target_probs.gather(1, at.flatten(1).gather(1, idx)[:, :, None].expand(-1, -1, V))  # [b, R, V]
-        weight = order.gather(1, idx[:, :, None].expand(-1, -1, C)) * S.view(b, C, K).transpose(1, 2).gather(
-            1, slot[:, :, None].expand(-1, -1, C))  # [b, R, C'] S of each earlier proposal at the node
-        for c in range(C - 1):  # the last candidate is before none
-            q = draft_probs[:, c].gather(1, slot[:, :, None].expand(-1, -1, V))  # [b, R, V]
-            p = p - weight[:, :, c, None].to(p.dtype) * q
-        mass = p.clamp_min(0).sum(-1, dtype=torch.float64)  # [b, R]
+        p = target_probs[rows, at.flatten(1).gather(1, idx)]  # [b, R, V]
+        earlier = order.gather(1, idx[:, :, None].expand(-1, -1, C))  # [b, R, C'] the r proposals tried before
+        prev = torch.sort(earlier.long(), dim=-1, descending=True, stable=True).indices[:, :, :r]  # [b, R, r]
+        weight = earlier.gather(2, prev) * S.view(b, C, K).transpose(1, 2).gather(1, slot[:, :, None].expand(
+            -1, -1, C)).gather(2, prev)  # [b, R, r] their masses S (0 on padding)
+        for i in range(r):
+            p = torch.addcmul(p, weight[:, :, i, None].to(p.dtype), draft_probs[rows, prev[:, :, i], slot], value=-1)
+        mass = p.clamp_min(0).sum(-1).double()  # [b, R]
         S.scatter_(1, idx, torch.where(is_r.gather(1, idx), mass, S.gather(1, idx)))  # padding keeps its S
     S = S.view(b, C, K)
     return before * S[:, :, None], S  # [b, C', C, K], [b, C, K]
