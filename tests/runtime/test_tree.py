@@ -1,6 +1,7 @@
 """D²SD's parts one by one: the boundary posterior, tree construction and deduplication, the ancestor mask, the walk
 that accepts a path, KV compaction, the VP drafter and its batched branch pass."""
 
+import functools
 import itertools
 import random
 
@@ -143,30 +144,30 @@ def test_sampled_tree_walk_emits_the_targets_distribution_at_every_node():
     assert (first / 4000).tolist() == pytest.approx([0.5, 0.3, 0.2], abs=0.03)
 
 
-def _sampled_walk_law(tree, p, q, proposes, row: int) -> dict[tuple[int, int], float]:
-    """Multi-candidate speculative sampling down ``tree``'s row, step by step, exactly: ``(last node, next token) ->
-    probability``, each proposal at a node tried in candidate order against the target's distribution ``p`` [N, V]
-    reduced after each rejection (``q`` [C, K, V] what candidate c's slot k was drawn from)."""
+def _sampled_walk_law(tree, p, q, proposes, row: int) -> torch.Tensor:
+    """Multi-candidate speculative sampling down ``tree``'s row, step by step, exactly: ``[N, V]`` the probability
+    of stopping at each node and emitting each token, each proposal at a node tried in candidate order against the
+    target's distribution ``p`` [N, V] reduced after each rejection (``q`` [C, K, V] what candidate c's slot k was
+    drawn from). Each node's law is computed once (proposals of one token lead to one child)."""
     C, K = tree.candidates.shape[1:]
-    law: dict[tuple[int, int], float] = {}
 
-    def visit(node: int, depth: int, weight: float):
-        target = p[node].double()
+    @functools.cache
+    def reached(node: int, depth: int) -> torch.Tensor:  # [N, V] the law once the walk is at ``node``
+        law, target, stay = torch.zeros(p.shape, dtype=torch.float64), p[node].double(), 1.0
         for c in range(C if depth < K else 0):
             x = int(tree.candidates[row, c, depth])
             if not proposes[row, c, depth] or x < 0 or int(tree.parent_of[row, c, depth]) != node:
                 continue
             draft = q[c, depth].double()
             accept = min(1.0, float(target[x] / draft[x]))
-            visit(int(tree.node_of[row, c, depth]), depth + 1, weight * accept)
-            weight *= 1 - accept
+            law += stay * accept * reached(int(tree.node_of[row, c, depth]), depth + 1)
+            stay *= 1 - accept
             target = (target - draft).clamp_min(0)
             target = target / target.sum().clamp_min(1e-300)
-        for v in range(p.shape[-1]):
-            law[node, v] = law.get((node, v), 0.0) + weight * float(target[v])
+        law[node] += stay * target
+        return law
 
-    visit(0, 0, 1.0)
-    return law
+    return reached(0, 0).float()
 
 
 SAMPLED_TREES = (  # (candidates [C, K], proposes [C, K]): the first draft, then branches from prefix lengths
@@ -207,9 +208,7 @@ def check_sampled_walk_law(seed: int, device: str):
         mine = pick == r
         counts = torch.zeros(N, V).index_put_((last[mine], acc.next_token[mine]), torch.ones(int(mine.sum())),
                                               accumulate=True)
-        probs = torch.zeros(N, V)
-        for (node, v), w in law.items():
-            probs[node, v] = w
+        probs = law
         assert probs.sum().item() == pytest.approx(1.0) and (probs.sum(-1) > 0.01).sum() >= 4  # stops at 4+ nodes
         assert chi2_pvalue(counts, probs) > ALPHA, r
         n, path = acc.num_accepted[mine], acc.path[mine]  # [d], [d, K + 1]
