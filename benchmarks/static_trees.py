@@ -1,17 +1,16 @@
 """Trees on the static path against the eager engine: the same held-out prompts decoded by both, batch by batch (the
-order alternating), for the DFlash chain, D²SD, D²SD with one-pass siblings, a one-pass tree and a merged tree
-(D²SD's branches and the one-pass tree, the best ``--nodes``). Reports per method and engine τ, tokens/s, and at T=0
-how many requests' tokens and accept lengths differ between the engines (none should: the static rounds are the eager
-ones). On a GPU the static path replays CUDA graphs; on a CPU the same
-static rounds run eagerly, so there the tokens/s ratio is the static bookkeeping's cost, not the graphs' gain.
+order alternating), for the DFlash chain, D²SD, a one-pass tree and a merged tree (D²SD's branches and the one-pass
+tree, the best ``--nodes``). Reports per method and engine τ, tokens/s, and at T=0 how many requests' tokens and
+accept lengths differ between the engines (none should: the static rounds are the eager ones). On a GPU the static
+path replays CUDA graphs; on a CPU the same static rounds run eagerly, so there the tokens/s ratio is the static
+bookkeeping's cost, not the graphs' gain.
 
-    python benchmarks/static_trees.py configs/tiny.yaml [--prompts 16] [--nodes 24] [--siblings 16] [--out f.json]
+    python benchmarks/static_trees.py configs/tiny.yaml [--prompts 16] [--nodes 24] [--out f.json]
         [key=value ...]     (decode.second_drafter=same: D²SD's second drafter is the first, re-drafting)
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch
@@ -28,7 +27,6 @@ from specdraft.runtime.static_decode import StaticEngine
 def main(argv=None) -> dict:
     ap = suite_parser(__doc__.splitlines()[0])
     ap.add_argument("--k", type=int, default=2, help="D²SD branches")
-    ap.add_argument("--siblings", type=int, default=16, help="one-pass siblings in the merged tree")
     ap.add_argument("--nodes", type=int, default=24, help="the one-pass and merged trees' node budget")
     args, overrides = ap.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
@@ -36,7 +34,6 @@ def main(argv=None) -> dict:
     target, tok, first = job.target, job.tokenizer, job.drafter
     d2sd = tree_drafting(cfg, target, first, args.k)
     trees = {"dflash": None, f"d2sd{args.k}": d2sd,
-             f"d2sd{args.k}+{args.siblings}": dataclasses.replace(d2sd, siblings=args.siblings),
              f"ddtree{args.nodes}": one_pass_drafting(cfg, first, args.nodes, "fixed"),
              f"merged{args.nodes}": merged_drafting(cfg, first, d2sd, args.nodes, "fixed")}
     suites = held_out_suites(cfg, job, args.suites, args.prompts)

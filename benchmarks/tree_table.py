@@ -1,7 +1,7 @@
-"""The tree rows of a ``specdraft bench`` report (D²SD, D²SD with one-pass siblings, one-pass ddtree and merged trees
-at a fixed or a measured node budget) against the DFlash row with the same first drafter: the τ ratio per suite with
-a paired 95 % bootstrap interval over prompts, its mean over suites, the tokens/s ratio, and the tree statistics
-(nodes per round, share of rounds a second-drafter branch or a sibling won).
+"""The tree rows of a ``specdraft bench`` report (D²SD, one-pass ddtree and merged trees at a fixed or a measured node
+budget) against the DFlash row with the same first drafter: the τ ratio per suite with a paired 95 % bootstrap
+interval over prompts, its mean over suites, the tokens/s ratio, and the tree statistics (nodes per round, share of
+rounds a second-drafter branch or a sibling won).
 
     python benchmarks/tree_table.py artifacts/tiny/bench/bench.json
 """
@@ -19,17 +19,12 @@ from specdraft.pipeline.trees import FIRST_DRAFTERS
 def variant(r: dict) -> str:
     if r["method"] in ("ddtree", "merged"):
         return f"{r['method']} N={r['tree_nodes']}" + (" measured" if r.get("tree_budget") == "measured" else "")
-    return (f"d2sd K={r['tree_k']} {r['placement']}" + (" distinct" if r.get("distinct") else "")
-            + (f" +{r['siblings']} siblings" if r.get("siblings") else ""))
+    return f"d2sd K={r['tree_k']} {r['placement']}" + (" distinct" if r.get("distinct") else "")
 
 
-def won(r: dict) -> str:
-    """Share of rounds whose accepted path was not the first draft's: ``branch / sibling`` (a merged tree's: both
-    together, in the sibling column)."""
-    if r["method"] in ("ddtree", "merged"):
-        return f"– / {r['sibling_share']:.2f}"
-    branch = 1 - r["winner_share"][0] - r.get("sibling_share", 0.0)
-    return f"{branch:.2f} / {r.get('sibling_share', 0.0):.2f}"
+def won(r: dict) -> float:
+    """Share of rounds whose accepted path left the first draft (a second-drafter branch or a sibling won)."""
+    return r["sibling_share"] if r["method"] in ("ddtree", "merged") else 1 - r["winner_share"][0]
 
 
 def table(rows: list[dict]) -> str:
@@ -38,7 +33,7 @@ def table(rows: list[dict]) -> str:
                 r.get("backend", "torch"))
     base = {key(r): r for r in rows if r["method"] in FIRST_DRAFTERS and r.get("policy", "fixed") == "fixed"}
     lines = ["| variant | T | bs | suite | τ DFlash | τ tree | ratio (95 % CI) | tok/s ratio | nodes/round "
-             "| won: branch / sibling |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| won off the first draft |", "|---|---|---|---|---|---|---|---|---|---|"]
     groups = defaultdict(list)
     for r in rows:
         if r["method"] not in ("d2sd", "ddtree", "merged"):
@@ -48,7 +43,7 @@ def table(rows: list[dict]) -> str:
         lo, hi = ratio_interval(r["per_prompt"], b["per_prompt"])
         lines.append(f"| {variant(r)} | {r['temperature']:g} | {r['batch_size']} | {r['suite']} | {b['tau']:.2f} "
                      f"| {r['tau']:.2f} | {r['tau'] / b['tau']:.3f} ({lo:.3f}–{hi:.3f}) "
-                     f"| {r['speedup'] / b['speedup']:.2f} | {r['nodes_per_round']:.1f} | {won(r)} |")
+                     f"| {r['speedup'] / b['speedup']:.2f} | {r['nodes_per_round']:.1f} | {won(r):.2f} |")
     lines += ["", "| variant | T | bs | mean τ ratio over suites (95 % CI) | worst suite | mean tok/s ratio |",
               "|---|---|---|---|---|---|"]
     for (name, temp, bs), pairs in sorted(groups.items()):

@@ -494,9 +494,9 @@ _verify_round, _propose = rounds.verify_round, rounds.propose  # the correct rul
 _build_tree, _accept_tree = d2sd.build_tree, d2sd.accept_tree
 
 
-def _sibling_visible_tree(anchor, candidates, lengths=None):
+def _sibling_visible_tree(anchor, candidates):
     """A causal mask over the node order instead of the ancestor mask: nodes see their earlier siblings' branches."""
-    tree = _build_tree(anchor, candidates, lengths)
+    tree = _build_tree(anchor, candidates)
     N = tree.mask.shape[-1]
     return tree._replace(mask=torch.ones(N, N, dtype=torch.bool).tril().expand_as(tree.mask))
 

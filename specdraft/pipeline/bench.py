@@ -82,8 +82,7 @@ def one_pass_summary(results, tree: OnePassDrafting | MergedDrafting) -> dict:
 
 def d2sd_summary(results, tree) -> dict:
     """D²SD rows: nodes verified per round, tree slots saved by deduplication per round (the candidates' tokens minus
-    the nodes), the share of rounds each candidate won (index 0 = the first draft; with siblings, the share a sibling
-    path won) and drafts accepted per round."""
+    the nodes), the share of rounds each candidate won (index 0 = the first draft) and drafts accepted per round."""
     nodes = [n for r in results for n in r.nodes]
     winners = [w for r in results for w in r.winner]
     accepted = [a for r in results for a in r.accepted]
@@ -92,7 +91,6 @@ def d2sd_summary(results, tree) -> dict:
     return {"tree_k": tree.num_branches, "placement": tree.placement, "distinct": tree.distinct,
             "nodes_per_round": sum(nodes) / rounds, "dedup_saved_per_round": sum(full - n for n in nodes) / rounds,
             "winner_share": [sum(w == j for w in winners) / rounds for j in range(tree.num_branches + 1)],
-            "siblings": tree.siblings, "sibling_share": sum(w > tree.num_branches for w in winners) / rounds,
             "accepted_per_round": sum(accepted) / rounds}
 
 
@@ -261,8 +259,7 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
         for k in b.tree_ks if drafter.arch_name in FIRST_DRAFTERS else []:
             trees[k] = replace(trees[min(trees)], num_branches=k) if trees else tree_drafting(cfg, tgt, drafter, k)
             trees[k].check(drafter)
-            for n in b.tree_siblings or [trees[k].siblings]:
-                tree_rows[f"d2sd{k}:{st}" + (f"+{n}" if n else "")] = ("d2sd", partial(replace, trees[k], siblings=n))
+            tree_rows[f"d2sd{k}:{st}"] = ("d2sd", partial(replace, trees[k]))
         for n in b.tree_nodes if drafter.arch_name in FIRST_DRAFTERS else []:
             for how in b.tree_budgets or [cfg.decode.tree_budget]:
                 tree_rows[f"ddtree{n}:{st}" + ("+measured" if how == "measured" else "")] = (
@@ -414,8 +411,7 @@ def write_reports(rows: list[dict], out_dir: Path) -> dict:
     for r in rows:
         lo, hi = r["tau_ci95"]
         method = (f"d2sd K={r['tree_k']}" + (f" {r['placement']}" if r["placement"] != "confidence" else "")
-                  + (" distinct" if r.get("distinct") else "")
-                  + (f" +{r['siblings']} siblings" if r.get("siblings") else "")) \
+                  + (" distinct" if r.get("distinct") else "")) \
             if r["method"] == "d2sd" else r["method"]
         if r["method"] in ("ddtree", "merged"):
             method = f"{r['method']} N={r['tree_nodes']}" + (" measured" if r.get("tree_budget") == "measured" else "")
@@ -479,14 +475,13 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 
 def _label(r: dict) -> str:
-    """A drafted row's method as plots name it (``dflash:sft``, ``d2sd2:sft``, ``d2sd2:sft+24`` with 24 siblings,
-    ``ddtree32:sft``, ``dflash:sft+adaptive``)."""
+    """A drafted row's method as plots name it (``dflash:sft``, ``d2sd2:sft``, ``ddtree32:sft``,
+    ``dflash:sft+adaptive``)."""
     backend = f"@{r['backend']}" if r.get("backend", "torch") != "torch" else ""
     policy = "+adaptive" if r.get("policy") == "adaptive" else ""
     batching = " (continuous)" if r.get("batching") == "continuous" else ""
     size = r.get("tree_nodes") if r["method"] == "merged" else r.get("tree_k", r.get("tree_nodes", ""))
     name = "ar" if r["method"] == "ar" else f"{r['method']}{size}:{r['stage']}"
-    name += f"+{r['siblings']}" if r.get("siblings") else ""
     name += "+measured" if r.get("tree_budget") == "measured" else ""
     return f"{name}{backend}{policy}{batching}"
 

@@ -252,9 +252,6 @@ class DecodeConfig:
     tree_distinct: bool = False
     """d2sd and merged: a branch never repeats the first draft's token at its first free slot (it takes the second
     drafter's best other token there)."""
-    tree_siblings: int = 0
-    """d2sd: the first drafter's most likely paths (one-pass, best-first) added to the tree, this many nodes at most;
-    with siblings the tree drafts ranked tokens at every temperature (0: D²SD's tree alone)."""
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -293,7 +290,7 @@ class DecodeConfig:
     cuda_graphs: bool = False
     """Decode through the static-shape path: CUDA graphs per batch-size bucket on a GPU (the same static rounds run
     without graphs on a CPU); greedy jobs take tokens from the fused LM-head argmax. Chains (ar, dflash, vp,
-    retrace), d2sd trees (siblings included) and ddtree and merged trees at a fixed budget, under either policy."""
+    retrace), d2sd trees and ddtree and merged trees at a fixed budget, under either policy."""
 
     def __post_init__(self):
         if self.backend not in ("torch", "onnx", "trt"):
@@ -320,7 +317,6 @@ class DecodeConfig:
                               f"{', '.join(available_drafters())}")
         check_range("tree_k", self.tree_k, 1)
         check_range("tree_nodes", self.tree_nodes, 2, MAX_NODES)
-        check_range("tree_siblings", self.tree_siblings, 0)
         check_range("temperature", self.temperature, 0.0)
         check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
         check_range("top_k", self.top_k, 0)
@@ -364,9 +360,6 @@ class BenchConfig:
     tree_ks: list[int] = field(default_factory=list)
     """D²SD rows: for each DFlash drafter in ``stages`` and each K here, a d2sd row with that first drafter and K
     branches (second drafter and placement from ``decode.second_drafter`` / ``decode.tree_placement``)."""
-    tree_siblings: list[int] = field(default_factory=list)
-    """D²SD rows with one-pass siblings: for each K in ``tree_ks`` and each count here, a d2sd row with that many
-    sibling nodes (empty: ``decode.tree_siblings`` only)."""
     tree_budgets: list[Literal["fixed", "measured"]] = field(default_factory=list)
     """ddtree and merged rows: for each node budget, a row per way of spending it (empty: ``decode.tree_budget``
     only)."""
@@ -384,8 +377,6 @@ class BenchConfig:
             check_range("tree_nodes", n, 2, MAX_NODES)
         for n in self.merged_nodes:
             check_range("merged_nodes", n, 2, MAX_NODES)
-        for n in self.tree_siblings:
-            check_range("tree_siblings", n, 0)
         for st in self.stages:
             if not _is_folder_name(st):
                 raise OptionError("stages", f"{st!r} is not a drafter name under <work_dir>/drafter/")
@@ -480,6 +471,13 @@ RENAMED = {  # flat keys of earlier releases -> their nested home
         "alignment", "use_correction", "gate_anchor", "gate_bias_init", "refiner_width", "embed_drafted")},
 }
 
+REMOVED = {  # keys of earlier releases whose option another one now covers
+    "decode.tree_siblings": "was removed: decode.method=merged puts D²SD's branches and the one-pass tree's siblings "
+                            "in one tree of decode.tree_nodes nodes",
+    "bench.tree_siblings": "was removed: bench.merged_nodes benches D²SD's branches and the one-pass tree's siblings "
+                           "in one tree",
+}
+
 
 def _fail(key: str, msg: str):
     raise SpecdraftError(f"config key '{key}': {msg}")
@@ -537,6 +535,8 @@ def _build(cls, data: dict, prefix: str = ""):
         if k not in names:
             if f"{prefix}{k}" in RENAMED:
                 _fail(f"{prefix}{k}", f"was renamed to '{RENAMED[prefix + k]}'")
+            if f"{prefix}{k}" in REMOVED:
+                _fail(f"{prefix}{k}", REMOVED[prefix + k])
             close = difflib.get_close_matches(str(k), names, n=1)
             hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
             _fail(f"{prefix}{k}", f"unknown key{hint}; valid keys: {', '.join(names)}")

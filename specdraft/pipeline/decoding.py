@@ -60,7 +60,7 @@ def build_decoding(cfg: RunConfig, world, drafter_dir: Path | None, tokenizer, d
         tree = one_pass_drafting(cfg, drafter, prices=prices)
     if tree is not None and d.backend == "trt":  # so is the target's verify pass over the tree's nodes
         check_engine_tokens(drafter_dir or default_drafter_dir(cfg), tree.max_nodes(drafter.block_size),
-                            "tree_nodes" if d.method != "d2sd" else "tree_siblings" if tree.siblings else "tree_k",
+                            "tree_nodes" if d.method != "d2sd" else "tree_k",
                             "the tree verifies")
     gen = GenerationConfig(max_new_tokens=d.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer),
                            sampling=SamplingParams(d.temperature, d.top_k, d.top_p), draft_sampling=d.draft_sampling)

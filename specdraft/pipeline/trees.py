@@ -3,7 +3,6 @@ one-pass tree of a DFlash drafter, and the two merged."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -40,7 +39,7 @@ def tree_drafting(cfg: RunConfig, target, first, num_branches: int | None = None
                                  "train.stage=vp, or set decode.second_drafter (a directory, an export name, or "
                                  "'same')")
         second = load(where) if load is not None else load_drafter(where, target)
-    tree = TreeDrafting(second, k, cfg.decode.tree_placement, cfg.decode.tree_distinct, cfg.decode.tree_siblings)
+    tree = TreeDrafting(second, k, cfg.decode.tree_placement, cfg.decode.tree_distinct)
     try:
         tree.check(first)
     except ValueError as e:
@@ -67,11 +66,11 @@ def one_pass_drafting(cfg: RunConfig, first, nodes: int | None = None, budget: s
 
 def merged_drafting(cfg: RunConfig, first, branches: TreeDrafting, nodes: int | None = None,
                     budget: str | None = None, prices: Prices | None = None) -> MergedDrafting:
-    """The :class:`MergedDrafting` of D²SD's ``branches`` (:func:`tree_drafting`'s, its siblings dropped) and the
+    """The :class:`MergedDrafting` of D²SD's ``branches`` (:func:`tree_drafting`'s) and the
     one-pass tree of ``first``, ``nodes`` (default ``decode.tree_nodes``) spent as ``budget`` (default
     ``decode.tree_budget``; ``measured`` priced by ``prices``), checked before any decoding."""
     nodes = nodes or cfg.decode.tree_nodes
-    merged = MergedDrafting(replace(branches, siblings=0), nodes, cfg.decode.tree_chain,
+    merged = MergedDrafting(branches, nodes, cfg.decode.tree_chain,
                             node_budget(cfg, first, nodes, budget, prices))
     try:
         merged.check(first)

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from specdraft.runtime.drafter import Drafter
-from specdraft.runtime.one_pass import best_first, draft_block, node_paths
+from specdraft.runtime.one_pass import draft_block
 from specdraft.runtime.phase_clock import PhaseClock
 from specdraft.runtime.sampling import SamplingParams, logits_to_probs, sample, sample_from_probs
 from specdraft.runtime.tree import (
@@ -53,14 +53,9 @@ class TreeDrafting:
     distinct: bool = False
     """A branch drafts the second drafter's best token OTHER than the first draft's at its first free slot (the one
     the posterior expects rejected), so no branch repeats the first draft there. Off: its argmax, as published."""
-    siblings: int = 0
-    """One-pass siblings: the first drafter's ``siblings`` most likely paths (best-first over its per-slot
-    distributions, :mod:`specdraft.runtime.one_pass`) join the tree, where its distribution is flat. With siblings
-    the tree's tokens are the drafters' ranked ones at every temperature (under sampling the walk samples the target
-    at each node: lossless for a deterministic tree). 0: D²SD's tree alone (``decode.tree_siblings``)."""
 
     def max_nodes(self, block_size: int) -> int:
-        return 1 + (self.num_branches + 1) * (block_size - 1) + self.siblings
+        return 1 + (self.num_branches + 1) * (block_size - 1)
 
     def round(self, target, drafter: Drafter, dcache, scache, tcache, anchor: torch.Tensor, params: SamplingParams,
               feature_layers: tuple[int, ...], generator: torch.Generator | None, clock: PhaseClock,
@@ -142,22 +137,6 @@ def merge_candidates(first: torch.Tensor, first_q: torch.Tensor | None, first_lo
                       branch_logits)
 
 
-def with_siblings(candidates: torch.Tensor, first_logits: torch.Tensor, siblings: int):
-    """D²SD's candidates ``[b, J + 1, K]`` and, after them, the first drafter's ``siblings`` most likely paths by its
-    per-slot distributions (one candidate per path, as long as its depth): ``(candidates [b, J + 1 + S, K], lengths
-    [b, J + 1 + S])``."""
-    b, C, K = candidates.shape
-    q = first_logits.float().softmax(-1)  # [b, K, V]
-    top, ranked = q.topk(min(siblings, q.shape[-1]), dim=-1)  # [b, K, W]
-    shape = best_first(top, siblings + 1)
-    slot = (shape.depth - 1).clamp_min(0)  # [b, S]
-    tokens = ranked.gather(1, slot[:, :, None].expand(-1, -1, top.shape[-1])).gather(2, shape.rank[:, :, None])[..., 0]
-    paths = node_paths(shape, tokens)  # [b, S, K'] (K' the deepest sibling)
-    paths = torch.cat([paths, paths.new_full((b, siblings, K - paths.shape[-1]), -1)], -1)  # [b, S, K]
-    lengths = torch.cat([torch.full((b, C), K, device=candidates.device), torch.where(shape.valid, shape.depth, 0)], 1)
-    return torch.cat([candidates, paths], 1), lengths
-
-
 def draft_candidates(drafter: Drafter, drafting: TreeDrafting, dcache, scache, anchor: torch.Tensor,
                      clock: PhaseClock, params: SamplingParams = SamplingParams(), sampled: bool = False,
                      generator: torch.Generator | None = None) -> Candidates:
@@ -192,13 +171,10 @@ def tree_round(target, drafter: Drafter, drafting: TreeDrafting, dcache, scache,
                clock: PhaseClock, draft_sampling: str = "sample") -> TreeRound:
     """One D²SD round for every active row. The target cache's committed lengths are left for the engine to raise by
     ``num_accepted + 1``; the accepted path's K/V already sit in those slots."""
-    sampled = not params.greedy and draft_sampling == "sample" and not drafting.siblings
+    sampled = not params.greedy and draft_sampling == "sample"
     cands = draft_candidates(drafter, drafting, dcache, scache, anchor, clock, params, sampled, generator)
-    candidates, draft_logits, hidden = cands.tokens, cands.first_logits, cands.hidden
-    lengths = None
-    if drafting.siblings:
-        candidates, lengths = with_siblings(candidates, draft_logits, drafting.siblings)
-    tree = build_tree(anchor, candidates, lengths)
+    candidates = cands.tokens  # [b, J + 1, K]
+    tree = build_tree(anchor, candidates)
     tree = tree.trimmed(int(tree.num_nodes.max()))  # the ragged batch's largest tree (one host read)
     clock.lap("tree")
     out = target(tree.tokens, cache=tcache, positions=tcache.lengths[:, None] + tree.depth, new_mask=tree.mask,
@@ -207,5 +183,4 @@ def tree_round(target, drafter: Drafter, drafting: TreeDrafting, dcache, scache,
     acc = verify_tree(tree, out.logits, params, generator, cands)
     clock.lap("walk")
     winner = candidates.gather(1, acc.winner[:, None, None].expand(-1, 1, candidates.shape[-1]))[:, 0]  # [b, K]
-    winner = winner.clamp_min(0)  # a sibling's slots past its depth (never accepted) hold -1
-    return commit_path(tree.num_nodes, acc, out, tcache, winner, draft_logits, hidden, clock)
+    return commit_path(tree.num_nodes, acc, out, tcache, winner, cands.first_logits, cands.hidden, clock)

@@ -52,7 +52,7 @@ class MergedDrafting:
 
     branches: TreeDrafting
     """D²SD's part: the second drafter, its branches and where they start (``decode.tree_k``,
-    ``decode.tree_placement``, ``decode.tree_distinct``); its ``siblings`` must be 0 (the one-pass tree holds them)."""
+    ``decode.tree_placement``, ``decode.tree_distinct``)."""
     nodes: int = 64
     """``N``: nodes verified per row and round, the root included (``decode.tree_nodes``)."""
     keep_chain: bool = True
@@ -78,8 +78,6 @@ class MergedDrafting:
         """Raise ``ValueError`` unless the second drafter can branch from ``first``'s blocks into a tree of 2 to
         :data:`~specdraft.runtime.one_pass.MAX_NODES` nodes."""
         self.branches.check(first)
-        if self.branches.siblings:
-            raise ValueError("a merged tree takes its siblings from the one-pass tree: branches.siblings must be 0")
         if not 2 <= self.nodes <= MAX_NODES:
             raise ValueError(f"a merged tree has 2..{MAX_NODES} nodes (the root and at least a draft), not "
                              f"{self.nodes}")

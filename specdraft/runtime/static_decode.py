@@ -50,11 +50,11 @@ own::
 The policy decides on the host between rounds (from the last round's host sync: no extra one), and hears each round's
 accepted drafts and wall seconds.
 
-Scope: chains with a DFlash, VP or ReTrace drafter or none (AR), D²SD trees (with or without one-pass siblings) and
-fixed-budget one-pass and merged trees of stateless drafters, under a fixed or an adaptive policy. ReTrace's
-prior (the rejected suffix it carries into the next round) lives in fixed-shape buffers of each bucket: the draft
-step fuses it into every slot (slots no prior lands on add zero), the commit step returns the drafter's fused view
-of the verify pass, and the next prior is built eagerly from the round's outputs.
+Scope: chains with a DFlash, VP or ReTrace drafter or none (AR), D²SD trees and fixed-budget one-pass and merged
+trees of stateless drafters, under a fixed or an adaptive policy. ReTrace's prior (the rejected suffix it carries
+into the next round) lives in fixed-shape buffers of each bucket: the draft step fuses it into every slot (slots no
+prior lands on add zero), the commit step returns the drafter's fused view of the verify pass, and the next prior is
+built eagerly from the round's outputs.
 """
 
 from __future__ import annotations
@@ -186,8 +186,8 @@ class StaticDecoder:
             fused LM-head argmax (:func:`~specdraft.kernels.lm_head_argmax.lm_head_argmax`) and never materialises
             logits (a tree's first draft keeps its logits: its confidences place the branches; so does a chain's
             under a policy, which reads them).
-        tree: tree rounds, verified at the tree's fixed node budget: D²SD's (a stateless second drafter, with or
-            without one-pass siblings) or one-pass (a fixed budget).
+        tree: tree rounds, verified at the tree's fixed node budget: D²SD's (a stateless second drafter), one-pass
+            or merged (a fixed budget).
         policy: an :class:`AdaptivePolicy` pricing whole rounds (``whole_rounds``) choosing, each round, between a
             drafted round of every row (the block or the tree, as without a policy) and a plain round: the target's
             one-token pass and the drafter's ingest of its features, two more graphs per bucket (in a memory pool of
@@ -392,7 +392,7 @@ class StaticDecoder:
 
     def _tree_round(self, bk: _Bucket, config: GenerationConfig, generator) -> _Round:
         params, tree, K = config.sampling, self.tree, self.block - 1
-        sampled = not params.greedy and config.draft_sampling == "sample" and not tree.siblings
+        sampled = not params.greedy and config.draft_sampling == "sample"
         (logits,) = bk.draft()  # [n, K, V]
         first, first_q = d2sd.draw_tokens(logits, params, sampled, generator)  # [n, K], [n, K, V] or None
         lengths, blocks = d2sd.branch_blocks(bk.anchor, first, logits, tree)  # [n, J], [n, J, Bk]
@@ -400,18 +400,15 @@ class StaticDecoder:
         (branch_logits,) = bk.branch()  # [n, J, K, V]
         cands = d2sd.merge_candidates(first, first_q, logits, None, lengths, branch_logits, tree, params, sampled,
                                       generator)
-        candidates, sibling_lengths = cands.tokens, None  # [n, J + 1, K]
-        if tree.siblings:  # the first drafter's best-first paths after them, a candidate each
-            candidates, sibling_lengths = d2sd.with_siblings(candidates, logits, tree.siblings)
-        # N = the node budget (each sibling adds one node at most to the paths before it): every real node
-        t = d2sd.build_tree(bk.anchor, candidates, sibling_lengths).trimmed(tree.max_nodes(self.block))
+        candidates = cands.tokens  # [n, J + 1, K]
+        t = d2sd.build_tree(bk.anchor, candidates).trimmed(tree.max_nodes(self.block))  # every candidate's node
         verified, features = self._verify_tree(bk, t)  # [n, N, V] (or [n, N] tokens), [n, N, F]
         if self.argmax_heads:
             acc = d2sd.accept_tree(t, verified)  # the target's greedy token at every node
         else:
             acc = d2sd.verify_tree(t, verified, params, generator, cands)
         self._move_path(bk, acc.path, features)
-        winner = candidates.gather(1, acc.winner[:, None, None].expand(-1, 1, K))[:, 0].clamp_min(0)  # [n, K]
+        winner = candidates.gather(1, acc.winner[:, None, None].expand(-1, 1, K))[:, 0]  # [n, K]
         path_logits = None if self.argmax_heads else verified.gather(
             1, acc.path[:, :, None].expand(-1, -1, verified.shape[-1]))  # [n, K + 1, V]
         return _Round(winner, logits, acc.num_accepted, acc.next_token, path_logits, t.num_nodes, acc.winner)

@@ -63,7 +63,7 @@ class Tree(NamedTuple):
                              mask=self.mask[:, :num_nodes, :num_nodes])
 
 
-def build_tree(anchor: torch.Tensor, candidates: torch.Tensor, lengths: torch.Tensor | None = None) -> Tree:
+def build_tree(anchor: torch.Tensor, candidates: torch.Tensor) -> Tree:
     """Merge candidates that share prefixes into one tree per row.
 
     Candidate ``c`` slot ``k`` is a new node unless an earlier candidate carries the same tokens at slots ``0..k``;
@@ -72,40 +72,34 @@ def build_tree(anchor: torch.Tensor, candidates: torch.Tensor, lengths: torch.Te
     Args:
         anchor: ``[b]`` the committed token every candidate continues.
         candidates: ``[b, C, K]`` draft tokens.
-        lengths: ``[b, C]`` slots each candidate holds (default all ``K``); the slots past them are no nodes, and the
-            tree's ``candidates`` hold -1 there (a token no target emits, so no walk goes past a candidate's end).
     """
     b, C, K = candidates.shape
     dev = candidates.device
-    valid = torch.ones(b, C, K, dtype=torch.bool, device=dev) if lengths is None else (
-        torch.arange(K, device=dev) < lengths[:, :, None])  # [b, C, K]
-    candidates = torch.where(valid, candidates, -1)
     same = (candidates[:, :, None, :] == candidates[:, None, :, :]).long().cumprod(-1).bool()  # [b, C, C, K]
     earlier = torch.ones(C, C, dtype=torch.bool, device=dev).tril(-1)  # [C, C] c' < c
-    dup = same & earlier[None, :, :, None] & valid[:, None]  # [b, C, C', K] same prefix as an earlier candidate c'
-    is_new = ~dup.any(2) & valid  # [b, C, K]
+    dup = same & earlier[None, :, :, None]  # [b, C, C', K] same prefix as an earlier candidate c'
+    is_new = ~dup.any(2)  # [b, C, K]
     new_id = is_new.flatten(1).long().cumsum(-1).view(b, C, K)  # [b, C, K] 1-based among new nodes = node id
     first = torch.where(dup, torch.arange(C, device=dev)[None, None, :, None], C).amin(2)  # [b, C, K]
-    owner = torch.where(is_new | ~valid, torch.arange(C, device=dev)[None, :, None], first)  # [b, C, K]
+    owner = torch.where(is_new, torch.arange(C, device=dev)[None, :, None], first)  # [b, C, K]
     N = 1 + C * K
-    node_of = torch.where(valid, new_id.gather(1, owner), 0)  # [b, C, K] new_id[b, owner[b, c, k], k]
+    node_of = new_id.gather(1, owner)  # [b, C, K] new_id[b, owner[b, c, k], k]
     parent_of = torch.cat([node_of.new_zeros(b, C, 1), node_of[:, :, :-1]], dim=-1)  # [b, C, K]
     num_nodes = 1 + is_new.flatten(1).sum(-1)  # [b]
-    write = torch.where(valid, node_of, N)  # [b, C, K] slots past a candidate write to a dropped column
     rows = torch.arange(b, device=dev)[:, None]
-    tokens = anchor[:, None].expand(b, N + 1).clone()  # [b, N + 1] padding nodes repeat the anchor at depth 0
-    depth = torch.zeros(b, N + 1, dtype=torch.long, device=dev)
-    tokens[rows, write.flatten(1)] = candidates.flatten(1)
-    depth[rows, write.flatten(1)] = (torch.arange(K, device=dev) + 1).expand(b, C, K).flatten(1)
+    tokens = anchor[:, None].expand(b, N).clone()  # [b, N] padding nodes repeat the anchor at depth 0
+    depth = torch.zeros(b, N, dtype=torch.long, device=dev)
+    tokens[rows, node_of.flatten(1)] = candidates.flatten(1)
+    depth[rows, node_of.flatten(1)] = (torch.arange(K, device=dev) + 1).expand(b, C, K).flatten(1)
     # node_of[c, k] sees node_of[c, j] for j <= k (j > k points at the root instead), itself and the root;
     # candidates that share a prefix write the same entries
-    mask = torch.eye(N + 1, dtype=torch.bool, device=dev).repeat(b, 1, 1)  # [b, N + 1, N + 1]
+    mask = torch.eye(N, dtype=torch.bool, device=dev).repeat(b, 1, 1)  # [b, N, N]
     mask[:, :, 0] = True
     on_path = torch.ones(K, K, dtype=torch.bool, device=dev).tril()  # [K, K] (query slot k, key slot j)
-    src = write[:, :, :, None].expand(b, C, K, K)  # [b, C, K, K]
+    src = node_of[:, :, :, None].expand(b, C, K, K)  # [b, C, K, K]
     dst = torch.where(on_path, node_of[:, :, None, :], 0)  # [b, C, K, K]
     mask[rows[:, :, None, None].expand(b, C, K, K), src, dst] = True
-    return Tree(tokens[:, :N], depth[:, :N], mask[:, :N, :N], num_nodes, node_of, parent_of, candidates)
+    return Tree(tokens, depth, mask, num_nodes, node_of, parent_of, candidates)
 
 
 class TreeAcceptance(NamedTuple):
@@ -138,17 +132,15 @@ def accept_tree(tree: Tree, node_targets: torch.Tensor) -> TreeAcceptance:
     return TreeAcceptance(num_accepted, node_targets.gather(1, last)[:, 0], winner, path)
 
 
-def proposal_order(tree: Tree, proposes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which proposals the walk tries before which: ``(live [b, C, K], before [b, C', C, K])``. Candidate ``c``
-    proposes its slot ``k`` at node ``parent_of[c, k]`` when it drew that slot itself (``proposes``, and a token, not
-    the -1 past its length); the proposals at one node are tried in candidate order, so ``before[c', c, k]`` holds
-    when ``c' < c`` proposes at the same node as ``c`` (at the same slot: a node's children are one depth down)."""
+def proposal_order(tree: Tree, proposes: torch.Tensor) -> torch.Tensor:
+    """Which proposals the walk tries before which: ``before [b, C', C, K]``. Candidate ``c``
+    proposes its slot ``k`` at node ``parent_of[c, k]`` when it drew that slot itself (``proposes``); the proposals
+    at one node are tried in candidate order, so ``before[c', c, k]`` holds when ``c' < c`` proposes at the same node
+    as ``c`` (at the same slot: a node's children are one depth down)."""
     C = proposes.shape[1]
-    live = proposes & (tree.candidates >= 0)  # [b, C, K]
     at = tree.parent_of  # [b, C, K]
     earlier = torch.ones(C, C, dtype=torch.bool, device=at.device).triu(1)  # [C', C] c' < c
-    before = live[:, :, None] & live[:, None] & (at[:, :, None] == at[:, None]) & earlier[None, :, :, None]
-    return live, before  # [b, C, K], [b, C', C, K]
+    return proposes[:, :, None] & proposes[:, None] & (at[:, :, None] == at[:, None]) & earlier[None, :, :, None]
 
 
 def proposal_offsets(target_probs: torch.Tensor, draft_probs: torch.Tensor, at: torch.Tensor,
@@ -216,8 +208,8 @@ def accept_tree_sampled(tree: Tree, target_probs: torch.Tensor, draft_probs: tor
     b, C, K = tree.candidates.shape
     dev = target_probs.device
     rows = torch.arange(b, device=dev)
-    at, x = tree.parent_of, tree.candidates.clamp_min(0)  # [b, C, K]
-    live, before = proposal_order(tree, proposes)
+    at, x = tree.parent_of, tree.candidates  # [b, C, K]
+    before = proposal_order(tree, proposes)  # [b, C', C, K]
     W, S = proposal_offsets(target_probs, draft_probs, at, before)  # [b, C', C, K], [b, C, K]
     qx = draft_probs[rows[:, None, None], torch.arange(C, device=dev)[:, None], torch.arange(K, device=dev),
                      x].double()  # [b, C, K] q_c(x_c)
@@ -225,17 +217,17 @@ def accept_tree_sampled(tree: Tree, target_probs: torch.Tensor, draft_probs: tor
                             torch.arange(K, device=dev), x[:, None]].double()  # [b, C', C, K] q_c'(x_c)
     px = target_probs[rows[:, None, None], at, x].double()  # [b, C, K]
     u = torch.rand(b, C, K, generator=generator, device=dev, dtype=torch.float64)
-    ok = live & (u * qx * S < (px - (W * q_earlier).sum(1)).clamp_min(0))  # u < p_c(x) / q_c(x); none if S is 0
+    ok = proposes & (u * qx * S < (px - (W * q_earlier).sum(1)).clamp_min(0))  # u < p_c(x) / q_c(x); none if S is 0
     first = ok & ~(before & ok[:, :, None]).any(1)  # [b, C, K] the node's first accepted proposal
     to = torch.zeros_like(target_probs[..., 0], dtype=torch.long).scatter_reduce(
         1, at.flatten(1), torch.where(first, tree.node_of, 0).flatten(1), "amax")  # [b, N] the child each node moves to
-    run = ((to.gather(1, at.flatten(1)).view(b, C, K) == tree.node_of) & (tree.node_of > 0)).long().cumprod(-1).sum(-1)
+    run = (to.gather(1, at.flatten(1)).view(b, C, K) == tree.node_of).long().cumprod(-1).sum(-1)
     num_accepted, winner = run.max(dim=-1)  # [b] (max returns the first maximal candidate)
     path = torch.cat([tree.node_of.new_zeros(b, 1),
                       tree.node_of.gather(1, winner[:, None, None].expand(b, 1, K))[:, 0]], dim=-1)  # [b, K + 1]
     last = path.gather(1, num_accepted[:, None])[:, 0]  # [b] the node the walk stopped at
     slot = num_accepted.clamp_max(K - 1)  # [b] the slot its children were proposed at (none at depth K)
-    tried = (live & (at == last[:, None, None])).gather(2, slot[:, None, None].expand(b, C, 1))[..., 0]  # [b, C]
+    tried = (proposes & (at == last[:, None, None])).gather(2, slot[:, None, None].expand(b, C, 1))[..., 0]  # [b, C]
     tried = tried & (num_accepted < K)[:, None]
     weight = torch.where(tried, S.gather(2, slot[:, None, None].expand(b, C, 1))[..., 0], 0.0)  # [b, C]
     q = draft_probs[rows, :, slot]  # [b, C, V]

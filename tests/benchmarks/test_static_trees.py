@@ -18,8 +18,8 @@ def test_the_static_path_decodes_every_tree_as_the_eager_engine():
     target = make_target(seed=7, vocab=6, std=1.0)
     first = make_drafter(target, seed=2, block_size=5, std=0.3)
     second = convert_drafter(make_drafter(target, seed=5, block_size=5, std=0.3), "vp")
-    trees = {"dflash": None, "d2sd": TreeDrafting(second, 2), "d2sd+siblings": TreeDrafting(second, 2, siblings=4),
-             "ddtree": OnePassDrafting(10), "merged": MergedDrafting(TreeDrafting(second, 2), 10)}
+    trees = {"dflash": None, "d2sd": TreeDrafting(second, 2), "ddtree": OnePassDrafting(10),
+             "merged": MergedDrafting(TreeDrafting(second, 2), 10)}
     prompts = [[1, 2, 3], [5, 4, 3, 2, 1, 0], [4], [2, 2], [3, 1, 4, 1, 5]]
     report = compare(target, first, trees, {"s": prompts}, [0.0, 1.0], batch_size=2, max_new_tokens=12)
     assert not report["graphs"]  # a CPU runs the static rounds without graphs

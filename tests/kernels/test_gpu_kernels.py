@@ -14,6 +14,7 @@ from specdraft.kernels.speculative_attention import (
 from specdraft.runtime.d2sd import TreeDrafting
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.drafter_io import convert_drafter
+from specdraft.runtime.merged import MergedDrafting
 from specdraft.runtime.one_pass import OnePassDrafting
 from specdraft.runtime.static_decode import StaticDecoder, StaticEngine
 from tests.helpers import make_drafter, make_target, requires_cuda, retrace_from
@@ -80,9 +81,9 @@ def test_cuda_graph_decode_equals_eager_decode():
     assert [r.tokens for r in heads] == [r.tokens for r in want]  # no logits, same tokens (ties aside: none here)
 
 
-@pytest.mark.parametrize("kind", ["d2sd", "d2sd_siblings", "one_pass"])
+@pytest.mark.parametrize("kind", ["d2sd", "merged", "one_pass"])
 def test_cuda_graph_tree_rounds_are_the_eager_static_rounds(kind):
-    """D²SD (with and without siblings) and one-pass trees on the CUDA-graph path: the first draft, D²SD's branches,
+    """D²SD, merged and one-pass trees on the CUDA-graph path: the first draft, D²SD's branches,
     the tree's verify pass (at its fixed node budget) and the commit replay as graphs, and every round equals the same
     static rounds run eagerly."""
     prompts = [[1, 2, 3], [5, 4, 3, 2, 1, 0], [4], [2, 2], [3, 1, 4, 1, 5], [0], [1, 1, 1, 3], [1, 0], [5, 5, 1]]
@@ -91,8 +92,8 @@ def test_cuda_graph_tree_rounds_are_the_eager_static_rounds(kind):
     bind = (target.model.embed_tokens, target.lm_head)
     first = make_drafter(target, seed=2, block_size=5, std=0.3).cuda().bind_target(*bind)
     second = convert_drafter(make_drafter(target, seed=5, block_size=5, std=0.3), "vp").cuda().bind_target(*bind)
-    siblings = 4 if kind == "d2sd_siblings" else 0
-    tree = OnePassDrafting(12) if kind == "one_pass" else TreeDrafting(second, 2, siblings=siblings)
+    tree = {"d2sd": TreeDrafting(second, 2), "merged": MergedDrafting(TreeDrafting(second, 2), 12),
+            "one_pass": OnePassDrafting(12)}[kind]
     graphed = StaticEngine(target, first, 16, graphs=True, tree=tree)
     eager = StaticEngine(target, first, 16, graphs=False, tree=tree)
     counts = check_conformance((target, lambda p: (first, tree), graphed), (target, lambda p: (first, tree), eager),

@@ -51,7 +51,6 @@ def test_dotted_overrides_are_typed():
      "decode.cuda_graphs"),
     (["decode.tree_nodes=1"], "decode.tree_nodes"),
     (["decode.tree_nodes=1001"], "decode.tree_nodes"),
-    (["decode.tree_siblings=-1"], "decode.tree_siblings"),
     (["bench.tree_nodes=[1]"], "bench.tree_nodes"),
     (["bench.merged_nodes=[1]"], "bench.merged_nodes"),
     (["decode.method=merged", "decode.tree_budget=measured", "decode.cuda_graphs=true", "decode.batching=static"],
@@ -98,6 +97,13 @@ def test_cli_missing_target_path_is_one_clean_line(tmp_path, capsys):
 def test_flat_keys_of_earlier_releases_name_their_new_key(old, new):
     with pytest.raises(SpecdraftError, match=f"renamed to '{new}'"):
         load_config(None, [old])
+
+
+@pytest.mark.parametrize("key,instead", [("decode.tree_siblings=64", "decode.method=merged"),
+                                         ("bench.tree_siblings=[64]", "bench.merged_nodes")])
+def test_a_removed_key_names_the_option_that_covers_it(key, instead):
+    with pytest.raises(SpecdraftError, match=f"'{key.split('=')[0]}': was removed: {instead}"):
+        load_config(None, [key])
 
 
 def test_option_groups_nest_under_the_layer_that_uses_them():

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from specdraft.runtime.cost_model import CostModel, extend_costs, measure_costs
-from specdraft.runtime.d2sd import TreeDrafting
 from specdraft.runtime.decode import GenerationConfig, generate
 from specdraft.runtime.node_budget import NodeBudget, budget_choices
 from specdraft.runtime.one_pass import (
@@ -224,36 +223,6 @@ def test_the_harness_fails_on_a_wrong_one_pass_rule(rule, monkeypatch):
                                     lambda target, mode, bk: one_pass_factory("stub", target, mode, bk, nodes[bk]),
                                     rule.startswith("sampled"), ALPHA)
     assert caught, (rule, got)
-
-
-def merged_factory(target, mode: str, block_size: int, siblings: int):
-    """``prompts -> (first drafter, TreeDrafting)``: D²SD's controlled drafters (the first one's wrong drafts have the
-    target's token as runner-up) with ``siblings`` one-pass paths in the same tree."""
-    return lambda prompts: (
-        ControlledDrafter(target, prompts, block_size, mode=mode, right=0.6, runner_up=True),
-        TreeDrafting(ControlledDrafter(target, prompts, block_size, mode=mode, seed=1, right=0.5,
-                                       alternative=mode == "mix"), 2, siblings=siblings))
-
-
-def test_d2sd_with_siblings_is_the_targets_with_branches_and_siblings_winning():
-    target = make_target(seed=3, vocab=48)
-    winners: list[int] = []
-    engine = functools.partial(generate, observer=lambda rec: winners.extend(rec.winner.tolist()))
-    got = check_greedy(target, merged_factory(target, "oracle", 6, 12), RAGGED_PROMPTS, RAGGED_CAPS, engine=engine)
-    assert got["mismatches"] == 0 and got["full"] and got["partial"] and got["stopped_rows"] > 0, got
-    assert any(0 < w <= 2 for w in winners) and any(w > 2 for w in winners), "a branch and a sibling each won"
-    alone = check_greedy(target, merged_factory(target, "oracle", 6, 0), RAGGED_PROMPTS, RAGGED_CAPS)
-    assert got["tau"] > alone["tau"], (got, alone)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("params", SAMPLING_SETTINGS[:2], ids=lambda p: f"T{p.temperature:g}")
-def test_d2sd_with_siblings_under_sampling_is_distributed_as_the_targets(params):
-    """With siblings the tree is deterministic at every temperature: the walk samples the target at each node."""
-    target = make_target(seed=7, vocab=6, std=0.5)
-    got = sampling_pvalues(target, merged_factory(target, "mix", 4, 6), params)
-    assert got.min_p > ALPHA, got
-    assert got.profile["tau"] > 1.5 and got.profile["full"] and got.profile["branch_wins"] > 0, got.profile
 
 
 def _budget(cost):

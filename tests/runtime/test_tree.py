@@ -83,21 +83,6 @@ def test_tree_deduplicates_shared_prefixes_and_masks_ancestors_exactly():
     assert tree.mask[1, pad].nonzero().flatten().tolist() == [0, pad]
 
 
-def test_candidates_of_fewer_slots_end_where_their_length_says():
-    cands = torch.tensor([[[5, 6, 7], [5, 8, 9], [4, 4, 4]]])
-    tree = build_tree(torch.tensor([3]), cands, torch.tensor([[3, 2, 0]]))
-    prefixes = _prefixes(tree, 0)
-    assert sorted(prefixes.values()) == [(), (5,), (5, 6), (5, 6, 7), (5, 8)]
-    assert int(tree.num_nodes[0]) == 5 and tree.candidates[0, 1, 2] == -1 and (tree.candidates[0, 2] == -1).all()
-    for n, pre in prefixes.items():
-        for m, other in prefixes.items():
-            assert bool(tree.mask[0, n, m]) == (pre[:len(other)] == other), (n, m)
-    assert tree.mask[0, 5].nonzero().flatten().tolist() == [0, 5] and not tree.mask[0, :5, 5].any()  # padding
-    targets = torch.tensor([[5, 8, 0, 0, 9] + [0] * 5])  # 5 then 8: the walk ends at (5, 8), the node the last has
-    acc = accept_tree(tree, targets)
-    assert (int(acc.num_accepted[0]), int(acc.next_token[0]), int(acc.winner[0])) == (2, 9, 1)
-
-
 def _walk(tree, row, targets):
     """The sequential walk: from the root, follow the child whose token is the target's token at the node."""
     prefixes = _prefixes(tree, row)
@@ -117,9 +102,7 @@ def test_accept_tree_equals_a_sequential_walk_on_random_trees():
     for trial in range(200):
         b, C, K, V = 3, 1 + trial % 4, 1 + trial % 5, 3
         cands = torch.randint(0, V, (b, C, K), generator=rng)
-        lengths = torch.randint(0, K + 1, (b, C), generator=rng) if trial % 2 else None
-        tree = build_tree(torch.zeros(b, dtype=torch.long), cands, lengths)
-        cands = tree.candidates  # -1 past each candidate's length
+        tree = build_tree(torch.zeros(b, dtype=torch.long), cands)
         targets = torch.randint(0, V, tree.tokens.shape, generator=rng)
         got = accept_tree(tree, targets)
         for row in range(b):
@@ -231,11 +214,11 @@ def test_the_residual_after_rejected_proposals_is_the_sequential_one():
     tree = build_tree(torch.tensor([3, 2]), cands)
     q = torch.softmax(torch.randn(2, *cands.shape[1:], V, generator=rng) * 2, -1)  # [2, C, K, V]
     p = torch.softmax(torch.randn(2, tree.tokens.shape[1], V, generator=rng), -1)  # [2, N, V]
-    live, before = proposal_order(tree, proposes)
+    before = proposal_order(tree, proposes)
     W, S = proposal_offsets(p, q, tree.parent_of, before)  # [2, C', C, K], [2, C, K]
     checked = 0
     for r, (c, k) in itertools.product(range(2), itertools.product(range(cands.shape[1]), range(cands.shape[2]))):
-        if not live[r, c, k]:
+        if not proposes[r, c, k]:
             continue
         residual = p[r, tree.parent_of[r, c, k]].double()  # the sequential rule, one proposal after another
         for e in range(c):
