@@ -618,6 +618,10 @@ def field_docs(cls) -> dict[str, str]:
 
 def explain(cfg: "RunConfig", key: str) -> str:
     """``key``'s type, value in ``cfg`` and description (``specdraft CMD CONFIG --explain train.lr``)."""
+    if key in RENAMED:
+        _fail(key, f"was renamed to '{RENAMED[key]}'")
+    if key in REMOVED:
+        _fail(key, REMOVED[key])
     node, cls, parts = cfg, type(cfg), key.split(".")
     for i, part in enumerate(parts):
         names = [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else []

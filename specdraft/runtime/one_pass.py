@@ -181,23 +181,6 @@ def build_nodes(anchor: torch.Tensor, shape: Shape, tokens: torch.Tensor, max_de
     return NodeTree(node_tokens, depth, mask, 1 + shape.valid.sum(-1), children, parent, rank)
 
 
-def node_paths(shape: Shape, tokens: torch.Tensor) -> torch.Tensor:
-    """``[b, M, K]`` each node's tokens from the root down to it (slots past its depth, and padding nodes: -1)."""
-    b, M = tokens.shape
-    K = int(shape.depth.max())
-    parent = torch.cat([shape.parent.new_zeros(b, 1), shape.parent], 1)  # [b, N] by node id
-    depth = torch.cat([shape.depth.new_zeros(b, 1), torch.where(shape.valid, shape.depth, 0)], 1)  # [b, N]
-    tok = torch.cat([tokens.new_zeros(b, 1), tokens], 1)  # [b, N]
-    paths = tokens.new_full((b, M, K + 1), -1)  # slot K: where the root writes (dropped)
-    cur = torch.arange(1, M + 1, device=tokens.device).expand(b, M)  # [b, M] walking up from each node
-    for _ in range(K):
-        d = depth.gather(1, cur)  # [b, M] 0 once at the root
-        paths.scatter_(2, torch.where(d > 0, d - 1, K)[:, :, None], torch.where(d > 0, tok.gather(1, cur), -1)[
-            :, :, None])
-        cur = parent.gather(1, cur)
-    return paths[:, :, :K]
-
-
 def draw_without_replacement(q: torch.Tensor, count: int, generator: torch.Generator | None) -> torch.Tensor:
     """``[..., count]`` tokens drawn one after another without replacement from ``q`` ``[..., V]`` (Gumbel top-k in
     its exponential form: the order of ``q / E``, ``E ~ Exp(1)``, is the order of ``log q + G``, that sequential

@@ -4,7 +4,7 @@ import pytest
 
 from specdraft.errors import SpecdraftError
 from specdraft.pipeline.cli import main
-from specdraft.pipeline.config import RunConfig, load_config
+from specdraft.pipeline.config import RunConfig, explain, load_config
 from specdraft.pipeline.stages import default_drafter_dir
 
 CONFIGS = sorted(Path(__file__).resolve().parents[2].joinpath("configs").glob("*.yaml"))
@@ -102,8 +102,11 @@ def test_flat_keys_of_earlier_releases_name_their_new_key(old, new):
 @pytest.mark.parametrize("key,instead", [("decode.tree_siblings=64", "decode.method=merged"),
                                          ("bench.tree_siblings=[64]", "bench.merged_nodes")])
 def test_a_removed_key_names_the_option_that_covers_it(key, instead):
-    with pytest.raises(SpecdraftError, match=f"'{key.split('=')[0]}': was removed: {instead}"):
+    name = key.split("=")[0]
+    with pytest.raises(SpecdraftError, match=f"'{name}': was removed: {instead}"):
         load_config(None, [key])
+    with pytest.raises(SpecdraftError, match=f"'{name}': was removed: {instead}"):
+        explain(RunConfig(), name)
 
 
 def test_option_groups_nest_under_the_layer_that_uses_them():

@@ -139,7 +139,7 @@ def _sampled_walk_law(tree, p, q, proposes, row: int) -> torch.Tensor:
         law, target, stay = torch.zeros(p.shape, dtype=torch.float64), p[node].double(), 1.0
         for c in range(C if depth < K else 0):
             x = int(tree.candidates[row, c, depth])
-            if not proposes[row, c, depth] or x < 0 or int(tree.parent_of[row, c, depth]) != node:
+            if not proposes[row, c, depth] or int(tree.parent_of[row, c, depth]) != node:
                 continue
             draft = q[c, depth].double()
             accept = min(1.0, float(target[x] / draft[x]))
