@@ -483,6 +483,14 @@ def _fail(key: str, msg: str):
     raise SpecdraftError(f"config key '{key}': {msg}")
 
 
+def _refuse_retired(key: str) -> None:
+    """One line for a key of an earlier release: where it moved, or what covers it now."""
+    if key in RENAMED:
+        _fail(key, f"was renamed to '{RENAMED[key]}'")
+    if key in REMOVED:
+        _fail(key, REMOVED[key])
+
+
 def _coerce(key: str, tp, value):
     origin = typing.get_origin(tp)
     if origin is Literal:
@@ -533,10 +541,7 @@ def _build(cls, data: dict, prefix: str = ""):
     names = [f.name for f in dataclasses.fields(cls)]
     for k in data:
         if k not in names:
-            if f"{prefix}{k}" in RENAMED:
-                _fail(f"{prefix}{k}", f"was renamed to '{RENAMED[prefix + k]}'")
-            if f"{prefix}{k}" in REMOVED:
-                _fail(f"{prefix}{k}", REMOVED[prefix + k])
+            _refuse_retired(f"{prefix}{k}")
             close = difflib.get_close_matches(str(k), names, n=1)
             hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
             _fail(f"{prefix}{k}", f"unknown key{hint}; valid keys: {', '.join(names)}")
@@ -618,10 +623,7 @@ def field_docs(cls) -> dict[str, str]:
 
 def explain(cfg: "RunConfig", key: str) -> str:
     """``key``'s type, value in ``cfg`` and description (``specdraft CMD CONFIG --explain train.lr``)."""
-    if key in RENAMED:
-        _fail(key, f"was renamed to '{RENAMED[key]}'")
-    if key in REMOVED:
-        _fail(key, REMOVED[key])
+    _refuse_retired(key)
     node, cls, parts = cfg, type(cfg), key.split(".")
     for i, part in enumerate(parts):
         names = [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else []

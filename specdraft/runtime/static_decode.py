@@ -165,7 +165,7 @@ class _Round(NamedTuple):
 
 
 def slots_needed(prompts: Sequence[Sequence[int]], caps: Sequence[int], block: int,
-                 tree: TreeDrafting | OnePassDrafting | None = None) -> int:
+                 tree: TreeDrafting | OnePassDrafting | MergedDrafting | None = None) -> int:
     """Cache slots a batch needs: its longest request, a verify pass (a block, or the tree's node budget) and a
     drafter block of scratch past it."""
     verify = tree.max_nodes(block) if tree is not None else block
@@ -196,7 +196,8 @@ class StaticDecoder:
 
     def __init__(self, target: TargetLM, drafter: Drafter | None, max_batch: int, max_len: int,
                  buckets: Sequence[int] = BUCKETS, graphs: bool | None = None, argmax_heads: bool = False,
-                 tree: TreeDrafting | OnePassDrafting | None = None, policy: AdaptivePolicy | None = None):
+                 tree: TreeDrafting | OnePassDrafting | MergedDrafting | None = None,
+                 policy: AdaptivePolicy | None = None):
         dev = target.lm_head.weight.device
         self.check_drafter(drafter)
         if policy is not None:
@@ -626,7 +627,8 @@ class StaticEngine:
 
     def __init__(self, target: TargetLM, drafter: Drafter | None, max_batch: int, argmax_heads: bool = False,
                  graphs: bool | None = None, buckets: Sequence[int] = BUCKETS, slot_step: int = 256,
-                 tree: TreeDrafting | OnePassDrafting | None = None, policy: AdaptivePolicy | None = None):
+                 tree: TreeDrafting | OnePassDrafting | MergedDrafting | None = None,
+                 policy: AdaptivePolicy | None = None):
         StaticDecoder.check_drafter(drafter)
         self.target, self.drafter, self.tree, self.policy, self.max_batch = target, drafter, tree, policy, max_batch
         self.argmax_heads, self.graphs, self.buckets, self.slot_step = argmax_heads, graphs, buckets, slot_step
@@ -634,7 +636,7 @@ class StaticEngine:
 
     def __call__(self, target: TargetLM, prompts: Sequence[Sequence[int]], config: GenerationConfig,
                  drafter: Drafter | None = None, generator: torch.Generator | None = None,
-                 tree: TreeDrafting | OnePassDrafting | None = None,
+                 tree: TreeDrafting | OnePassDrafting | MergedDrafting | None = None,
                  observer: Callable[[RoundRecord], None] | None = None, policy: AdaptivePolicy | None = None,
                  **_) -> list[RowResult]:
         if target is not self.target or drafter is not self.drafter or policy is not self.policy:
