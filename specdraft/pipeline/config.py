@@ -220,8 +220,9 @@ class DecodeConfig:
     """ar (target alone), a registered drafter architecture (dflash, retrace; must match the drafter), d2sd (a
     DFlash first drafter and a second drafter re-drafting from its likely rejection points; a prefix tree per
     round), ddtree (a tree from the DFlash drafter's one pass, best-first under ``tree_nodes``), or merged (d2sd's
-    branches and ddtree's paths in one tree, the best ``tree_nodes`` of both by estimated path probability; ranked
-    tokens at every temperature, so under sampling ddtree's sampled siblings accept more)."""
+    branches and ddtree's paths in one tree, the best ``tree_nodes`` of both by estimated path probability, ranked
+    tokens; under sampling with sampled drafts, the default, a merged job verifies ddtree's tree of sampled siblings
+    instead, its second drafter idle: sampled branches measured no better per node than those siblings)."""
     drafter: str = ""
     """The drafter: an HF-format directory, or an export name under ``<work_dir>/drafter/`` (default: the run's
     training export; for d2sd, the first drafter)."""

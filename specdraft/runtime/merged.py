@@ -13,7 +13,8 @@ own block.
 
 Every token is a drafter's ranked token (argmax branches, the first drafter's ranked siblings), so the tree is
 deterministic and the walk follows the target's own token at each node (its argmax, or a sample from it): lossless
-at every temperature (:func:`~specdraft.runtime.one_pass.accept_nodes`).
+at every temperature (:func:`~specdraft.runtime.one_pass.accept_nodes`). Under sampling with sampled drafts (the
+default) a merged job verifies the one-pass tree of the same budget instead (:func:`samples_drafts`).
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ import torch
 
 from specdraft.runtime.d2sd import Candidates, TreeDrafting, branch_candidates
 from specdraft.runtime.drafter import Drafter
-from specdraft.runtime.merged_sampled import sampled_merged_round
 from specdraft.runtime.node_budget import NodeBudget
 from specdraft.runtime.one_pass import (
     _CHAIN,
     _DEPTH_TIE,
     MAX_NODES,
+    OnePassDrafting,
     Shape,
     best_first,
     budget_setting,
@@ -39,7 +40,6 @@ from specdraft.runtime.one_pass import (
     draft_block,
     node_tokens,
     skips_tree,
-    twins,
     verify_nodes,
 )
 from specdraft.runtime.phase_clock import PhaseClock
@@ -87,12 +87,22 @@ class MergedDrafting:
     def round(self, target, drafter: Drafter, dcache, scache, tcache, anchor: torch.Tensor, params: SamplingParams,
               feature_layers: tuple[int, ...], generator: torch.Generator | None, clock: PhaseClock,
               draft_sampling: str = "sample") -> TreeRound:
-        if not params.greedy and draft_sampling == "sample" and self.budget is None:
-            import os  # noqa: PLC0415  prototype
-            return sampled_merged_round(target, drafter, self, dcache, scache, tcache, anchor, params, feature_layers,
-                                        generator, clock, float(os.environ.get("SPECDRAFT_BRANCH_SHARE", "0.5")))
         return merged_round(target, drafter, self, dcache, scache, tcache, anchor, params, feature_layers, generator,
                             clock)
+
+    def one_pass(self) -> OnePassDrafting:
+        """The tree a merged job of sampled drafts verifies: the first drafter's one-pass tree of the same budget
+        (:func:`samples_drafts`)."""
+        return OnePassDrafting(self.nodes, self.keep_chain, self.budget)
+
+
+def samples_drafts(params: SamplingParams, draft_sampling: str) -> bool:
+    """Whether a merged job verifies the one-pass tree of sampled siblings instead of its merged tree of ranked
+    tokens (its second drafter idle): under sampling with sampled drafts (``draft_sampling="sample"``, the default).
+    The second drafter's branches, drawn from its own distributions and tried with the siblings by recursive
+    rejection sampling, were measured to accept no more per node than the siblings they displace, and ranked tokens
+    accept far less than sampled ones under sampling (docs/results.md)."""
+    return not params.greedy and draft_sampling == "sample"
 
 
 def candidate_log_probs(cands: Candidates, log_q1: torch.Tensor, log_q2: torch.Tensor) -> torch.Tensor:
@@ -124,7 +134,8 @@ def merged_shape(anchor: torch.Tensor, cands: Candidates, one: Shape, ranked: to
         q1: ``[b, K, V]`` the first drafter's distributions; q2: ``[b, J, K, V]`` the second drafter's per branch.
         keep_chain: the first draft's nodes come first, as deep as the budget allows.
     """
-    b, M, dev = one.parent.shape[0], one.parent.shape[1], q1.device
+    b, K, _ = q1.shape
+    M, W, dev = one.parent.shape[1], ranked.shape[-1], q1.device
     rows = torch.arange(b, device=dev)[:, None]
     one_tok = node_tokens(one, ranked, None, None)  # [b, M]
     # D²SD's candidates as one prefix tree (node ids 1..C*K, parents first)
@@ -135,7 +146,20 @@ def merged_shape(anchor: torch.Tensor, cands: Candidates, one: Shape, ranked: to
     d_lp = lp.new_full((b, Nd), float("-inf")).scatter_reduce(1, node_of, lp, "amax")  # [b, Nd] best candidate's
     d_parent = torch.zeros(b, Nd, dtype=torch.long, device=dev).scatter(1, node_of, parent_of)  # [b, Nd]
     d_real = torch.arange(Nd, device=dev) < dtree.num_nodes[:, None]  # [b, Nd]
-    twin = twins(dtree, d_parent, d_real, one, ranked)  # [b, Nd]
+    # each D²SD node's twin in the one-pass tree (-1: none), found level by level through the children by rank
+    children = torch.zeros(b, (M + 1) * W + 1, dtype=torch.long, device=dev)
+    children[rows, torch.where(one.valid, one.parent * W + one.rank, (M + 1) * W)] = torch.arange(
+        1, M + 1, device=dev).expand(b, M)
+    children = children[:, :-1].view(b, M + 1, W)  # [b, M + 1, W] one-pass node ids by (parent, rank); 0: none
+    at_rank = ranked.gather(1, (dtree.depth - 1).clamp_min(0)[:, :, None].expand(-1, -1, W)) == dtree.tokens[
+        :, :, None]  # [b, Nd, W]
+    ranked_at, rank = at_rank.any(-1), at_rank.long().argmax(-1)  # [b, Nd]
+    twin = torch.where(torch.arange(Nd, device=dev) == 0, 0, -1).expand(b, Nd)
+    for d in range(1, K + 1):
+        up = twin.gather(1, d_parent)  # [b, Nd] the parent's twin
+        kid = children[rows, up.clamp_min(0), rank]  # [b, Nd]
+        found = (up >= 0) & ranked_at & (kid > 0) & d_real
+        twin = torch.where(dtree.depth == d, torch.where(found, kid, -1), twin)
     # the union: the root, the one-pass nodes 1..M, then D²SD's nodes without a twin at M + id
     d_union = torch.where(twin >= 0, twin, M + torch.arange(Nd, device=dev))  # [b, Nd]
     parent = torch.cat([one.parent.new_zeros(b, 1), one.parent, d_union.gather(1, d_parent)[:, 1:]], 1)  # [b, U]

@@ -32,7 +32,7 @@ from specdraft.runtime.drafter import Drafter
 from specdraft.runtime.node_budget import NodeBudget
 from specdraft.runtime.phase_clock import PhaseClock
 from specdraft.runtime.sampling import SamplingParams, logits_to_probs, sample, sample_from_probs, sample_residual
-from specdraft.runtime.tree import Tree, TreeAcceptance
+from specdraft.runtime.tree import TreeAcceptance
 from specdraft.runtime.tree_round import TreeRound, commit_path
 from specdraft.runtime.verify import accept_greedy, accept_speculative_sampling
 
@@ -264,14 +264,14 @@ def residual_offsets(p: torch.Tensor, q: torch.Tensor, rest: torch.Tensor, live:
     return torch.stack(T, -1), torch.stack(S, -1)
 
 
-def sibling_moves(tree: NodeTree, target_probs: torch.Tensor, draft_probs: torch.Tensor,
-                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def accept_nodes_sampled(tree: NodeTree, target_probs: torch.Tensor, draft_probs: torch.Tensor,
+                         generator: torch.Generator | None = None) -> TreeAcceptance:
     """Recursive rejection sampling down a tree whose siblings were drawn WITHOUT replacement from ``q_d``: at the
     current node its children ``x_0, x_1, ..`` are tried in draw order, ``x_j`` accepted with probability
     ``min(1, p_j(x_j) / q_j(x_j))`` where ``q_j`` is ``q_d`` without ``x_0..x_{j-1}`` (renormalised: what ``x_j`` was
-    drawn from) and ``p_j`` the target's distribution after the ``j`` rejections (:func:`residual_offsets`):
-    ``(to [b, N], T [b, N])``, the child each node's first acceptance moves to (0: every child rejected) and the
-    ``T`` of what is left of ``p`` there after all its children, ``relu(p - T q_d)``.
+    drawn from) and ``p_j`` the target's distribution after the ``j`` rejections (:func:`residual_offsets`). When
+    every child is rejected a token is drawn from what is left of ``p`` and the walk stops. Every emitted token is
+    distributed as the target's (Jeon et al., arXiv:2402.14160).
 
     Vectorised: which child the walk would move to is decided at every node at once, each with its own uniforms
     (it visits one node per depth, so deciding the others too changes no law), and the walk follows those moves
@@ -310,61 +310,15 @@ def sibling_moves(tree: NodeTree, target_probs: torch.Tensor, draft_probs: torch
     ok = tried & (u * qx * S < rest * (px - T[..., :W] * qx).clamp_min(0))  # u < p_j(x_j) / q_j(x_j); none if S is 0
     moved = ok.any(-1)  # [b, N]
     to = torch.where(moved, kids.gather(2, ok.long().argmax(-1, keepdim=True))[..., 0], 0)  # [b, N] first accepted
-    return to, T.gather(2, fanout[:, :, None])[..., 0]
-
-
-def accept_nodes_sampled(tree: NodeTree, target_probs: torch.Tensor, draft_probs: torch.Tensor,
-                         generator: torch.Generator | None = None) -> TreeAcceptance:
-    """Recursive rejection sampling down a tree whose siblings were drawn WITHOUT replacement from ``q_d``
-    (:func:`sibling_moves`), followed from the root; when every child of the node it reached is rejected a token is
-    drawn from what is left of ``p`` there and the walk stops. Every emitted token is distributed as the target's
-    (Jeon et al., arXiv:2402.14160).
-
-    Args:
-        target_probs: ``[b, N, V]`` the target's processed distribution after each node.
-        draft_probs: ``[b, K, V]`` the first drafter's processed distribution ``q_d`` per slot.
-    """
-    N, K = tree.tokens.shape[1], draft_probs.shape[1]
-    to, offset = sibling_moves(tree, target_probs, draft_probs, generator)  # [b, N], [b, N]
-    moves = to.gather(1, tree.parent) == torch.arange(N, device=to.device)  # [b, N]
+    moves = to.gather(1, tree.parent) == torch.arange(N, device=dev)  # [b, N]
     last, num_accepted, path, sibling = follow_moves(tree, moves, K)
-    left = leftover(target_probs, draft_probs, tree, last, offset.gather(1, last[:, None])[:, 0])  # [b, V]
-    return TreeAcceptance(num_accepted, sample_residual(left, target_probs[torch.arange(len(last)), last], generator),
-                          sibling, path)
-
-
-def leftover(target_probs: torch.Tensor, draft_probs: torch.Tensor, tree: NodeTree, last: torch.Tensor,
-             offset: torch.Tensor) -> torch.Tensor:
-    """``[b, V]`` the target's distribution at node ``last`` ``[b]`` after every sibling drawn there from ``q_d`` was
-    rejected, unnormalised: ``relu(p - T q_d)`` with ``offset`` ``[b]`` its ``T``."""
-    rows = torch.arange(len(last), device=last.device)
-    slot = tree.depth.gather(1, last[:, None])[:, 0].clamp_max(draft_probs.shape[1] - 1)  # [b]
-    p = target_probs[rows, last]  # [b, V]
-    return (p - offset[:, None].to(p.dtype) * draft_probs[rows, slot]).clamp_min(0)
-
-
-def twins(dtree: Tree, d_parent: torch.Tensor, d_real: torch.Tensor, one: Shape, ranked: torch.Tensor) -> torch.Tensor:
-    """``[b, Nd]`` each D²SD node's twin in the one-pass tree ``one`` (its node id; the root's is 0, -1: none): the
-    one-pass node on the same path of tokens, found level by level through the children by rank (``ranked``
-    ``[b, K, W]`` each slot's tokens by rank; ``d_parent`` ``[b, Nd]`` the D²SD nodes' parents, ``d_real`` which
-    are nodes)."""
-    b, M = one.parent.shape
-    W, K, Nd, dev = ranked.shape[-1], ranked.shape[1], dtree.tokens.shape[1], ranked.device
-    rows = torch.arange(b, device=dev)[:, None]
-    children = torch.zeros(b, (M + 1) * W + 1, dtype=torch.long, device=dev)
-    children[rows, torch.where(one.valid, one.parent * W + one.rank, (M + 1) * W)] = torch.arange(
-        1, M + 1, device=dev).expand(b, M)
-    children = children[:, :-1].view(b, M + 1, W)  # [b, M + 1, W] one-pass node ids by (parent, rank); 0: none
-    at_rank = ranked.gather(1, (dtree.depth - 1).clamp_min(0)[:, :, None].expand(-1, -1, W)) == dtree.tokens[
-        :, :, None]  # [b, Nd, W]
-    ranked_at, rank = at_rank.any(-1), at_rank.long().argmax(-1)  # [b, Nd]
-    twin = torch.where(torch.arange(Nd, device=dev) == 0, 0, -1).expand(b, Nd)
-    for d in range(1, K + 1):
-        up = twin.gather(1, d_parent)  # [b, Nd] the parent's twin
-        kid = children[rows, up.clamp_min(0), rank]  # [b, Nd]
-        found = (up >= 0) & ranked_at & (kid > 0) & d_real
-        twin = torch.where(dtree.depth == d, torch.where(found, kid, -1), twin)
-    return twin
+    stop = last[:, None]  # [b, 1]
+    offset = T.gather(1, stop[:, :, None].expand(-1, -1, W + 1))[:, 0].gather(1, fanout.gather(1, stop))  # [b, 1]
+    p = target_probs[rows[:, 0], last]  # [b, V]
+    left = (p - offset.to(p.dtype) * draft_probs[rows[:, 0], slot.gather(1, stop)[:, 0]]).clamp_min(
+        0)  # [b, V] the target's distribution after every child of the last node failed
+    next_token = sample_residual(left, p, generator)
+    return TreeAcceptance(num_accepted, next_token, sibling, path)
 
 
 def draft_block(drafter: Drafter, dcache, anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

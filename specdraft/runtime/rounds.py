@@ -17,6 +17,7 @@ import torch
 
 from specdraft.runtime.backlog import Backlog
 from specdraft.runtime.d2sd import TreeDrafting
+from specdraft.runtime.merged import MergedDrafting, samples_drafts
 from specdraft.runtime.models.target import TargetLM
 from specdraft.runtime.one_pass import OnePassDrafting
 from specdraft.runtime.phase_clock import PhaseClock, wall_seconds
@@ -266,16 +267,19 @@ class AdaptiveRounds(ChainRounds):
         return (self.second, caches["s"]) if self.second is not None else None
 
 
-def rounds_for(job: Job, tree: TreeDrafting | OnePassDrafting | None, policy: AdaptivePolicy | None,
+def rounds_for(job: Job, tree: TreeDrafting | OnePassDrafting | MergedDrafting | None, policy: AdaptivePolicy | None,
                extra_room: int) -> PlainRounds:
     """The round kind for a job: the target alone without a drafter, else a tree, a policy's or a chain's rounds
-    (``extra_room``: the drafter cache slots a backlog flush may write past the target's)."""
+    (``extra_room``: the drafter cache slots a backlog flush may write past the target's). A merged tree of sampled
+    drafts is its one-pass tree (:func:`~specdraft.runtime.merged.samples_drafts`)."""
     if tree is not None and job.drafter is None:
         raise ValueError("tree drafting needs a first drafter")
     if policy is not None and job.drafter is None:
         raise ValueError("an adaptive policy chooses when to draft: it needs a drafter")
     if job.drafter is None:
         return PlainRounds(job)
+    if isinstance(tree, MergedDrafting) and samples_drafts(job.params, job.draft_sampling):
+        tree = tree.one_pass()  # no second drafter to feed
     if policy is not None:
         return AdaptiveRounds(job, policy, extra_room, tree)
     return TreeRounds(job, tree) if tree is not None else ChainRounds(job)

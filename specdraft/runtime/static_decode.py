@@ -37,7 +37,8 @@ rounds run eagerly: the CPU tests check the static-shape logic, the GPU tests th
 A one-pass round (``tree=`` a fixed-budget :class:`~specdraft.runtime.one_pass.OnePassDrafting`) is the D²SD round
 without the branch step: the best-first tree of the first draft's distributions, eagerly, at its node budget.
 A merged round (:class:`~specdraft.runtime.merged.MergedDrafting`) is the D²SD round whose tree is the best nodes of
-its branches and the one-pass tree, padded to the fixed ``max_nodes``.
+its branches and the one-pass tree, padded to the fixed ``max_nodes`` (of sampled drafts: the one-pass round, padded
+alike).
 
 With an adaptive policy (``policy=``, pricing whole rounds) each round is either the drafted round above, for every
 row, or a plain round: the target's one-token pass and the drafter's ingest of its features, two graphs of their
@@ -414,20 +415,25 @@ class StaticDecoder:
             1, acc.path[:, :, None].expand(-1, -1, verified.shape[-1]))  # [n, K + 1, V]
         return _Round(winner, logits, acc.num_accepted, acc.next_token, path_logits, t.num_nodes, acc.winner)
 
-    def _one_pass_round(self, bk: _Bucket, config: GenerationConfig, generator) -> _Round:
-        params, drafting, K = config.sampling, self.one_pass, self.block - 1
+    def _one_pass_round(self, bk: _Bucket, config: GenerationConfig, generator,
+                        drafting: OnePassDrafting | None = None, nodes: int | None = None) -> _Round:
+        """A one-pass round of ``drafting`` (default the job's), its tree padded to ``nodes`` (default its own)."""
+        params, drafting, K = config.sampling, drafting or self.one_pass, self.block - 1
         sampled = not params.greedy and config.draft_sampling == "sample"
         (logits,) = bk.draft()  # [n, K, V]
         q = logits_to_probs(logits, params) if sampled else logits.float().softmax(-1)  # [n, K, V]
         shape, ranked = one_pass.tree_shape(q, drafting)  # N - 1 nodes (padding where no path is left)
         tokens = one_pass.node_tokens(shape, ranked, q if sampled else None, generator)  # [n, N - 1]
+        shape, tokens = merged.padded(shape, tokens, (nodes or drafting.nodes) - 1)
         t = one_pass.build_nodes(bk.anchor, shape, tokens, K, width=ranked.shape[-1])
         return self._walk_nodes(bk, t, logits, q if sampled else None, config, generator)
 
     def _merged_round(self, bk: _Bucket, config: GenerationConfig, generator) -> _Round:
         params, tree, K = config.sampling, self.tree, self.block - 1
+        if merged.samples_drafts(params, config.draft_sampling):  # the one-pass tree, in the bucket's verify shape
+            return self._one_pass_round(bk, config, generator, tree.one_pass(), tree.max_nodes(self.block))
         (logits,) = bk.draft()  # [n, K, V]
-        first = logits.argmax(-1)  # [n, K] a merged tree drafts ranked tokens at every temperature
+        first = logits.argmax(-1)  # [n, K] a merged tree drafts ranked tokens
         lengths, blocks = d2sd.branch_blocks(bk.anchor, first, logits, tree.branches)  # [n, J], [n, J, Bk]
         bk.branch_blocks.copy_(blocks)
         (branch_logits,) = bk.branch()  # [n, J, K, V]

@@ -178,12 +178,33 @@ def test_a_measured_budget_on_a_merged_tree_is_lossless_and_shrinks_where_nodes_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("params", SAMPLING_SETTINGS[:2], ids=lambda p: f"T{p.temperature:g}")
-def test_merged_under_sampling_is_distributed_as_the_targets(params):
-    """The merged tree is deterministic at every temperature: the walk samples the target at each node."""
+@pytest.mark.parametrize("drafts", ["sample", "greedy"])
+def test_merged_under_sampling_is_distributed_as_the_targets(params, drafts):
+    """Ranked drafts (``greedy``): the merged tree, the walk sampling the target at each node. Sampled drafts: the
+    one-pass tree of sampled siblings."""
     target = make_target(seed=7, vocab=6, std=0.5)
-    got = sampling_pvalues(target, merged_factory(target, "mix", 4, 8), params)
+    got = sampling_pvalues(target, merged_factory(target, "mix", 4, 8), params, draft_sampling=drafts)
     assert got.min_p > ALPHA, got
     assert got.profile["tau"] > 1.5 and got.profile["full"] and got.profile["branch_wins"] > 0, got.profile
+
+
+@pytest.mark.parametrize("budget", [None, "measured"])
+def test_merged_under_sampled_drafts_decodes_as_the_one_pass_tree(budget):
+    """Under sampling with sampled drafts a merged job verifies the one-pass tree of its budget: the same tokens as a
+    ddtree job from the same seed (its second drafter drafts nothing)."""
+    target = make_target(seed=3, vocab=48)
+    first, second = _drafters(target, RAGGED_PROMPTS, "mix", 6, 0.5, (None, None))
+    gen = GenerationConfig(max_new_tokens=24, sampling=SAMPLING_SETTINGS[1])
+    def price():
+        return priced_budget(6, 12, lambda rows, n: 1e-3 * rows * n) if budget else None
+    def run(tree):
+        return [r.tokens for r in generate(target, RAGGED_PROMPTS, gen, drafter=first, tree=tree,
+                                           generator=torch.Generator().manual_seed(0))]
+    drafted = []
+    second.draft_branches = lambda *a: drafted.append(1)
+    assert run(MergedDrafting(TreeDrafting(second, 2), 12, budget=price())) == run(
+        OnePassDrafting(12, budget=price()))
+    assert not drafted
 
 
 @pytest.mark.slow

@@ -266,13 +266,27 @@ def test_one_pass_sampled_output_fits_the_target_distribution(drafts):
 
 
 @pytest.mark.slow
-def test_merged_sampled_output_fits_the_target_distribution():
-    """A merged tree's tokens are ranked at every temperature: the walk samples the target at each node."""
+@pytest.mark.parametrize("drafts", ["sample", "greedy"])
+def test_merged_sampled_output_fits_the_target_distribution(drafts):
+    """Ranked drafts: the merged tree, the walk sampling the target at each node. Sampled drafts: the one-pass tree
+    of sampled siblings, padded to the merged tree's verify shape."""
     target = make_target(seed=7, vocab=6, std=0.5)
     check = sampling_pvalues(target, merged_factory(target, 8, block_size=4), SAMPLING_SETTINGS[1], n=6000,
-                             engine=static_engine((1, 6000)))
+                             draft_sampling=drafts, engine=static_engine((1, 6000)))
     assert check.min_p > ALPHA, check
     assert check.profile["partial"] + check.profile["full"] > 0 and check.profile["branch_wins"] > 0, check
+
+
+def test_merged_sampled_drafts_decode_as_the_one_pass_tree():
+    """Under sampling with sampled drafts the static path's merged round is its one-pass round: the same tokens from
+    the same seed (a budget above the branch blocks' 10 slots: the same verify shape, so the same draws)."""
+    target = make_target(seed=7, vocab=6, std=1.0)
+    gen = GenerationConfig(max_new_tokens=CAPS, sampling=SAMPLING_SETTINGS[1])
+    def run(factory):
+        drafter, tree = factory(PROMPTS)
+        return [r.tokens for r in static_engine(slot_step=1)(target, PROMPTS, gen, drafter=drafter, tree=tree,
+                                                             generator=torch.Generator().manual_seed(0))]
+    assert run(merged_factory(target, 12)) == run(one_pass_factory(target, 12))
 
 
 @pytest.mark.slow
