@@ -19,6 +19,7 @@ from specdraft.runtime.batch_job import Decoding
 from specdraft.runtime.decode import GenerationConfig
 from specdraft.runtime.drafter_io import load_drafter
 from specdraft.runtime.load import load_target
+from specdraft.runtime.merged import samples_drafts
 from specdraft.runtime.sampling import SamplingParams
 from specdraft.runtime.static_decode import StaticEngine
 
@@ -53,6 +54,10 @@ def build_decoding(cfg: RunConfig, world, drafter_dir: Path | None, tokenizer, d
         tree = tree_drafting(cfg, target, drafter, load=load)
         if d.method == "merged":
             tree = merged_drafting(cfg, drafter, tree, prices=prices)
+            if samples_drafts(SamplingParams(d.temperature, d.top_k, d.top_p), d.draft_sampling):
+                log(f"decode: merged at temperature {d.temperature:g} with sampled drafts verifies the one-pass tree "
+                    f"of {d.tree_nodes} nodes, its second drafter idle (draft_sampling=greedy: the merged tree of "
+                    "ranked tokens)")
         if d.backend == "trt":  # the branches are one draft pass of tree_k blocks: the engine's profile must hold it
             check_engine_tokens(cfg.second_drafter_dir() or drafter_dir or default_drafter_dir(cfg),
                                 tree.num_branches * tree.second.block_size, "tree_k", "the branches draft")

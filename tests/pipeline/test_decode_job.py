@@ -140,6 +140,24 @@ def test_greedy_decode_job_equals_ar_job(tiny_world, drafter_dir, tmp_path):
     assert tau["merged", "true"] == tau["merged", "static"]
 
 
+def test_a_merged_job_of_sampled_drafts_is_the_one_pass_job(tiny_world, drafter_dir, tmp_path, capsys):
+    """At T>0 with sampled drafts a merged job verifies the one-pass tree of its budget: the rows a ddtree job of the
+    same seed writes, and a line that says so."""
+    inp = tmp_path / "in.jsonl"
+    _three_prompts(inp)
+    rows = {}
+    for method, extra in (("ddtree", []), ("merged", ["decode.second_drafter=same", "decode.tree_k=2"])):
+        out = tmp_path / f"{method}.jsonl"
+        assert main(["decode", *_args(tiny_world, drafter_dir, tmp_path, f"decode.method={method}",
+                                      "decode.temperature=1", "decode.tree_nodes=8", *extra),
+                     "--input", str(inp), "--output", str(out)]) == 0
+        rows[method] = [{k: r[k] for k in ("id", "completion", "tau")}
+                        for r in map(json.loads, out.read_text().splitlines())]
+    assert rows["merged"] == rows["ddtree"]
+    captured = capsys.readouterr()
+    assert "merged at temperature 1 with sampled drafts verifies the one-pass tree" in captured.out + captured.err
+
+
 def test_a_retrace_job_on_the_static_path_writes_the_eager_jobs_rows(tiny_world, drafter_dir, tmp_path):
     """decode.cuda_graphs with a ReTrace drafter (an active fusion: its prior changes the drafts): the static rounds
     carry the prior as the eager engine does; under the adaptive policy, eager or static, the job writes the same
