@@ -369,7 +369,8 @@ class BenchConfig:
     tau and tokens/s against the budget, ``bench_tree_nodes.png``)."""
     merged_nodes: list[int] = field(default_factory=list)
     """merged rows: for each DFlash drafter in ``stages`` and each node budget here, a merged tree row with
-    ``decode.tree_k`` branches (drawn in ``bench_tree_nodes.png`` too)."""
+    ``decode.tree_k`` branches (drawn in ``bench_tree_nodes.png`` too; at T>0 with sampled drafts a merged job
+    verifies the one-pass tree, so those rows are the ddtree rows of the budget)."""
 
     def __post_init__(self):
         for k in self.tree_ks:

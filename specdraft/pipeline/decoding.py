@@ -48,21 +48,24 @@ def build_decoding(cfg: RunConfig, world, drafter_dir: Path | None, tokenizer, d
         return machine_costs(cfg.work_path, target, drafter, drafter_dir, (d.batch_size,), tokens, log=log)
 
     tree = None
-    if d.method in ("d2sd", "merged"):  # on an engine backend the second drafter is read from its own export too
+    one_pass = d.method == "ddtree" or d.method == "merged" and samples_drafts(
+        SamplingParams(d.temperature, d.top_k, d.top_p), d.draft_sampling)
+    if d.method in ("d2sd", "merged") and not one_pass:  # on an engine backend the second drafter is read from its
+        # own export too
         load = None if d.backend == "torch" else lambda where: backend_models(d.backend, where, world,
                                                                                with_target=False)[1]
         tree = tree_drafting(cfg, target, drafter, load=load)
         if d.method == "merged":
             tree = merged_drafting(cfg, drafter, tree, prices=prices)
-            if samples_drafts(SamplingParams(d.temperature, d.top_k, d.top_p), d.draft_sampling):
-                log(f"decode: merged at temperature {d.temperature:g} with sampled drafts verifies the one-pass tree "
-                    f"of {d.tree_nodes} nodes, its second drafter idle (draft_sampling=greedy: the merged tree of "
-                    "ranked tokens)")
         if d.backend == "trt":  # the branches are one draft pass of tree_k blocks: the engine's profile must hold it
             check_engine_tokens(cfg.second_drafter_dir() or drafter_dir or default_drafter_dir(cfg),
                                 tree.num_branches * tree.second.block_size, "tree_k", "the branches draft")
-    if d.method == "ddtree":
+    if one_pass:
         tree = one_pass_drafting(cfg, drafter, prices=prices)
+        if d.method == "merged":
+            log(f"decode: merged at temperature {d.temperature:g} with sampled drafts verifies the one-pass tree of "
+                f"{d.tree_nodes} nodes; its second drafter is not loaded (draft_sampling=greedy: the merged tree of "
+                "ranked tokens)")
     if tree is not None and d.backend == "trt":  # so is the target's verify pass over the tree's nodes
         check_engine_tokens(drafter_dir or default_drafter_dir(cfg), tree.max_nodes(drafter.block_size),
                             "tree_nodes" if d.method != "d2sd" else "tree_k",

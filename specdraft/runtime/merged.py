@@ -211,7 +211,7 @@ def merged_round(target, drafter: Drafter, drafting: MergedDrafting, dcache, sca
     and the second drafter does not draft."""
     started = time.perf_counter()
     logits, hidden = draft_block(drafter, dcache, anchor)  # [b, K, V], [b, Bk, D]
-    first = logits.argmax(-1)  # [b, K] ranked drafts at every temperature
+    first = logits.argmax(-1)  # [b, K] ranked drafts
     clock.lap("draft")
     q1, budget = walk_probs(logits, params), drafting.budget
     if skips_tree(drafting, logits.shape[1]):

@@ -266,12 +266,12 @@ def test_one_pass_sampled_output_fits_the_target_distribution(drafts):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("drafts", ["sample", "greedy"])
-def test_merged_sampled_output_fits_the_target_distribution(drafts):
+@pytest.mark.parametrize(("drafts", "nodes"), [("sample", 6), ("greedy", 8)])
+def test_merged_sampled_output_fits_the_target_distribution(drafts, nodes):
     """Ranked drafts: the merged tree, the walk sampling the target at each node. Sampled drafts: the one-pass tree
-    of sampled siblings, padded to the merged tree's verify shape."""
+    of sampled siblings, its 6 nodes padded to the merged tree's verify shape (two branch blocks of 4)."""
     target = make_target(seed=7, vocab=6, std=0.5)
-    check = sampling_pvalues(target, merged_factory(target, 8, block_size=4), SAMPLING_SETTINGS[1], n=6000,
+    check = sampling_pvalues(target, merged_factory(target, nodes, block_size=4), SAMPLING_SETTINGS[1], n=6000,
                              draft_sampling=drafts, engine=static_engine((1, 6000)))
     assert check.min_p > ALPHA, check
     assert check.profile["partial"] + check.profile["full"] > 0 and check.profile["branch_wins"] > 0, check
