@@ -12,13 +12,13 @@ import argparse
 import json
 from collections import defaultdict
 
-from specdraft.pipeline.bench import budget_label, mean_ratio_interval, ratio_interval
+from specdraft.pipeline.bench import mean_ratio_interval, ratio_interval
 from specdraft.pipeline.trees import FIRST_DRAFTERS
 
 
 def variant(r: dict) -> str:
     if r["method"] in ("ddtree", "merged"):
-        return f"{r['method']} N={r['tree_nodes']}" + budget_label(r)
+        return f"{r['method']} N={r['tree_nodes']}" + (" measured" if r.get("tree_budget") == "measured" else "")
     return (f"d2sd K={r['tree_k']} {r['placement']}" + (" distinct" if r.get("distinct") else "")
             + (f" +{r['siblings']} siblings" if r.get("siblings") else ""))  # reports before tree_siblings went
 

@@ -310,11 +310,10 @@ def _ar(target, prompts, caps, stop=()):
 
 
 def check_greedy(target, factory: DrafterFactory, prompts: list[list[int]], caps: list[int],
-                 engine: Callable | None = None, coupled: bool = False) -> dict:
+                 engine: Callable | None = None) -> dict:
     """Greedy equality at batch 1 and on the ragged batch ``prompts`` (8+ rows, per-row ``caps``), and again with a
     stop token that the free run emits inside an accepted run. Returns counts; the caller asserts on them:
-    ``mismatches`` (rows differing from the target alone or from one-row decoding) must be 0. ``coupled``: the rows
-    share a budget, so a row's rounds differ from its one-row decoding (its tokens must not)."""
+    ``mismatches`` (rows differing from the target alone or from one-row decoding) must be 0."""
     assert len(prompts) >= 8 and len({len(p) for p in prompts}) > 1 and len(set(caps)) > 1
     mismatches = 0
     expected = _ar(target, prompts, caps)
@@ -325,8 +324,7 @@ def check_greedy(target, factory: DrafterFactory, prompts: list[list[int]], caps
     mismatches += sum(r.tokens != e for r, e in zip(batch, expected))
     singles = [run(target, [p], GenerationConfig(max_new_tokens=c), factory, engine=engine)[0]
                for p, c in zip(prompts, caps)]
-    mismatches += sum(r.tokens != s.tokens or not coupled and r.accept_lengths != s.accept_lengths
-                      for r, s in zip(batch, singles))
+    mismatches += sum(r.tokens != s.tokens or r.accept_lengths != s.accept_lengths for r, s in zip(batch, singles))
     stop = _stop_inside_accepted_run(batch)
     stopped = run(target, prompts, GenerationConfig(max_new_tokens=caps, stop_token_ids=(stop,)), factory,
                   engine=engine)

@@ -74,8 +74,7 @@ def one_pass_summary(results, tree: OnePassDrafting | MergedDrafting) -> dict:
     left the drafter's most likely tokens (a sibling or a branch won) and drafts accepted per round."""
     nodes = [n for r in results for n in r.nodes]
     rounds = max(len(nodes), 1)
-    how = "measured" if tree.budget is not None else "pooled" if tree.pooled else "fixed"
-    return {"tree_nodes": tree.nodes, "tree_budget": how,
+    return {"tree_nodes": tree.nodes, "tree_budget": "fixed" if tree.budget is None else "measured",
             "nodes_per_round": sum(nodes) / rounds,
             "sibling_share": sum(w > 0 for r in results for w in r.winner) / rounds,
             "accepted_per_round": sum(a for r in results for a in r.accepted) / rounds}
@@ -263,13 +262,13 @@ def run_bench(cfg: RunConfig, world, tracker: Tracker, log=print) -> dict:
             tree_rows[f"d2sd{k}:{st}"] = ("d2sd", partial(replace, trees[k]))
         for n in b.tree_nodes if drafter.arch_name in FIRST_DRAFTERS else []:
             for how in b.tree_budgets or [cfg.decode.tree_budget]:
-                tree_rows[f"ddtree{n}:{st}" + ("" if how == "fixed" else f"+{how}")] = (
+                tree_rows[f"ddtree{n}:{st}" + ("+measured" if how == "measured" else "")] = (
                     "ddtree", partial(one_pass_drafting, cfg, drafter, n, how, prices))
         if b.merged_nodes and drafter.arch_name in FIRST_DRAFTERS:
             branches = trees.get(cfg.decode.tree_k) or tree_drafting(cfg, tgt, drafter)
             for n in b.merged_nodes:
                 for how in b.tree_budgets or [cfg.decode.tree_budget]:
-                    tree_rows[f"merged{n}:{st}" + ("" if how == "fixed" else f"+{how}")] = (
+                    tree_rows[f"merged{n}:{st}" + ("+measured" if how == "measured" else "")] = (
                         "merged", partial(merged_drafting, cfg, drafter, branches, n, how, prices))
         for name, (method, tree) in tree_rows.items():
             if "fixed" in b.policies:
@@ -415,7 +414,7 @@ def write_reports(rows: list[dict], out_dir: Path) -> dict:
                   + (" distinct" if r.get("distinct") else "")) \
             if r["method"] == "d2sd" else r["method"]
         if r["method"] in ("ddtree", "merged"):
-            method = f"{r['method']} N={r['tree_nodes']}" + budget_label(r)
+            method = f"{r['method']} N={r['tree_nodes']}" + (" measured" if r.get("tree_budget") == "measured" else "")
         if r.get("backend", "torch") != "torch":
             method += f" @{r['backend']}"
         if r.get("policy") == "adaptive":
@@ -483,14 +482,8 @@ def _label(r: dict) -> str:
     batching = " (continuous)" if r.get("batching") == "continuous" else ""
     size = r.get("tree_nodes") if r["method"] == "merged" else r.get("tree_k", r.get("tree_nodes", ""))
     name = "ar" if r["method"] == "ar" else f"{r['method']}{size}:{r['stage']}"
-    name += budget_label(r).replace(" ", "+")
+    name += "+measured" if r.get("tree_budget") == "measured" else ""
     return f"{name}{backend}{policy}{batching}"
-
-
-def budget_label(r: dict) -> str:
-    """`` measured`` or `` pooled`` for a tree row of that budget, else nothing (fixed, and rows of no tree)."""
-    how = r.get("tree_budget", "fixed")
-    return "" if how == "fixed" else f" {how}"
 
 
 def _plot_tree_nodes(rows: list[dict], path: Path) -> None:
@@ -503,7 +496,7 @@ def _plot_tree_nodes(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     trees = [r for r in rows if r["method"] in ("ddtree", "merged") and r["batching"] == "static"
-             and r.get("tree_budget", "fixed") == "fixed" and r.get("policy", "fixed") == "fixed"]
+             and r.get("tree_budget") != "measured" and r.get("policy", "fixed") == "fixed"]
     chains = {(r["stage"], r["suite"], r["temperature"], r["batch_size"]): r for r in rows
               if r["method"] in FIRST_DRAFTERS and r.get("policy") == "fixed" and r["batching"] == "static"
               and r.get("backend", "torch") == "torch"}

@@ -233,10 +233,8 @@ class DecodeConfig:
     tree_nodes: int = 32
     """ddtree and merged: nodes each row verifies per round, the root included (the most likely paths under the
     drafters' distributions)."""
-    tree_budget: Literal["fixed", "pooled", "measured"] = "fixed"
-    """ddtree and merged: fixed verifies ``tree_nodes`` every round; pooled verifies ``tree_nodes`` a row on average,
-    the batch's nodes spent row by row on the likeliest paths of any row (a row up to 4 times ``tree_nodes``; on
-    the torch backend a verify pass computes only the real nodes); measured verifies, each round, the budget up to
+    tree_budget: Literal["fixed", "measured"] = "fixed"
+    """ddtree and merged: fixed verifies ``tree_nodes`` every round; measured verifies, each round, the budget up to
     ``tree_nodes`` (from the drafter's block up) that maximises expected committed tokens per second, the verify pass
     priced at the batch's rows and context by this machine's cost model (measured once, cached under
     ``<work_dir>/policy/``) and the tree's path probabilities calibrated by the rounds so far; with
@@ -303,11 +301,11 @@ class DecodeConfig:
                               "backend runs its own graphs (set decode.cuda_graphs=false)")
         if self.policy == "adaptive" and self.method == "ar":
             raise OptionError("policy", "adaptive chooses how many drafts to verify: method 'ar' has no drafter")
-        if self.cuda_graphs and self.method in ("ddtree", "merged") and self.tree_budget != "fixed":
-            raise OptionError("cuda_graphs", f"a {self.tree_budget} tree budget varies the nodes a row verifies; the "
-                              "static path verifies a fixed budget per bucket: set decode.tree_budget=fixed")
-        if self.tree_budget not in ("fixed", "pooled", "measured"):
-            raise OptionError("tree_budget", f"{self.tree_budget!r} is not one of fixed, pooled, measured")
+        if self.cuda_graphs and self.method in ("ddtree", "merged") and self.tree_budget == "measured":
+            raise OptionError("cuda_graphs", "a measured tree budget varies the nodes a round verifies; the static "
+                              "path verifies a fixed budget per bucket: set decode.tree_budget=fixed")
+        if self.tree_budget not in ("fixed", "measured"):
+            raise OptionError("tree_budget", f"{self.tree_budget!r} is not one of fixed, measured")
         if self.batching not in ("continuous", "static"):
             raise OptionError("batching", f"{self.batching!r} is not one of continuous, static")
         if self.cuda_graphs and self.batching == "continuous":
@@ -363,7 +361,7 @@ class BenchConfig:
     tree_ks: list[int] = field(default_factory=list)
     """D²SD rows: for each DFlash drafter in ``stages`` and each K here, a d2sd row with that first drafter and K
     branches (second drafter and placement from ``decode.second_drafter`` / ``decode.tree_placement``)."""
-    tree_budgets: list[Literal["fixed", "pooled", "measured"]] = field(default_factory=list)
+    tree_budgets: list[Literal["fixed", "measured"]] = field(default_factory=list)
     """ddtree and merged rows: for each node budget, a row per way of spending it (empty: ``decode.tree_budget``
     only)."""
     tree_nodes: list[int] = field(default_factory=list)

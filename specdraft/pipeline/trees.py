@@ -61,8 +61,7 @@ def one_pass_drafting(cfg: RunConfig, first, nodes: int | None = None, budget: s
         raise SpecdraftError(f"config key 'decode.method': ddtree drafts with a {' or '.join(FIRST_DRAFTERS)} drafter, "
                              f"not {first.arch_name!r} (its cross-round state has no meaning in a tree)")
     nodes = nodes or cfg.decode.tree_nodes
-    return OnePassDrafting(nodes, cfg.decode.tree_chain, node_budget(cfg, first, nodes, budget, prices),
-                           (budget or cfg.decode.tree_budget) == "pooled")
+    return OnePassDrafting(nodes, cfg.decode.tree_chain, node_budget(cfg, first, nodes, budget, prices))
 
 
 def merged_drafting(cfg: RunConfig, first, branches: TreeDrafting, nodes: int | None = None,
@@ -71,8 +70,8 @@ def merged_drafting(cfg: RunConfig, first, branches: TreeDrafting, nodes: int | 
     one-pass tree of ``first``, ``nodes`` (default ``decode.tree_nodes``) spent as ``budget`` (default
     ``decode.tree_budget``; ``measured`` priced by ``prices``), checked before any decoding."""
     nodes = nodes or cfg.decode.tree_nodes
-    merged = MergedDrafting(branches, nodes, cfg.decode.tree_chain, node_budget(cfg, first, nodes, budget, prices),
-                            (budget or cfg.decode.tree_budget) == "pooled")
+    merged = MergedDrafting(branches, nodes, cfg.decode.tree_chain,
+                            node_budget(cfg, first, nodes, budget, prices))
     try:
         merged.check(first)
     except ValueError as e:

@@ -178,7 +178,7 @@ def tree_round(target, drafter: Drafter, drafting: TreeDrafting, dcache, scache,
     tree = tree.trimmed(int(tree.num_nodes.max()))  # the ragged batch's largest tree (one host read)
     clock.lap("tree")
     out = target(tree.tokens, cache=tcache, positions=tcache.lengths[:, None] + tree.depth, new_mask=tree.mask,
-                 feature_layers=feature_layers, live=tree.live())  # logits [b, N, V]
+                 feature_layers=feature_layers)  # logits [b, N, V]
     clock.lap("verify")
     acc = verify_tree(tree, out.logits, params, generator, cands)
     clock.lap("walk")

@@ -40,7 +40,6 @@ from specdraft.runtime.one_pass import (
     draft_block,
     node_tokens,
     skips_tree,
-    tree_cap,
     verify_nodes,
 )
 from specdraft.runtime.phase_clock import PhaseClock
@@ -63,9 +62,6 @@ class MergedDrafting:
     budget: NodeBudget | None = None
     """Set: each round verifies the best prefix of the tree, up to ``nodes``, that maximises expected committed tokens
     per second (``decode.tree_budget=measured``); None: ``nodes`` every round."""
-    pooled: bool = False
-    """The batch verifies ``nodes`` a row on average, spent row by row (``decode.tree_budget=pooled``; as
-    :attr:`~specdraft.runtime.one_pass.OnePassDrafting.pooled`)."""
 
     @property
     def second(self) -> Drafter:
@@ -78,7 +74,7 @@ class MergedDrafting:
     def max_nodes(self, block_size: int) -> int:
         """Cache slots a round writes past a row's context: its nodes, or the second drafter's ``J`` branch blocks
         when they are more (the static path pads its tree to this size)."""
-        return max(tree_cap(self), self.num_branches * block_size)
+        return max(self.nodes, self.num_branches * block_size)
 
     def check(self, first: Drafter) -> None:
         """Raise ``ValueError`` unless the second drafter can branch from ``first``'s blocks into a tree of 2 to
@@ -97,7 +93,7 @@ class MergedDrafting:
     def one_pass(self) -> OnePassDrafting:
         """The tree a merged job of sampled drafts verifies: the first drafter's one-pass tree of the same budget
         (:func:`samples_drafts`)."""
-        return OnePassDrafting(self.nodes, self.keep_chain, self.budget, self.pooled)
+        return OnePassDrafting(self.nodes, self.keep_chain, self.budget)
 
 
 def samples_drafts(params: SamplingParams, draft_sampling: str) -> bool:
@@ -221,7 +217,7 @@ def merged_round(target, drafter: Drafter, drafting: MergedDrafting, dcache, sca
     if skips_tree(drafting, logits.shape[1]):
         return chain_round(target, budget, first, None, logits, hidden, tcache, anchor, params, feature_layers,
                            generator, clock, started)
-    one, ranked = one_pass_part(q1, tree_cap(drafting), drafting.keep_chain)
+    one, ranked = one_pass_part(q1, drafting.nodes, drafting.keep_chain)
     if budget is not None and drafting.keep_chain:
         n = choose_nodes(budget, one, tcache, budget_setting(params, None), clock)
         if n == budget.choices[0]:

@@ -135,28 +135,6 @@ class NodeBudget:
         self.overhead_s[kind] = extra if kind not in self.overhead_s else 0.8 * self.overhead_s[kind] + 0.2 * extra
 
 
-POOL_CAP = 4
-"""A pooled budget's row verifies at most this many times the batch's mean budget (:func:`pooled_counts`)."""
-
-
-def pooled_counts(node_probs: torch.Tensor, total: int, floor: int) -> torch.Tensor:
-    """``[b]`` nodes each row verifies, the root included, when the batch verifies ``total``: every row its first
-    ``floor`` (the drafter's block when it is kept first), the rest to the non-root nodes of highest path probability
-    in any row. Past its first ``floor - 1`` a row's best-first order keeps its probabilities non-increasing, so a
-    row's share is the best tree of its size.
-
-    Args:
-        node_probs: ``[b, M]`` each non-root node's path probability in the tree's best-first order (0: no node).
-    """
-    b, M = node_probs.shape
-    floor = min(floor, M + 1)
-    rest = node_probs[:, floor - 1:].double()  # [b, R] the nodes past every row's floor
-    extra = min(max(total - b * floor, 0), rest.numel())
-    key = rest - torch.arange(rest.shape[1], device=rest.device, dtype=torch.float64) * 1e-12  # ties: earlier first
-    taken = key.flatten().topk(extra).indices // max(rest.shape[1], 1)  # [extra] the row of each node taken
-    return floor + torch.bincount(taken, minlength=b)
-
-
 def budget_choices(block_size: int, nodes: int) -> tuple[int, ...]:
     """The drafter's block, then about 1.5 times more each step, up to ``nodes``."""
     out, n = [], min(block_size, nodes)

@@ -29,7 +29,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from specdraft.runtime.drafter import Drafter
-from specdraft.runtime.node_budget import POOL_CAP, NodeBudget, pooled_counts
+from specdraft.runtime.node_budget import NodeBudget
 from specdraft.runtime.phase_clock import PhaseClock
 from specdraft.runtime.sampling import SamplingParams, logits_to_probs, sample, sample_from_probs, sample_residual
 from specdraft.runtime.tree import TreeAcceptance
@@ -59,13 +59,10 @@ class OnePassDrafting:
     budget: NodeBudget | None = None
     """Set: each round verifies the budget up to ``nodes`` that maximises expected committed tokens per second
     (``decode.tree_budget=measured``); None: ``nodes`` every round."""
-    pooled: bool = False
-    """The batch verifies ``nodes`` a row on average, spent row by row on the likeliest paths of any row, a row up to
-    :data:`~specdraft.runtime.node_budget.POOL_CAP` times that (``decode.tree_budget=pooled``)."""
     second = None  # no second drafter: the tree is the first drafter's
 
     def max_nodes(self, block_size: int) -> int:
-        return tree_cap(self)
+        return self.nodes
 
     def check(self, first: Drafter) -> None:
         if not 2 <= self.nodes <= MAX_NODES:
@@ -156,13 +153,6 @@ class NodeTree(NamedTuple):
     children: torch.Tensor  # [b, N, W] node ids of each node's children by rank (0: none)
     parent: torch.Tensor  # [b, N] (the root's and padding nodes': 0)
     rank: torch.Tensor  # [b, N] a node's rank among its siblings (0: the drafter's likeliest token there)
-
-    def live(self) -> torch.Tensor | None:
-        """``[b, N]`` the real nodes (the root, and every node of depth 1 or more), for a packed verify pass; None
-        when every node is real."""
-        real = self.depth > 0
-        real[:, 0] = True
-        return None if bool(real.all()) else real
 
 
 def build_nodes(anchor: torch.Tensor, shape: Shape, tokens: torch.Tensor, max_depth: int,
@@ -343,24 +333,9 @@ def draft_block(drafter: Drafter, dcache, anchor: torch.Tensor) -> tuple[torch.T
 def tree_shape(q: torch.Tensor, drafting: OnePassDrafting):
     """``(shape, ranked [b, K, W])``: the best-first tree over ``q`` ``[b, K, V]`` at the drafting's node budget, and
     each slot's tokens by rank."""
-    W = min(tree_cap(drafting) - 1, q.shape[-1])
+    W = min(drafting.nodes - 1, q.shape[-1])
     top, ranked = q.topk(W, dim=-1)  # [b, K, W]
-    return best_first(top, tree_cap(drafting), drafting.keep_chain), ranked
-
-
-def tree_cap(drafting) -> int:
-    """The nodes a row's tree is built to: the budget, or a pooled budget's cap."""
-    return min(POOL_CAP * drafting.nodes, MAX_NODES) if drafting.pooled else drafting.nodes
-
-
-def pooled_shape(shape: Shape, drafting, block: int) -> Shape:
-    """The best tree of each row's share of the batch's pooled budget (:func:`~specdraft.runtime.node_budget.
-    pooled_counts`): ``shape`` cut to the widest share, the other rows' nodes past theirs invalid (one host read)."""
-    probs = torch.where(shape.valid, shape.log_prob.exp(), 0.0)  # [b, M]
-    counts = pooled_counts(probs, drafting.nodes * probs.shape[0], block if drafting.keep_chain else 1) - 1  # [b]
-    shape = shape.first(int(counts.max()))
-    return shape._replace(valid=shape.valid & (torch.arange(shape.parent.shape[1], device=counts.device)
-                                               < counts[:, None]))
+    return best_first(top, drafting.nodes, drafting.keep_chain), ranked
 
 
 def node_tokens(shape: Shape, ranked: torch.Tensor, q: torch.Tensor | None,
@@ -478,8 +453,6 @@ def verify_nodes(target, drafting, shape: Shape, tokens: Callable[[Shape], torch
         context = float(tcache.lengths.float().mean())  # the rows' mean cache, before this round's nodes
         n = chosen or choose_nodes(budget, shape, tcache, setting, clock)
         shape = shape.first(n - 1)
-    elif drafting.pooled:
-        shape = pooled_shape(shape, drafting, K + 1)
     as_chain = budget is not None and drafting.keep_chain and shape.parent.shape[1] == K
     if not as_chain:
         tree = build_nodes(anchor, shape, tokens(shape), K)
@@ -491,7 +464,7 @@ def verify_nodes(target, drafting, shape: Shape, tokens: Callable[[Shape], torch
         num_nodes = torch.full_like(acc.num_accepted, K + 1)
     else:
         out = target(tree.tokens, cache=tcache, positions=tcache.lengths[:, None] + tree.depth, new_mask=tree.mask,
-                     feature_layers=feature_layers, live=tree.live())  # logits [b, N, V]
+                     feature_layers=feature_layers)  # logits [b, N, V]
         clock.lap("verify")
         if q is not None:
             acc = accept_nodes_sampled(tree, logits_to_probs(out.logits, params), q, generator)

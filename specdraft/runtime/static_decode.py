@@ -208,9 +208,9 @@ class StaticDecoder:
                 raise ValueError("the static path verifies whole blocks and trees: the policy must price its rounds "
                                  "so (whole_rounds=True)")
         if tree is not None:
-            if isinstance(tree, (OnePassDrafting, MergedDrafting)) and (tree.budget is not None or tree.pooled):
-                raise ValueError("the static path verifies a fixed node budget per bucket; a measured or pooled "
-                                 "budget runs on the eager engine")
+            if isinstance(tree, (OnePassDrafting, MergedDrafting)) and tree.budget is not None:
+                raise ValueError("the static path verifies a fixed node budget per bucket; a measured budget runs on "
+                                 "the eager engine")
             if drafter is None:
                 raise ValueError("tree drafting needs a first drafter")
             tree.check(drafter)

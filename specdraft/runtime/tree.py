@@ -56,11 +56,6 @@ class Tree(NamedTuple):
     parent_of: torch.Tensor  # [b, C, K] node id of the parent of candidate c's slot k (0 = root)
     candidates: torch.Tensor  # [b, C, K] the candidates' tokens
 
-    def live(self) -> torch.Tensor | None:
-        """``[b, N]`` the real nodes, for a packed verify pass; None when every node is real."""
-        real = torch.arange(self.tokens.shape[1], device=self.tokens.device) < self.num_nodes[:, None]
-        return None if bool(real.all()) else real
-
     def trimmed(self, num_nodes: int) -> "Tree":
         """The first ``num_nodes`` nodes of every row (nodes are numbered compactly, so ``max(self.num_nodes)``
         keeps every real node): a smaller verify pass when deduplication merged many candidates."""

@@ -55,9 +55,6 @@ def test_dotted_overrides_are_typed():
     (["bench.merged_nodes=[1]"], "bench.merged_nodes"),
     (["decode.method=merged", "decode.tree_budget=measured", "decode.cuda_graphs=true", "decode.batching=static"],
      "decode.cuda_graphs"),
-    (["decode.method=ddtree", "decode.tree_budget=pooled", "decode.cuda_graphs=true", "decode.batching=static"],
-     "decode.cuda_graphs"),
-    (["decode.tree_budget=shared"], "decode.tree_budget"),
     (["train.opd.rejected_decay=0"], "train.opd.rejected_decay"),
     (["train.opd.eval_prompts=0"], "train.opd.eval_prompts"),
 ])

@@ -11,7 +11,7 @@ import torch
 
 from specdraft.runtime.cost_model import CostModel, extend_costs, measure_costs
 from specdraft.runtime.decode import GenerationConfig, generate
-from specdraft.runtime.node_budget import NodeBudget, budget_choices, pooled_counts
+from specdraft.runtime.node_budget import NodeBudget, budget_choices
 from specdraft.runtime.one_pass import (
     OnePassDrafting,
     accept_nodes,
@@ -164,12 +164,12 @@ def check_walk_law(seed: int, device: str):
     assert (acc.winner > 0).any() and (acc.num_accepted >= 2).any()
 
 
-def one_pass_factory(path: str, target, mode: str, block_size: int, nodes: int, pooled: bool = False):
+def one_pass_factory(path: str, target, mode: str, block_size: int, nodes: int):
     """``prompts -> (first drafter, OnePassDrafting)``: a controlled first drafter (a wrong draft's runner-up is the
     target's token, so siblings win), alone or running a real DFlash drafter inside it."""
     inner = make_drafter(target, seed=2, block_size=block_size) if path == "dflash" else None
     return lambda prompts: (ControlledDrafter(target, prompts, block_size, mode=mode, inner=inner, right=0.6,
-                                              runner_up=True), OnePassDrafting(nodes, pooled=pooled))
+                                              runner_up=True), OnePassDrafting(nodes))
 
 
 @pytest.mark.parametrize("nodes", [3, 8, 24])
@@ -198,41 +198,8 @@ def test_one_pass_with_continuous_batching():
     assert got["mismatches"] == 0 and got["branch_wins"] > 0 and got["stopped_rows"] > 0, got
 
 
-def test_a_pooled_budget_goes_to_the_likeliest_nodes_of_any_row():
-    """Every row keeps its first ``floor`` nodes; the rest of the batch's nodes go to the likeliest nodes past them,
-    ties to the earlier node; a row's share is a prefix of its best-first order."""
-    probs = torch.tensor([[.9, .8, .5, .4, .3], [.9, .1, .05, 0., 0.], [.9, .7, .6, .6, .1]])  # [3, 5]
-    assert pooled_counts(probs, 9, 2).tolist() == [3, 2, 4]  # .8 (row 0), .7 and the first .6 (row 2)
-    assert pooled_counts(probs, 6, 2).tolist() == [2, 2, 2]  # the floors alone
-    assert pooled_counts(probs, 100, 2).tolist() == [6, 6, 6]  # every node there is
-    rng = torch.Generator().manual_seed(0)
-    for _ in range(20):  # against the best prefixes found by brute force
-        p = torch.rand(3, 5, generator=rng).sort(-1, descending=True).values
-        total = int(torch.randint(3, 19, (1,), generator=rng))
-        got = pooled_counts(p, total, 1)
-        best = max((c for c in itertools.product(range(6), repeat=3) if sum(c) == min(total - 3, 15)),
-                   key=lambda c: sum(float(p[r, :n].sum()) for r, n in enumerate(c)))
-        assert sum(float(p[r, :n - 1].sum()) for r, n in enumerate(got.tolist())) == pytest.approx(
-            sum(float(p[r, :n].sum()) for r, n in enumerate(best)))
-
-
-@pytest.mark.parametrize("path", ["stub", "dflash"])
-def test_a_pooled_budget_is_lossless_and_spends_the_batchs_nodes_row_by_row(path):
-    """Greedy output equals the target's with the batch's 8 nodes a row spent row by row (continuous batching:
-    rows join and leave); rows verify different trees and a round never verifies more than 8 nodes a row."""
-    target = make_target(seed=3, vocab=48)
-    nodes = []
-    engine = functools.partial(generate, slots=3, prefill_chunk=2,
-                               observer=lambda rec: nodes.append(torch.as_tensor(rec.nodes).tolist()))
-    got = check_greedy(target, one_pass_factory(path, target, "oracle", 6, 8, pooled=True), RAGGED_PROMPTS,
-                       RAGGED_CAPS, engine=engine, coupled=True)
-    assert got["mismatches"] == 0 and got["branch_wins"] > 0 and got["stopped_rows"] > 0, got
-    assert all(sum(n) <= 8 * len(n) for n in nodes) and any(len(set(n)) > 1 for n in nodes), nodes
-    assert max(max(n) for n in nodes) > 8, nodes  # a row took more than the mean
-
-
 ONE_PASS_SAMPLING = [("stub", p, d) for p in SAMPLING_SETTINGS for d in ("sample", "greedy")] + [
-    ("dflash", SAMPLING_SETTINGS[1], "sample"), ("pooled", SAMPLING_SETTINGS[1], "sample")]
+    ("dflash", SAMPLING_SETTINGS[1], "sample")]
 
 
 @pytest.mark.slow
@@ -240,11 +207,9 @@ ONE_PASS_SAMPLING = [("stub", p, d) for p in SAMPLING_SETTINGS for d in ("sample
                          ids=lambda x: x if isinstance(x, str) else f"T{x.temperature:g}")
 def test_one_pass_sampled_output_is_distributed_as_the_targets(path, params, drafts):
     """Siblings drawn without replacement go through recursive rejection sampling (a vocabulary of 6, so a node's
-    children often exhaust the drafter's support); ranked siblings through the target-token walk; a pooled budget's
-    row trees follow the other rows' drafts."""
+    children often exhaust the drafter's support); ranked siblings through the target-token walk."""
     target = make_target(seed=7, vocab=6, std=0.5)
-    factory = one_pass_factory("stub" if path == "pooled" else path, target, "mix", 4, 8, pooled=path == "pooled")
-    got = sampling_pvalues(target, factory, params, draft_sampling=drafts)
+    got = sampling_pvalues(target, one_pass_factory(path, target, "mix", 4, 8), params, draft_sampling=drafts)
     assert got.min_p > ALPHA, got
     assert got.profile["tau"] > 1.5 and got.profile["full"], got.profile
     assert got.profile["branch_wins"] > 0, got.profile

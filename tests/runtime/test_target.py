@@ -118,34 +118,6 @@ def test_tree_mask_verifies_two_branches_in_one_pass(pair):
     assert (out.logits[0, [0, 4, 5]] - ref_b).abs().max() <= 1e-4
 
 
-def test_a_packed_pass_computes_the_live_tokens_as_the_padded_pass_does(pair):
-    """Ragged trees padded to one width: with ``live`` the projections and the MLP run on the live tokens alone, and
-    their logits, features and cache entries are the padded pass's; the other tokens' outputs are zeros."""
-    _, ours = pair
-    torch.manual_seed(3)
-    B, T, ctx = 3, 6, 5
-    live = torch.arange(T) < torch.tensor([[6], [2], [4]])  # [B, T] a full row, a short one, a middle one
-    mask = torch.eye(T, dtype=torch.bool) | torch.ones(T, T, dtype=torch.bool).tril() & live[:, None] & live[:, :, None]
-    mask[:, :, 0] = True
-    tokens = torch.randint(0, 97, (B, T))
-    out = {}
-    for packed in (False, True):
-        cache = ours.new_cache(B, 20)
-        ours(torch.randint(0, 97, (B, ctx), generator=torch.Generator().manual_seed(0)), cache=cache)
-        cache.lengths += ctx  # the context committed
-        out[packed] = (ours(tokens, cache=cache, positions=ctx + torch.arange(T).expand(B, T), new_mask=mask,
-                            feature_layers=(0, 2), live=live if packed else None), cache)
-    (dense, dense_cache), (sparse, sparse_cache) = out[False], out[True]
-    assert (sparse.logits[live] - dense.logits[live]).abs().max() <= 1e-5
-    assert (sparse.features[live] - dense.features[live]).abs().max() <= 1e-5
-    assert sparse.logits[~live].abs().max() == 0 and sparse.features[~live].abs().max() == 0
-    for row in range(B):
-        n = int(live[row].sum())
-        assert torch.allclose(sparse_cache.k[1][row, :, ctx:ctx + n], dense_cache.k[1][row, :, ctx:ctx + n], atol=1e-5)
-    with pytest.raises(ValueError, match="live tokens are packed for a pass over a KV cache"):
-        ours(tokens, live=live)
-
-
 def test_sharded_checkpoint_loads(tmp_path):
     hf = _hf("qwen3", False)
     state = {k: v.contiguous() for k, v in hf.state_dict().items()}

@@ -104,8 +104,7 @@ class ExportedTarget:
     def __call__(self, tokens: torch.Tensor, cache: StackedKVCache | None = None, positions: torch.Tensor | None = None,
                  new_mask: torch.Tensor | None = None, feature_layers: tuple[int, ...] = (),
                  logits_at: torch.Tensor | None = None, return_logits: bool = True,
-                 visible_prefix: torch.Tensor | None = None, live: torch.Tensor | None = None) -> TargetOutput:
-        """The engine's verify pass (``live`` is not packed: the engine computes every token of ``tokens``)."""
+                 visible_prefix: torch.Tensor | None = None) -> TargetOutput:
         if visible_prefix is not None or not return_logits:
             raise ValueError("the ONNX target serves decoding only (no visible_prefix, logits always)")
         if feature_layers and tuple(feature_layers) != self.feature_layers:

@@ -125,14 +125,9 @@ class AttentionProjections(nn.Module):
                       plan: AttentionPlan) -> torch.Tensor:
         """New queries ``[B, H, T, Dh]`` over a KV cache that already holds their own entries at ``lengths[b] + r``,
         through the speculative-attention launcher (the Triton kernel on CUDA) -> ``[B, T, dim]``."""
-        return self.o_proj(self.heads_cached(q, k_cache, v_cache, plan))
-
-    def heads_cached(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     plan: AttentionPlan) -> torch.Tensor:
-        """:meth:`attend_cached` before the output projection: ``[B, T, H * Dh]``."""
         out = speculative_attention(q, k_cache, v_cache, plan.lengths, plan=plan)  # [B, H, T, Dh]
         B, _, T, _ = out.shape
-        return out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
     def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values only (context features injected into a drafter's K/V never form queries)."""

@@ -103,15 +103,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = SwiGLU(a.hidden_size, a.intermediate_size)
 
-    def forward(self, x, cos, sin, layer_idx: int, cache: KVCache | None, slots, used: int, mask, plan=None,
-                packed: "Packing | None" = None):
+    def forward(self, x, cos, sin, layer_idx: int, cache: KVCache | None, slots, used: int, mask, plan=None):
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
-        if packed is not None:  # x [1, P, D]: the live tokens' projections packed, their attention padded
-            q, k, v = (packed.spread(t[0].transpose(0, 1)).transpose(1, 2) for t in (q, k, v))  # [B, H, T, Dh]
-            cache.write(layer_idx, k, v, slots)
-            heads = self.self_attn.heads_cached(q, cache.k[layer_idx], cache.v[layer_idx], plan)  # [B, T, H * Dh]
-            x = x + self.self_attn.o_proj(packed.pack(heads))
-        elif cache is not None:
+        if cache is not None:
             cache.write(layer_idx, k, v, slots)
             if plan is not None:  # the speculative-attention launcher reads the cache buffers directly
                 x = x + self.self_attn.attend_cached(q, cache.k[layer_idx], cache.v[layer_idx], plan)
@@ -121,24 +115,6 @@ class DecoderLayer(nn.Module):
         else:
             x = x + self.self_attn.attend(q, k, v, mask, is_causal=mask is None)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class Packing(NamedTuple):
-    """A ragged pass's live tokens, ``P`` of a padded ``[B, T]``: the token-wise layers (projections, MLP, LM head) run
-    on them alone, packed ``[1, P, ...]``; attention runs padded, the other tokens' entries zeros."""
-
-    flat: torch.Tensor  # [P] the live tokens' indices in the flattened [B * T]
-    rows: int
-    width: int
-
-    def pack(self, x: torch.Tensor) -> torch.Tensor:
-        """``[B, T, ...]`` -> ``[1, P, ...]``."""
-        return x.flatten(0, 1).index_select(0, self.flat)[None]
-
-    def spread(self, x: torch.Tensor) -> torch.Tensor:
-        """``[P, ...]`` -> ``[B, T, ...]``, zeros at the other tokens."""
-        out = x.new_zeros(self.rows * self.width, *x.shape[1:])
-        return out.index_copy(0, self.flat, x).view(self.rows, self.width, *x.shape[1:])
 
 
 class _Backbone(nn.Module):
@@ -174,8 +150,7 @@ class TargetLM(nn.Module):
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, positions: torch.Tensor | None = None,
                 new_mask: torch.Tensor | None = None, feature_layers: tuple[int, ...] = (),
                 logits_at: torch.Tensor | None = None, return_logits: bool = True,
-                visible_prefix: torch.Tensor | None = None, concat_features: bool = True,
-                live: torch.Tensor | None = None) -> TargetOutput:
+                visible_prefix: torch.Tensor | None = None, concat_features: bool = True) -> TargetOutput:
         """Run the target on new tokens.
 
         Args:
@@ -191,9 +166,6 @@ class TargetLM(nn.Module):
             visible_prefix: ``[B, T]`` cached entries each new token may see (default all committed ones).
             concat_features: False returns the feature layers' outputs as they are, one ``[B, T, D]`` each in
                 ``feature_layers`` order (a caller keeping a few rows or tokens of them copies only those).
-            live: ``[B, T]`` bool, with a cache: the tokens to compute (a ragged tree's real nodes). The projections,
-                MLP and LM head run on those alone, attention padded; the others' logits, features and hidden states
-                are zeros, their cache entries zeros, and no live token may see them (one host read).
         """
         if visible_prefix is not None and cache is None:
             raise ValueError("visible_prefix limits what new tokens see of a KV cache: pass the cache too")
@@ -202,14 +174,7 @@ class TargetLM(nn.Module):
         offsets = cache.lengths if cache is not None else torch.zeros(B, dtype=torch.long, device=dev)
         if positions is None:
             positions = offsets[:, None] + torch.arange(T, device=dev)  # [B, T]
-        packed = None
-        if live is not None:
-            if cache is None or visible_prefix is not None or logits_at is not None:
-                raise ValueError("live tokens are packed for a pass over a KV cache, without visible_prefix or "
-                                 "logits_at")
-            packed = Packing(live.flatten().nonzero()[:, 0], B, T)
-            tokens, positions = packed.pack(tokens), packed.pack(positions)  # [1, P]
-        x = self.model.embed_tokens(tokens)  # [B, T, D] ([1, P, D] packed)
+        x = self.model.embed_tokens(tokens)  # [B, T, D]
         if self.inv_freq.device != dev:
             self.inv_freq = self.inv_freq.to(dev)
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
@@ -230,21 +195,17 @@ class TargetLM(nn.Module):
         outputs: dict[int, torch.Tensor] = {}
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, i, cache, slots, used, mask, plan, packed)
+            x = layer(x, cos, sin, i, cache, slots, used, mask, plan)
             if i in feature_layers:
-                out = self.model.norm(x) if i == last else x  # transformers' hidden_states[N] is normed
-                outputs[i] = packed.spread(out[0]) if packed is not None else out
+                outputs[i] = self.model.norm(x) if i == last else x  # transformers' hidden_states[N] is normed
         features = tuple(outputs[i] for i in feature_layers) if feature_layers else None
         if features is not None and concat_features:
             features = torch.cat(features, dim=-1)
-        def padded(y: torch.Tensor) -> torch.Tensor:
-            return packed.spread(y[0]) if packed is not None else y
         if not return_logits:
-            return TargetOutput(logits=torch.empty(0, device=dev), features=features,
-                                hidden=padded(self.model.norm(x)))
+            return TargetOutput(logits=torch.empty(0, device=dev), features=features, hidden=self.model.norm(x))
         if logits_at is not None:
             x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))  # [B, P, D]
-        return TargetOutput(logits=padded(self.lm_head(self.model.norm(x))), features=features)
+        return TargetOutput(logits=self.lm_head(self.model.norm(x)), features=features)
 
 
 def read_hf_config(path: str | Path) -> dict:
