@@ -222,7 +222,7 @@ class DecodeConfig:
     round), ddtree (a tree from the DFlash drafter's one pass, best-first under ``tree_nodes``), or merged (d2sd's
     branches and ddtree's paths in one tree, the best ``tree_nodes`` of both by estimated path probability, ranked
     tokens; under sampling with sampled drafts, the default, a merged job verifies ddtree's tree of sampled siblings
-    instead, its second drafter idle: sampled branches measured no better per node than those siblings)."""
+    instead, its second drafter idle: docs/results.md says why)."""
     drafter: str = ""
     """The drafter: an HF-format directory, or an export name under ``<work_dir>/drafter/`` (default: the run's
     training export; for d2sd, the first drafter)."""

@@ -99,9 +99,9 @@ class MergedDrafting:
 def samples_drafts(params: SamplingParams, draft_sampling: str) -> bool:
     """Whether a merged job verifies the one-pass tree of sampled siblings instead of its merged tree of ranked
     tokens (its second drafter idle): under sampling with sampled drafts (``draft_sampling="sample"``, the default).
-    The second drafter's branches, drawn from its own distributions and tried with the siblings by recursive
-    rejection sampling, were measured to accept no more per node than the siblings they displace, and ranked tokens
-    accept far less than sampled ones under sampling (docs/results.md)."""
+    Ranked tokens are accepted with the target's own probability of them, sampled drafts with the overlap of the two
+    distributions; the second drafter's sampled branches in the same tree were tried (docs/results.md says how
+    they fared)."""
     return not params.greedy and draft_sampling == "sample"
 
 
