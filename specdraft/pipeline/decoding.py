@@ -50,8 +50,8 @@ def build_decoding(cfg: RunConfig, world, drafter_dir: Path | None, tokenizer, d
     tree = None
     one_pass = d.method == "ddtree" or d.method == "merged" and samples_drafts(
         SamplingParams(d.temperature, d.top_k, d.top_p), d.draft_sampling)
-    if d.method in ("d2sd", "merged") and not one_pass:  # on an engine backend the second drafter is read from its
-        # own export too
+    if d.method in ("d2sd", "merged") and not one_pass:
+        # on an engine backend the second drafter is read from its own export too
         load = None if d.backend == "torch" else lambda where: backend_models(d.backend, where, world,
                                                                                with_target=False)[1]
         tree = tree_drafting(cfg, target, drafter, load=load)
